@@ -1,0 +1,1 @@
+"""Training data: image folders, captions, size grouping and the embedding cache."""

@@ -1,0 +1,182 @@
+"""Image + caption samples from a folder (``img1.png`` + ``img1.txt``), resized for a family."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+from torch.utils.data import Dataset, Sampler
+
+from trainer.errors import DataError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+# The aspect crops FlyMyAI's `random_ratio` picks from ("default" keeps the image's own ratio).
+RANDOM_RATIOS = ((16, 9), None, (1, 1), (4, 3))
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training pair. ``key`` is its path relative to the dataset folder, without extension."""
+
+    key: str
+    image_path: Path
+    caption: str
+    size: Tuple[int, int]  # (width, height) fed to the VAE
+
+    def content_hash(self) -> str:
+        """Hash of the image file's bytes: a changed image gets a new cache entry."""
+        return hashlib.sha256(self.image_path.read_bytes()).hexdigest()
+
+
+def target_size(width: int, height: int, img_size: int, multiple: int) -> Tuple[int, int]:
+    """Longest side scaled to ``img_size`` (as FlyMyAI), then each side floored to ``multiple``."""
+    scale = img_size / max(width, height)
+    w = max(multiple, int(round(width * scale)) // multiple * multiple)
+    h = max(multiple, int(round(height * scale)) // multiple * multiple)
+    return w, h
+
+
+def scan_image_folder(img_dir: str | Path, caption_ext: str, img_size: int, multiple: int) -> List[Sample]:
+    """All image/caption pairs under ``img_dir`` (sorted). Raises ``DataError`` listing every problem."""
+    root = Path(img_dir)
+    images = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    if not images:
+        raise DataError(f"{root}: no images found (expected {', '.join(IMAGE_EXTENSIONS)} files with "
+                        f".{caption_ext} captions beside them)")
+    samples, problems = [], []
+    for path in images:
+        caption_path = path.with_suffix(f".{caption_ext}")
+        try:
+            with Image.open(path) as img:
+                width, height = ImageOps.exif_transpose(img).size
+        except (OSError, UnidentifiedImageError) as exc:
+            problems.append(f"{path}: cannot read the image ({exc.__class__.__name__}); remove or replace it")
+            continue
+        if not caption_path.is_file():
+            problems.append(f"{path}: caption file {caption_path.name} is missing")
+            continue
+        try:
+            caption = caption_path.read_text(encoding="utf-8").strip()
+        except UnicodeDecodeError:
+            problems.append(f"{caption_path}: not UTF-8 text; re-save it as UTF-8")
+            continue
+        key = str(path.relative_to(root).with_suffix(""))
+        samples.append(Sample(key, path, caption, target_size(width, height, img_size, multiple)))
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise DataError(f"{len(problems)} problem(s) in {root}:\n  {shown}{more}")
+    return samples
+
+
+def load_image(sample: Sample, rng: random.Random | None = None) -> torch.Tensor:
+    """The sample's image as a ``(3, H, W)`` float tensor in [-1, 1] at ``sample.size``.
+
+    With ``rng`` a random aspect crop is applied first (FlyMyAI's ``random_ratio``).
+    """
+    with Image.open(sample.image_path) as img:
+        img = ImageOps.exif_transpose(img).convert("RGB")
+    size = sample.size
+    if rng is not None:
+        ratio = rng.choice(RANDOM_RATIOS)
+        if ratio is not None:
+            size = _fit_ratio(size, ratio)
+    img = ImageOps.fit(img, size, method=Image.Resampling.BICUBIC)  # cover, then centre-crop
+    array = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def _fit_ratio(size: Tuple[int, int], ratio: Tuple[int, int]) -> Tuple[int, int]:
+    """Largest size with aspect ``ratio`` inside ``size``, keeping the size's grid multiple."""
+    w, h = size
+    multiple = _grid(w, h)
+    rw, rh = ratio if w >= h else ratio[::-1]
+    if w * rh > h * rw:
+        w = h * rw // rh
+    else:
+        h = w * rh // rw
+    return max(multiple, w // multiple * multiple), max(multiple, h // multiple * multiple)
+
+
+def _grid(w: int, h: int) -> int:
+    g = np.gcd(w, h)
+    return int(g & -g)  # largest power of two dividing both sides
+
+
+class ImageCaptionDataset(Dataset):
+    """Index -> ``{"index", "caption"}`` plus ``"pixels"`` when images are encoded live."""
+
+    def __init__(self, samples: Sequence[Sample], load_pixels: bool, random_ratio: bool = False, seed: int = 0):
+        self.samples = list(samples)
+        self.load_pixels = load_pixels
+        self.random_ratio = random_ratio
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Dict[str, object]:
+        item: Dict[str, object] = {"index": index, "caption": self.samples[index].caption}
+        if self.load_pixels:
+            rng = random.Random() if self.random_ratio else None
+            item["pixels"] = load_image(self.samples[index], rng)
+        return item
+
+
+def collate(items: List[Dict[str, object]]) -> Dict[str, object]:
+    """Batch items of one size group: indices and captions as lists, pixels stacked."""
+    batch: Dict[str, object] = {
+        "index": [int(i["index"]) for i in items],  # type: ignore[arg-type]
+        "caption": [i["caption"] for i in items],
+    }
+    if "pixels" in items[0]:
+        batch["pixels"] = torch.stack([i["pixels"] for i in items])  # type: ignore[misc]
+    return batch
+
+
+class SizeGroupedBatchSampler(Sampler[List[int]]):
+    """Batches whose samples share one latent size, so they stack without padding.
+
+    Each epoch shuffles within size groups and then the batch order, from ``seed + epoch``;
+    every sample appears exactly once per epoch. ``set_epoch`` is called by the engine.
+    """
+
+    def __init__(self, sizes: Sequence[Tuple[int, int]], batch_size: int, shuffle: bool = True, seed: int = 0):
+        self.sizes = list(sizes)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _batches(self) -> List[List[int]]:
+        rng = random.Random(self.seed + self.epoch)
+        groups: Dict[Tuple[int, int], List[int]] = {}
+        for index, size in enumerate(self.sizes):
+            groups.setdefault(size, []).append(index)
+        batches = []
+        for size in sorted(groups):
+            indices = groups[size]
+            if self.shuffle:
+                rng.shuffle(indices)
+            batches += [indices[i:i + self.batch_size] for i in range(0, len(indices), self.batch_size)]
+        if self.shuffle:
+            rng.shuffle(batches)
+        return batches
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return iter(self._batches())
+
+    def __len__(self) -> int:
+        counts: Dict[Tuple[int, int], int] = {}
+        for size in self.sizes:
+            counts[size] = counts.get(size, 0) + 1
+        return sum(-(-n // self.batch_size) for n in counts.values())

@@ -1,0 +1,57 @@
+"""Write the small sample dataset used by the quick-start and the tests.
+
+    python -m image_datasets.sample_data --out data/sample_dataset [--size 64] [--count 6]
+
+Each image is a coloured shape on a plain background with a caption saying so, in the standard
+layout (``img1.png`` + ``img1.txt``), across png/jpg/webp and one non-square image.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 180, 70), "blue": (40, 80, 220), "yellow": (240, 210, 40),
+           "white": (245, 245, 245), "black": (15, 15, 15)}
+SHAPES = ("circle", "square", "triangle")
+FORMATS = ("png", "jpg", "webp")
+
+
+def draw_sample(index: int, size: int) -> tuple[Image.Image, str]:
+    """The ``index``-th image and its caption (deterministic)."""
+    names = list(COLOURS)
+    fg, bg = names[index % len(names)], names[(index + 3) % len(names)]
+    shape = SHAPES[index % len(SHAPES)]
+    width = size * 3 // 2 if index == 1 else size  # one landscape image exercises size grouping
+    img = Image.new("RGB", (width, size), COLOURS[bg])
+    draw = ImageDraw.Draw(img)
+    m = size // 5
+    box = (m, m, width - m, size - m)
+    if shape == "circle":
+        draw.ellipse(box, fill=COLOURS[fg])
+    elif shape == "square":
+        draw.rectangle(box, fill=COLOURS[fg])
+    else:
+        draw.polygon([(width // 2, m), (width - m, size - m), (m, size - m)], fill=COLOURS[fg])
+    return img, f"a {fg} {shape} on a {bg} background"
+
+
+def make_sample_dataset(out: Path, size: int = 64, count: int = 6) -> Path:
+    """Write ``count`` image/caption pairs into ``out`` and return it."""
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        img, caption = draw_sample(i, size)
+        img.save(out / f"img{i + 1}.{FORMATS[i % len(FORMATS)]}", quality=95)
+        (out / f"img{i + 1}.txt").write_text(caption + "\n", encoding="utf-8")
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("data/sample_dataset"))
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--count", type=int, default=6)
+    args = parser.parse_args()
+    print(make_sample_dataset(args.out, args.size, args.count))

@@ -1,0 +1,93 @@
+"""Render an image with a base model and an optional LoRA.
+
+    python inference.py --model Qwen/Qwen-Image --lora output/pytorch_lora_weights.safetensors \
+        --prompt "a red circle" --out out.png [--steps 30] [--width 1024 --height 1024] [--seed 0]
+
+The pipeline class is read from the model folder's ``model_index.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="diffusers folder or hub id")
+    p.add_argument("--lora", help="LoRA file (pytorch_lora_weights.safetensors) or its folder")
+    p.add_argument("--lora-scale", type=float, default=1.0)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--out", required=True, type=Path, help="PNG file to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--guidance", type=float, default=None, help="distilled guidance (FLUX)")
+    p.add_argument("--true-cfg", type=float, default=None, help="true classifier-free guidance (Qwen)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
+    return p.parse_args(argv)
+
+
+def load_pipeline(model: str, dtype_name: Optional[str]):
+    """The model's own diffusers pipeline class, on the GPU when there is one."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, DTYPES[dtype_name or ("bf16" if device == "cuda" else "fp32")])
+    try:
+        pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype)
+    except OSError as exc:
+        raise SystemExit(f"error: cannot load '{model}': {str(exc).splitlines()[0]}\n"
+                         "Download it first or point --model at a local diffusers folder.") from None
+    return pipe.to(device), device
+
+
+def add_lora(pipe, lora: str, scale: float) -> None:
+    """Load a LoRA file as adapter 'lora' at ``scale``."""
+    path = Path(lora)
+    if not path.exists():
+        raise SystemExit(f"error: LoRA file '{lora}' does not exist")
+    folder, name = (path, None) if path.is_dir() else (path.parent, path.name)
+    pipe.load_lora_weights(str(folder), weight_name=name, adapter_name="lora")
+    pipe.set_adapters(["lora"], adapter_weights=[scale])
+
+
+def call_kwargs(pipe, args: argparse.Namespace) -> Dict[str, Any]:
+    """Only the arguments this pipeline's ``__call__`` takes."""
+    import torch
+
+    wanted = {
+        "prompt": args.prompt, "negative_prompt": args.negative_prompt, "num_inference_steps": args.steps,
+        "width": args.width, "height": args.height, "guidance_scale": args.guidance,
+        "true_cfg_scale": args.true_cfg, "generator": torch.Generator("cpu").manual_seed(args.seed),
+    }
+    accepted = inspect.signature(pipe.__call__).parameters
+    return {k: v for k, v in wanted.items() if k in accepted and v is not None}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    pipe, device = load_pipeline(args.model, args.dtype)
+    if args.lora:
+        add_lora(pipe, args.lora, args.lora_scale)
+    start = time.perf_counter()
+    image = pipe(**call_kwargs(pipe, args)).images[0]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    image.save(args.out)
+    print(json.dumps({"out": str(args.out), "pipeline": type(pipe).__name__, "device": device,
+                      "seconds": round(time.perf_counter() - start, 2)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The config schema: shipped YAMLs load, overrides apply, mistakes name the key and value."""
+
+from pathlib import Path
+
+import pytest
+
+from trainer.config import TrainConfig, load_config
+from trainer.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "train_configs").glob("*.yaml"))
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "data"
+    d.mkdir()
+    return d
+
+
+def base(data_dir: Path) -> list:
+    return [f"data_config.img_dir={data_dir}", "pretrained_model_name_or_path=Qwen/Qwen-Image"]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_yaml_fits_the_schema(path: Path, data_dir: Path) -> None:
+    text = path.read_text()
+    assert text.startswith("#") and "--config train_configs/" + path.name in text.splitlines()[1], \
+        "each YAML opens with a comment giving the command that runs it"
+    # The data folder of a shipped profile is the user's; point it at an existing one to validate.
+    cfg = load_config(path, [f"data_config.img_dir={data_dir}"], default_family="qwen_image")
+    assert cfg.family == "qwen_image"
+    assert cfg.max_train_steps >= 1
+
+
+def test_flymyai_yaml_runs_unchanged(tmp_path: Path, data_dir: Path) -> None:
+    """A YAML as FlyMyAI users have it (keys, 1e-4 floats, null report_to, duplicated batch size)."""
+    yaml = tmp_path / "flymyai.yaml"
+    yaml.write_text(f"""pretrained_model_name_or_path: Qwen/Qwen-Image
+data_config:
+  train_batch_size: 1
+  num_workers: 4
+  img_size: 1024
+  caption_dropout_rate: 0.1
+  img_dir: {data_dir}
+  random_ratio: false
+  caption_type: txt
+report_to: null
+train_batch_size: 1
+output_dir: ./output
+max_train_steps: 3000
+learning_rate: 1e-4
+lr_scheduler: constant
+lr_warmup_steps: 10
+adam_beta1: 0.9
+adam_beta2: 0.999
+adam_weight_decay: 0.01
+adam_epsilon: 1e-8
+max_grad_norm: 1.0
+logging_dir: logs
+mixed_precision: "bf16"
+checkpointing_steps: 250
+checkpoints_total_limit: 10
+tracker_project_name: lora_test
+resume_from_checkpoint: latest
+gradient_accumulation_steps: 1
+rank: 16
+precompute_text_embeddings: true
+precompute_image_embeddings: true
+quantize: false
+adam8bit: true
+save_cache_on_disk: true
+use_fastsafetensors: true
+fastsafetensors_num_threads: 8
+unified_memory: false
+disable_cpu_offload: false
+disable_quantization: false
+disable_gradient_checkpointing: false
+cuda_features:
+  enable_flash_attention_3: false
+  enable_fp8_training: false
+  enable_tf32_compute: true
+  enable_cudnn_sdp: true
+""")
+    cfg = load_config(yaml, default_family="qwen_image")
+    assert cfg.learning_rate == pytest.approx(1e-4)
+    assert cfg.adam_epsilon == pytest.approx(1e-8)
+    assert cfg.mixed_precision == "bf16"
+    assert cfg.optimizer_name == "adamw8bit"
+    assert cfg.batch_size == 1 and cfg.rank == 16 and cfg.report_to is None
+
+
+def test_overrides_apply_with_types(data_dir: Path) -> None:
+    cfg = load_config(None, base(data_dir) + ["learning_rate=3e-4", "rank=4", "data_config.img_size=512",
+                                              "lora_target_modules=[to_q,to_k]"])
+    assert (cfg.learning_rate, cfg.rank, cfg.data_config.img_size) == (pytest.approx(3e-4), 4, 512)
+    assert cfg.lora_target_modules == ["to_q", "to_k"]
+
+
+def test_unknown_key_names_it_and_the_closest(data_dir: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base(data_dir) + ["learning_rat=1e-4", "data_config.img_siz=512"])
+    msg = str(err.value)
+    assert "unknown key 'learning_rat' (did you mean 'learning_rate'?)" in msg
+    assert "unknown key 'data_config.img_siz' (did you mean 'data_config.img_size'?)" in msg
+
+
+def test_wrong_type_names_key_and_value(data_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"key 'rank': value 'sixteen' is not a valid integer"):
+        load_config(None, base(data_dir) + ["rank=sixteen"])
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("learning_rate=-1", "key 'learning_rate': value -1.0 must be > 0"),
+    ("rank=0", "key 'rank': value 0 must be >= 1"),
+    ("data_config.img_dir=/nonexistent/folder", "folder '/nonexistent/folder' does not exist"),
+    ("lr_scheduler=cosin", "key 'lr_scheduler': value 'cosin' is not one of"),
+    ("mixed_precision=fp8", "key 'mixed_precision': value 'fp8' is not one of"),
+    ("data_config.caption_dropout_rate=1.5", "must be in [0, 1]"),
+    ("train_batch_size=4", "differs from data_config.train_batch_size 1"),
+    ("quantize=true", "quantized training is not yet supported"),
+])
+def test_impossible_values_are_named(data_dir: Path, override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base(data_dir) + [override])
+    assert expected in str(err.value)
+
+
+def test_all_problems_reported_at_once(data_dir: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base(data_dir) + ["rank=0", "learning_rate=0", "max_train_steps=0"])
+    assert str(err.value).count("key '") == 3
+
+
+def test_missing_file_and_bad_override_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        load_config(None, ["learning_rate"])
+
+
+def test_yaml_is_data_not_code(tmp_path: Path, data_dir: Path) -> None:
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("pretrained_model_name_or_path: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(evil)
+
+
+def test_defaults_are_sane() -> None:
+    cfg = TrainConfig()
+    assert cfg.lora_alpha is None and cfg.rank == 16
+    assert cfg.precompute_text_embeddings and cfg.precompute_image_embeddings

@@ -1,0 +1,1 @@
+"""The shared training engine: one loop for every model family."""

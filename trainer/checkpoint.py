@@ -1,0 +1,84 @@
+"""Checkpoints on disk: atomic LoRA files, atomic checkpoint folders, finding and pruning them.
+
+A checkpoint folder is written as ``.checkpoint-N.tmp`` and renamed to ``checkpoint-N`` only when
+complete (it then holds ``trainer_state.json``), so ``latest`` never points at a partial one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from loguru import logger
+
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+STATE_NAME = "trainer_state.json"
+
+
+def save_lora_file(
+    directory: Path, pipeline_class: type, state_dict: Dict[str, torch.Tensor], metadata: Dict[str, Any]
+) -> Path:
+    """Write ``pytorch_lora_weights.safetensors`` in diffusers' format, with the adapter metadata.
+
+    Written in a temporary folder and renamed over the old file, so a crash leaves the old one intact.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".lora-") as tmp:
+        pipeline_class.save_lora_weights(
+            tmp, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata)
+        os.replace(Path(tmp) / LORA_WEIGHTS_NAME, directory / LORA_WEIGHTS_NAME)
+    return directory / LORA_WEIGHTS_NAME
+
+
+def list_checkpoints(output_dir: Path) -> List[Path]:
+    """Complete checkpoints, oldest first."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*")
+             if p.is_dir() and p.name.split("-", 1)[1].isdigit() and (p / STATE_NAME).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+
+
+def latest_checkpoint(output_dir: Path) -> Optional[Path]:
+    """The newest complete checkpoint, or None."""
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def read_state(checkpoint: Path) -> Dict[str, Any]:
+    """The loop position saved with a checkpoint."""
+    return json.loads((checkpoint / STATE_NAME).read_text())
+
+
+def write_checkpoint(
+    output_dir: Path, step: int, save_contents: Callable[[Path], None], state: Dict[str, Any], is_main: bool,
+) -> Path:
+    """Save a checkpoint atomically. ``save_contents(folder)`` runs on every process (accelerate
+    gathers there); only the main process writes the state file and renames."""
+    tmp = Path(output_dir) / f".checkpoint-{step}.tmp"
+    final = Path(output_dir) / f"checkpoint-{step}"
+    if is_main and tmp.exists():
+        shutil.rmtree(tmp)
+    save_contents(tmp)
+    if is_main:
+        (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        logger.info(f"saved {final}")
+    return final
+
+
+def prune_checkpoints(output_dir: Path, limit: Optional[int]) -> List[Path]:
+    """Delete the oldest complete checkpoints beyond ``limit``; never the newest. Returns the deleted."""
+    if limit is None:
+        return []
+    found = list_checkpoints(output_dir)
+    doomed = found[: max(0, len(found) - max(limit, 1))]
+    for path in doomed:
+        shutil.rmtree(path)
+        logger.info(f"removed old checkpoint {path.name} (checkpoints_total_limit={limit})")
+    return doomed

@@ -1,0 +1,41 @@
+"""The command line shared by every entry script: ``--config FILE [key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from loguru import logger
+
+from trainer.config import load_config
+from trainer.errors import UserError
+
+
+def parse_args(description: str, argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=description,
+        epilog="Any config key can be overridden after the flags, e.g. max_train_steps=200 "
+               "data_config.img_size=768",
+    )
+    parser.add_argument("--config", required=True, help="YAML profile in train_configs/")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (dotted keys)")
+    return parser.parse_args(argv)
+
+
+def main(default_family: str, description: str, argv: Optional[List[str]] = None) -> int:
+    """Load the config, train, and turn a user mistake into one clear line (exit code 2)."""
+    from trainer.engine import Trainer  # heavy imports after argument parsing, so --help is instant
+
+    args = parse_args(description, argv)
+    try:
+        cfg = load_config(args.config, args.overrides, default_family=default_family)
+        Trainer(cfg).run()
+    except UserError as exc:
+        logger.error(str(exc))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main("qwen_image", "Train a LoRA"))

@@ -1,0 +1,388 @@
+"""The one training loop, shared by every family and entry script.
+
+Reads top to bottom: ``setup`` (accelerator, output folder, family) -> ``prepare_data`` (samples,
+cache pass, loader) -> ``setup_model`` (transformer, LoRA, optimizer, resume) -> ``train`` (the loop)
+-> ``finish`` (final LoRA file). Each step is a short method.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, set_seed
+from loguru import logger
+from tqdm.auto import tqdm
+
+from image_datasets.cache import FeatureCache, cache_key
+from image_datasets.dataset import (
+    ImageCaptionDataset,
+    Sample,
+    SizeGroupedBatchSampler,
+    collate,
+    load_image,
+    scan_image_folder,
+)
+from trainer import checkpoint as ckpt
+from trainer.adapters import add_lora, lora_metadata, lora_state_dict
+from trainer.config import TrainConfig, config_to_yaml
+from trainer.errors import ConfigError, UserError
+from trainer.families import get_family
+from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
+from trainer.optim import build_lr_scheduler, build_optimizer
+
+ENCODE_BATCH = 8  # prompts / images per encoder call in the cache pass
+METRICS_NAME = "metrics.jsonl"
+
+
+class Trainer:
+    """LoRA training of one model family on one dataset, as the config describes."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.output_dir = Path(cfg.output_dir)
+        self.global_step = 0
+        self.epoch = 0
+        self.batches_done_in_epoch = 0  # optimizer-step batches already consumed in `epoch`
+
+    # ---------------------------------------------------------------------------------------------
+    def run(self) -> Path:
+        """Train and return the path of the final LoRA file."""
+        self.setup()
+        self.prepare_data()
+        self.setup_model()
+        self.train()
+        return self.finish()
+
+    # -- setup ------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        resume_from = self._check_output_dir()
+        self.trackers = self._trackers()
+        self.accelerator = Accelerator(
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            # The launcher's --mixed_precision wins; the YAML value applies to plain `python train.py`.
+            mixed_precision=None if os.environ.get("ACCELERATE_MIXED_PRECISION") else cfg.mixed_precision,
+            log_with=self.trackers or None,
+            project_config=ProjectConfiguration(
+                project_dir=str(self.output_dir), logging_dir=str(self.output_dir / cfg.logging_dir)),
+        )
+        self.is_main = self.accelerator.is_main_process
+        self.device = self.accelerator.device
+        self.weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
+            self.accelerator.mixed_precision, torch.float32)
+        self._setup_logging()
+        if cfg.seed is not None:
+            set_seed(cfg.seed)
+        self.family = get_family(cfg.family, cfg.pretrained_model_name_or_path, cfg.revision)
+        self.resume_from = resume_from
+        if self.is_main:
+            (self.output_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        logger.info(f"family {self.family.name}, model {self.family.model_path}, device {self.device}, "
+                    f"{self.accelerator.num_processes} process(es), precision {self.accelerator.mixed_precision}")
+
+    def _check_output_dir(self) -> Optional[Path]:
+        """Decide between a fresh run and a resume; refuse to overwrite another run unasked."""
+        cfg, out = self.cfg, self.output_dir
+        out.mkdir(parents=True, exist_ok=True)
+        checkpoints = ckpt.list_checkpoints(out)
+        final = out / ckpt.LORA_WEIGHTS_NAME
+        if cfg.resume_from_checkpoint and cfg.resume_from_checkpoint != "latest":
+            path = Path(cfg.resume_from_checkpoint)
+            if not (path / ckpt.STATE_NAME).is_file():
+                raise ConfigError(f"key 'resume_from_checkpoint': '{path}' is not a complete checkpoint folder")
+            return path
+        if cfg.resume_from_checkpoint == "latest" and checkpoints:
+            return checkpoints[-1]
+        if checkpoints or final.exists():
+            if not cfg.overwrite_output_dir:
+                raise ConfigError(
+                    f"output_dir '{out}' holds another run ({len(checkpoints)} checkpoint(s)"
+                    f"{', a final LoRA' if final.exists() else ''}); set resume_from_checkpoint: latest to "
+                    "continue it, overwrite_output_dir: true to replace it, or choose another output_dir")
+            if int(os.environ.get("RANK", "0")) == 0:
+                for path in checkpoints:
+                    shutil.rmtree(path)
+                final.unlink(missing_ok=True)
+                (out / METRICS_NAME).unlink(missing_ok=True)
+                logger.warning(f"overwrite_output_dir: removed the previous run's outputs in {out}")
+        return None
+
+    def _trackers(self) -> List[str]:
+        wanted = {"none": [], "tensorboard": ["tensorboard"], "wandb": ["wandb"],
+                  "all": ["tensorboard", "wandb"]}[self.cfg.report_to or "none"]
+        available = []
+        for name in wanted:
+            if importlib.util.find_spec(name) is None:
+                logger.warning(f"report_to asks for {name} but it is not installed; not logging to it "
+                               f"(pip install {name})")
+            else:
+                available.append(name)
+        return available
+
+    def _setup_logging(self) -> None:
+        logger.remove()
+        logger.add(sys.stderr, level="INFO" if self.is_main else "WARNING",
+                   format="<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}")
+        if self.is_main:
+            logger.add(self.output_dir / "train.log", level="DEBUG")
+        if self.trackers:
+            init = {"wandb": {k: v for k, v in {"entity": self.cfg.wandb_entity,
+                                                "name": self.cfg.wandb_run_name}.items() if v}}
+            self.accelerator.init_trackers(self.cfg.wandb_project or self.cfg.tracker_project_name,
+                                           config=_flat_scalars(json.loads(json.dumps(
+                                               _to_dict(self.cfg), default=str))),
+                                           init_kwargs=init)
+
+    # -- data -------------------------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        cfg, d = self.cfg, self.cfg.data_config
+        self.samples = scan_image_folder(d.img_dir, d.caption_type, d.img_size, self.family.pixel_multiple)
+        sizes = sorted({s.size for s in self.samples})
+        logger.info(f"{len(self.samples)} images in {d.img_dir}; sizes {sizes}")
+        cache_dir = cfg.resolved_cache_dir if cfg.save_cache_on_disk else None
+        self.text_cache = FeatureCache("text", cache_dir)
+        self.latent_cache = FeatureCache("latents", cache_dir)
+        self.image_hashes = [s.content_hash() for s in self.samples] if cfg.precompute_image_embeddings else []
+        # Rank 0 fills a disk cache first; the other ranks then find the entries there.
+        with self.accelerator.main_process_first():
+            if cfg.precompute_text_embeddings:
+                self._cache_text([s.caption for s in self.samples] + [""])
+            if cfg.precompute_image_embeddings:
+                self._cache_latents()
+        if not cfg.precompute_text_embeddings:
+            self.family.load_text_encoder(self.device, self.weight_dtype)
+        if not cfg.precompute_image_embeddings:
+            self.family.load_vae(self.device, self.weight_dtype)
+        self.sampler = SizeGroupedBatchSampler([s.size for s in self.samples], d.train_batch_size,
+                                               shuffle=True, seed=cfg.seed or 0)
+        dataset = ImageCaptionDataset(self.samples, load_pixels=not cfg.precompute_image_embeddings,
+                                      random_ratio=d.random_ratio)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=d.num_workers,
+            pin_memory=cfg.pin_memory and torch.cuda.is_available(), persistent_workers=d.num_workers > 0)
+        self.dataloader = self.accelerator.prepare(loader)  # shards batches across processes
+
+    def _text_key(self, caption: str) -> str:
+        f = self.family
+        return cache_key(f.name, f.model_path, self.cfg.revision, "text", self.weight_dtype, caption)
+
+    def _latent_key(self, index: int) -> str:
+        f, s = self.family, self.samples[index]
+        return cache_key(f.name, f.model_path, self.cfg.revision, "latents", self.weight_dtype,
+                         self.image_hashes[index], s.size)
+
+    def _cache_text(self, captions: List[str]) -> None:
+        todo = sorted({c for c in captions if self._text_key(c) not in self.text_cache})
+        logger.info(f"text cache: {len(set(captions)) - len(todo)} cached, {len(todo)} to encode")
+        if not todo:
+            return
+        self.family.load_text_encoder(self.device, self.weight_dtype)
+        for start in tqdm(range(0, len(todo), ENCODE_BATCH), desc="encoding captions",
+                          disable=not self.is_main):
+            chunk = todo[start:start + ENCODE_BATCH]
+            for caption, cond in zip(chunk, self.family.encode_prompts(chunk)):
+                self.text_cache.put(self._text_key(caption), cond)
+        self.family.unload_text_encoder()
+        logger.info("text encoder released")
+
+    def _cache_latents(self) -> None:
+        todo = [i for i in range(len(self.samples)) if self._latent_key(i) not in self.latent_cache]
+        logger.info(f"latent cache: {len(self.samples) - len(todo)} cached, {len(todo)} to encode")
+        if not todo:
+            return
+        self.family.load_vae(self.device, self.weight_dtype)
+        for index in tqdm(todo, desc="encoding images", disable=not self.is_main):
+            # One image per call: sizes differ between images, and the VAE is the memory peak here.
+            pixels = load_image(self.samples[index]).unsqueeze(0)
+            self.latent_cache.put(self._latent_key(index), {"latents": self.family.encode_images(pixels)[0]})
+        self.family.unload_vae()
+        logger.info("VAE released")
+
+    # -- model ------------------------------------------------------------------------------------
+    def setup_model(self) -> None:
+        cfg = self.cfg
+        transformer = self.family.load_transformer(self.weight_dtype).to(self.device)
+        if not cfg.disable_gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        add_lora(transformer, cfg, self.family.lora_presets)
+        self.params = [p for p in transformer.parameters() if p.requires_grad]
+        optimizer = build_optimizer(cfg, self.params)
+        lr_scheduler = build_lr_scheduler(cfg, optimizer, self.accelerator.num_processes)
+        self.transformer, self.optimizer, self.lr_scheduler = self.accelerator.prepare(
+            transformer, optimizer, lr_scheduler)
+        self.accelerator.register_save_state_pre_hook(self._save_model_hook)
+        self.accelerator.register_load_state_pre_hook(self._load_model_hook)
+        if self.resume_from is not None:
+            self._resume(self.resume_from)
+
+    def _save_model_hook(self, models: List[torch.nn.Module], weights: List[Any], output_dir: str) -> None:
+        """accelerate would save the whole transformer; a checkpoint only needs the LoRA file."""
+        if self.is_main:
+            self._save_lora(Path(output_dir))
+        weights.clear()
+
+    def _load_model_hook(self, models: List[torch.nn.Module], input_dir: str) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(input_dir) / ckpt.LORA_WEIGHTS_NAME))
+        state = {k.removeprefix("transformer."): v for k, v in state.items()}
+        result = set_peft_model_state_dict(self.accelerator.unwrap_model(self.transformer), state)
+        if result.unexpected_keys:
+            raise UserError(f"{input_dir}: checkpoint LoRA does not fit this model ({result.unexpected_keys[:3]})")
+        models.clear()
+
+    def _resume(self, path: Path) -> None:
+        self.accelerator.load_state(str(path))
+        state = ckpt.read_state(path)
+        self.global_step, self.epoch = state["global_step"], state["epoch"]
+        self.batches_done_in_epoch = state["batches_done_in_epoch"]
+        logger.info(f"resumed from {path} at step {self.global_step}")
+
+    # -- loop -------------------------------------------------------------------------------------
+    def train(self) -> None:
+        cfg, acc = self.cfg, self.accelerator
+        progress = tqdm(total=cfg.max_train_steps, initial=self.global_step, desc="training",
+                        disable=not self.is_main, dynamic_ncols=True)
+        self.transformer.train()
+        start, first_step = time.perf_counter(), self.global_step
+        while self.global_step < cfg.max_train_steps:
+            self.sampler.set_epoch(self.epoch)
+            loader = acc.skip_first_batches(self.dataloader, self.batches_done_in_epoch * cfg.gradient_accumulation_steps) \
+                if self.batches_done_in_epoch else self.dataloader
+            losses: List[torch.Tensor] = []
+            micro = self.batches_done_in_epoch * cfg.gradient_accumulation_steps
+            for batch in loader:
+                with acc.accumulate(self.transformer):
+                    loss = self.training_step(batch, micro)
+                    acc.backward(loss)
+                    grad_norm = self._clip_gradients()
+                    self.optimizer.step()
+                    self.lr_scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                micro += 1
+                losses.append(acc.gather(loss.detach()).mean())
+                if not acc.sync_gradients:
+                    continue
+                self.global_step += 1
+                self.batches_done_in_epoch = micro // cfg.gradient_accumulation_steps
+                self._log_step(torch.stack(losses).mean().item(), grad_norm, progress)
+                losses = []
+                if self.global_step % cfg.checkpointing_steps == 0 or self.global_step == cfg.max_train_steps:
+                    self.save_checkpoint()
+                if self.global_step >= cfg.max_train_steps:
+                    break
+            else:
+                self.epoch += 1
+                self.batches_done_in_epoch = 0
+        progress.close()
+        steps = self.global_step - first_step
+        if steps:
+            elapsed = time.perf_counter() - start
+            logger.info(f"trained {steps} steps in {elapsed:.1f} s ({elapsed / steps:.3f} s/step)")
+
+    def training_step(self, batch: Dict[str, Any], micro_step: int) -> torch.Tensor:
+        """Flow-matching loss of one micro-batch. Randomness comes from a generator seeded by the
+        micro-step, so a resumed run draws the same noise, timesteps and caption drops."""
+        cfg = self.cfg
+        gen = torch.Generator().manual_seed((cfg.seed or 0) * 1_000_003 + micro_step * 7919
+                                            + self.accelerator.process_index)
+        latents = self._batch_latents(batch)
+        b = latents.shape[0]
+        drop = (torch.rand(b, generator=gen) < cfg.data_config.caption_dropout_rate).tolist()
+        text = self._batch_text(batch["caption"], drop)
+        noise = torch.randn(latents.shape, generator=gen).to(self.device)
+        sigmas = sample_sigmas(b, cfg.timestep_sampling, gen, cfg.logit_mean, cfg.logit_std, cfg.mode_scale)
+        sigmas = apply_shift(sigmas, cfg.timestep_shift, self.family.image_seq_len(latents.shape),
+                             self.family.scheduler_config, cfg.shift).to(self.device)
+        noisy = add_noise(latents, noise, sigmas).to(self.weight_dtype)
+        with self.accelerator.autocast():
+            prediction = self.family.predict(self.transformer, noisy, sigmas, text)
+        return flow_matching_loss(prediction, velocity_target(latents, noise), sigmas, cfg.loss_weighting)
+
+    def _batch_latents(self, batch: Dict[str, Any]) -> torch.Tensor:
+        if self.cfg.precompute_image_embeddings:
+            latents = [self.latent_cache.get(self._latent_key(i))["latents"] for i in batch["index"]]
+            return torch.stack(latents).to(self.device, torch.float32)
+        return self.family.encode_images(batch["pixels"]).to(self.device, torch.float32)
+
+    def _batch_text(self, captions: List[str], drop: List[bool]) -> Dict[str, Any]:
+        captions = ["" if d else c for c, d in zip(captions, drop)]
+        if self.cfg.precompute_text_embeddings:
+            conds = [self.text_cache.get(self._text_key(c)) for c in captions]
+        else:
+            conds = self.family.encode_prompts(captions)
+        return self.family.collate_text(conds, self.device, self.weight_dtype)
+
+    def _clip_gradients(self) -> Optional[float]:
+        if not self.accelerator.sync_gradients or self.cfg.max_grad_norm <= 0:
+            return None
+        return float(self.accelerator.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+
+    def _log_step(self, loss: float, grad_norm: Optional[float], progress: tqdm) -> None:
+        lr = self.lr_scheduler.get_last_lr()[0]
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+        if self.global_step % self.cfg.log_every_n_steps:
+            return
+        logs = {"loss": loss, "lr": lr, **({"grad_norm": grad_norm} if grad_norm is not None else {})}
+        self.accelerator.log(logs, step=self.global_step)
+        if self.is_main:
+            record = {"step": self.global_step, "epoch": self.epoch, **logs}
+            with open(self.output_dir / METRICS_NAME, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    # -- checkpoints and output -------------------------------------------------------------------
+    def _save_lora(self, directory: Path) -> Path:
+        model = self.accelerator.unwrap_model(self.transformer)
+        return ckpt.save_lora_file(directory, self.family.pipeline_class, lora_state_dict(model),
+                                   lora_metadata(model))
+
+    def save_checkpoint(self) -> Path:
+        """LoRA file + optimizer/scheduler/RNG state + loop position, written atomically."""
+        state = {"global_step": self.global_step, "epoch": self.epoch,
+                 "batches_done_in_epoch": self.batches_done_in_epoch}
+        path = ckpt.write_checkpoint(self.output_dir, self.global_step,
+                                     lambda folder: self.accelerator.save_state(str(folder)), state, self.is_main)
+        self.accelerator.wait_for_everyone()
+        if self.is_main:
+            ckpt.prune_checkpoints(self.output_dir, self.cfg.checkpoints_total_limit)
+        return path
+
+    def finish(self) -> Path:
+        """Write the final LoRA file into ``output_dir`` and close the trackers."""
+        self.accelerator.wait_for_everyone()
+        final = self.output_dir / ckpt.LORA_WEIGHTS_NAME
+        if self.is_main:
+            final = self._save_lora(self.output_dir)
+            logger.info(f"LoRA saved to {final}")
+        self.accelerator.end_training()
+        return final
+
+
+def _to_dict(cfg: TrainConfig) -> Dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(cfg)
+
+
+def _flat_scalars(data: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """Config as flat scalar hyper-parameters, as tensorboard's hparams accept."""
+    flat: Dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flat_scalars(value, f"{prefix}{key}."))
+        elif isinstance(value, (int, float, str, bool)):
+            flat[f"{prefix}{key}"] = value
+        elif value is not None:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat

@@ -1,0 +1,17 @@
+"""Errors the entry scripts turn into one clear line instead of a traceback."""
+
+
+class UserError(Exception):
+    """A mistake in the user's input (config, data, paths) with a message that says what to do."""
+
+
+class ConfigError(UserError):
+    """The YAML profile or a command-line override does not fit the schema."""
+
+
+class DataError(UserError):
+    """The training data cannot be used as it is."""
+
+
+class ModelNotFoundError(UserError):
+    """The model path is neither a local folder nor a cached hub checkpoint."""

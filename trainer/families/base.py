@@ -1,0 +1,103 @@
+"""The interface every model family implements, and the helpers they share.
+
+A family knows its components and tensor layouts; the engine owns data, caching, noise, loss,
+optimizer, precision, checkpoints and logging. Latents cross this boundary as normalised 4-D
+``(B, C, H, W)`` tensors; text conditions as dicts of per-sample tensors that can be cached.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Protocol, Sequence
+
+import torch
+
+from trainer.adapters import TargetSpec
+from trainer.errors import ModelNotFoundError
+
+Tensors = Dict[str, torch.Tensor]
+
+
+class ModelFamily(Protocol):
+    """What the engine asks of a model family."""
+
+    name: ClassVar[str]
+    pipeline_class: ClassVar[type]  # the diffusers pipeline that renders and loads LoRA files
+    lora_presets: ClassVar[Mapping[str, TargetSpec]]
+
+    model_path: str
+    pixel_multiple: int  # image sides must be multiples of this
+    scheduler_config: Mapping[str, Any]
+
+    def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None: ...
+    def unload_text_encoder(self) -> None: ...
+    def encode_prompts(self, prompts: Sequence[str]) -> List[Tensors]:
+        """One dict of CPU-cacheable tensors per prompt (no batch axis, no padding)."""
+    def collate_text(self, conds: Sequence[Tensors], device: torch.device, dtype: torch.dtype) -> Tensors:
+        """Batch per-sample text conditions (padding with a mask where lengths differ)."""
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> None: ...
+    def unload_vae(self) -> None: ...
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, H, W)`` in [-1, 1] -> normalised latents ``(B, C, H/f, W/f)``."""
+
+    def load_transformer(self, dtype: torch.dtype) -> torch.nn.Module: ...
+    def image_seq_len(self, latent_shape: Sequence[int]) -> int:
+        """Number of image tokens for a latent shape (drives the resolution-dependent shift)."""
+    def predict(
+        self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors
+    ) -> torch.Tensor:
+        """The transformer's velocity prediction in the latents' own ``(B, C, H, W)`` layout."""
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A local diffusers folder as given, or a hub id (downloaded or read from the HF cache later).
+
+    Raises ``ModelNotFoundError`` for a local-looking path that does not exist or lacks
+    ``model_index.json``.
+    """
+    path = Path(os.path.expanduser(name_or_path))
+    if path.is_dir():
+        if not (path / "model_index.json").is_file():
+            raise ModelNotFoundError(
+                f"pretrained_model_name_or_path: '{name_or_path}' is a folder but has no model_index.json; "
+                "point it at a diffusers pipeline folder (e.g. a download of Qwen/Qwen-Image)")
+        return str(path)
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1
+    if looks_local:
+        raise ModelNotFoundError(
+            f"pretrained_model_name_or_path: folder '{name_or_path}' does not exist; give a local "
+            "diffusers folder or a hub id such as Qwen/Qwen-Image")
+    return name_or_path
+
+
+def from_pretrained(loader: Callable[..., Any], model_path: str, subfolder: Optional[str], **kwargs: Any) -> Any:
+    """``loader(model_path, subfolder=...)`` with a clear error when the checkpoint is not available."""
+    try:
+        return loader(model_path, subfolder=subfolder, **kwargs)
+    except (OSError, EnvironmentError) as exc:
+        raise ModelNotFoundError(
+            f"cannot load '{subfolder}' of '{model_path}': {str(exc).splitlines()[0]}\n"
+            f"Download it first (`hf download {model_path}`) on a machine with network access, or set "
+            "pretrained_model_name_or_path to a local diffusers folder.") from None
+
+
+def release(*modules: Optional[torch.nn.Module]) -> None:
+    """Drop references and return the memory (GPU cache included)."""
+    del modules
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def pad_sequences(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ``(L_i, D)`` tensors to ``(B, L_max, D)`` and return the ``(B, L_max)`` 0/1 mask."""
+    longest = max(s.shape[0] for s in seqs)
+    padded = seqs[0].new_zeros(len(seqs), longest, seqs[0].shape[1])
+    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        padded[i, : seq.shape[0]] = seq
+        mask[i, : seq.shape[0]] = 1
+    return padded, mask

@@ -1,0 +1,145 @@
+"""Qwen-Image: Qwen2.5-VL text encoder, Wan-style 3-D VAE (mean/std normalised), MMDiT transformer."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
+
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+from trainer.adapters import TargetSpec
+from trainer.families.base import Tensors, from_pretrained, pad_sequences, release, resolve_model_path
+
+_IMG_ATTN = ["to_q", "to_k", "to_v", "to_out.0"]
+_TXT_ATTN = ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+_MLP = ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+# Modulation layers (img_mod.1, txt_mod.1, norm_out.linear) hold a third of the weights; peers leave
+# them out of LoRA, and so does every preset here.
+QWEN_LORA_PRESETS: Dict[str, TargetSpec] = {
+    "attention": _IMG_ATTN,  # what FlyMyAI and diffusers' Qwen-Image example train
+    "attention_mlp": _IMG_ATTN + _TXT_ATTN + _MLP,
+    "all_linear": _IMG_ATTN + _TXT_ATTN + _MLP
+    + ["img_in", "txt_in", "proj_out", "timestep_embedder.linear_1", "timestep_embedder.linear_2"],
+}
+
+
+class QwenImageFamily:
+    """Qwen-Image text-to-image (``Qwen/Qwen-Image`` or a folder of the same layout)."""
+
+    name: ClassVar[str] = "qwen_image"
+    pipeline_class: ClassVar[type] = QwenImagePipeline
+    lora_presets: ClassVar[Mapping[str, TargetSpec]] = QWEN_LORA_PRESETS
+    max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
+
+    def __init__(self, model_path: str, revision: Optional[str] = None):
+        self.model_path = resolve_model_path(model_path)
+        self.revision = revision
+        self.vae_config: Mapping[str, Any] = from_pretrained(
+            AutoencoderKLQwenImage.load_config, self.model_path, "vae", revision=revision)
+        self.scheduler_config: Mapping[str, Any] = from_pretrained(
+            FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=revision)
+        self.vae_scale_factor = 2 ** len(self.vae_config["temperal_downsample"])
+        self.pixel_multiple = self.vae_scale_factor * 2  # the transformer packs 2x2 latent patches
+        self.text_pipe: Optional[QwenImagePipeline] = None
+        self.vae: Optional[AutoencoderKLQwenImage] = None
+
+    # -- text -------------------------------------------------------------------------------------
+    def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
+        tokenizer = from_pretrained(Qwen2Tokenizer.from_pretrained, self.model_path, "tokenizer",
+                                    revision=self.revision)
+        encoder = from_pretrained(Qwen2_5_VLForConditionalGeneration.from_pretrained, self.model_path,
+                                  "text_encoder", revision=self.revision, dtype=dtype)
+        encoder.requires_grad_(False).eval().to(device)
+        # The pipeline's own encode_prompt holds the template and the token drop: reuse, don't copy.
+        self.text_pipe = QwenImagePipeline(scheduler=None, vae=None, text_encoder=encoder,
+                                           tokenizer=tokenizer, transformer=None)
+
+    def unload_text_encoder(self) -> None:
+        self.text_pipe = None
+        release()
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> List[Tensors]:
+        assert self.text_pipe is not None, "load_text_encoder() first"
+        device = self.text_pipe.text_encoder.device
+        embeds, mask = self.text_pipe.encode_prompt(
+            list(prompts), device=device, max_sequence_length=self.max_sequence_length)
+        lengths = mask.sum(dim=1).tolist() if mask is not None else [embeds.shape[1]] * len(prompts)
+        return [{"prompt_embeds": embeds[i, : int(n)]} for i, n in enumerate(lengths)]
+
+    def collate_text(self, conds: Sequence[Tensors], device: torch.device, dtype: torch.dtype) -> Tensors:
+        embeds, mask = pad_sequences([c["prompt_embeds"] for c in conds])
+        return {
+            "prompt_embeds": embeds.to(device, dtype),
+            # All-ones mask: pass none, as the pipeline does, so fast unmasked attention can run.
+            "prompt_embeds_mask": None if bool(mask.all()) else mask.to(device),
+        }
+
+    # -- images -----------------------------------------------------------------------------------
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.vae = from_pretrained(AutoencoderKLQwenImage.from_pretrained, self.model_path, "vae",
+                                   revision=self.revision, dtype=dtype)
+        self.vae.requires_grad_(False).eval().to(device)
+
+    def unload_vae(self) -> None:
+        self.vae = None
+        release()
+
+    def _latent_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (1, self.vae_config["z_dim"], 1, 1)
+        mean = torch.tensor(self.vae_config["latents_mean"]).view(shape)
+        std = torch.tensor(self.vae_config["latents_std"]).view(shape)
+        return mean.to(like.device, like.dtype), std.to(like.device, like.dtype)
+
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        assert self.vae is not None, "load_vae() first"
+        pixels = pixels.to(self.vae.device, self.vae.dtype).unsqueeze(2)  # (B, 3, 1, H, W): one frame
+        # The distribution's mode, not a sample: a cached latent must be the same on every run.
+        latents = self.vae.encode(pixels).latent_dist.mode()[:, :, 0]
+        mean, std = self._latent_stats(latents)
+        return (latents - mean) / std
+
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents -> images in [-1, 1] (used by tests and previews)."""
+        assert self.vae is not None, "load_vae() first"
+        latents = latents.to(self.vae.device, self.vae.dtype)
+        mean, std = self._latent_stats(latents)
+        return self.vae.decode((latents * std + mean).unsqueeze(2)).sample[:, :, 0]
+
+    # -- transformer ------------------------------------------------------------------------------
+    def load_transformer(self, dtype: torch.dtype) -> torch.nn.Module:
+        return from_pretrained(QwenImageTransformer2DModel.from_pretrained, self.model_path, "transformer",
+                               revision=self.revision, dtype=dtype)
+
+    def image_seq_len(self, latent_shape: Sequence[int]) -> int:
+        return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
+
+    def predict(
+        self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors
+    ) -> torch.Tensor:
+        b, c, h, w = noisy_latents.shape
+        packed = QwenImagePipeline._pack_latents(noisy_latents, b, c, h, w)
+        out = transformer(
+            hidden_states=packed,
+            timestep=sigmas.to(packed.device, packed.dtype),  # the pipeline's t / 1000
+            encoder_hidden_states=text["prompt_embeds"],
+            encoder_hidden_states_mask=text["prompt_embeds_mask"],
+            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            return_dict=False,
+        )[0]
+        return unpack_latents(out[:, : (h // 2) * (w // 2)], c, h, w)
+
+
+def unpack_latents(tokens: torch.Tensor, channels: int, height: int, width: int) -> torch.Tensor:
+    """Inverse of the pipelines' 2x2 ``_pack_latents``: ``(B, h*w/4, 4C)`` -> ``(B, C, h, w)``."""
+    b = tokens.shape[0]
+    x = tokens.reshape(b, height // 2, width // 2, channels, 2, 2)
+    return x.permute(0, 3, 1, 4, 2, 5).reshape(b, channels, height, width)
