@@ -31,8 +31,16 @@ def save_lora_file(
     with tempfile.TemporaryDirectory(dir=directory, prefix=".lora-") as tmp:
         pipeline_class.save_lora_weights(
             tmp, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata)
-        os.replace(Path(tmp) / LORA_WEIGHTS_NAME, directory / LORA_WEIGHTS_NAME)
+        written = Path(tmp) / LORA_WEIGHTS_NAME
+        os.chmod(written, 0o666 & ~_umask())  # temp files are private; the result is a normal file
+        os.replace(written, directory / LORA_WEIGHTS_NAME)
     return directory / LORA_WEIGHTS_NAME
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def list_checkpoints(output_dir: Path) -> List[Path]:

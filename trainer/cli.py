@@ -6,8 +6,6 @@ import argparse
 import sys
 from typing import List, Optional
 
-from loguru import logger
-
 from trainer.config import load_config
 from trainer.errors import UserError
 
@@ -32,7 +30,8 @@ def main(default_family: str, description: str, argv: Optional[List[str]] = None
         cfg = load_config(args.config, args.overrides, default_family=default_family)
         Trainer(cfg).run()
     except UserError as exc:
-        logger.error(str(exc))
+        # One clear message, no traceback: these are mistakes the user can fix.
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -125,6 +125,7 @@ class TrainConfig:
     timestep_shift: str = "auto"  # auto: the resolution-dependent shift of the family's scheduler
     shift: float = 3.0  # used when timestep_shift is "fixed"
     loss_weighting: str = "none"
+    guidance_scale: float = 1.0  # distilled-guidance input of guidance-embedding models (FLUX.1-dev)
 
     # LoRA
     rank: int = 16

@@ -82,7 +82,7 @@ class Trainer:
         self._setup_logging()
         if cfg.seed is not None:
             set_seed(cfg.seed)
-        self.family = get_family(cfg.family, cfg.pretrained_model_name_or_path, cfg.revision)
+        self.family = get_family(cfg)
         self.resume_from = resume_from
         if self.is_main:
             (self.output_dir / "config.yaml").write_text(config_to_yaml(cfg))

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
+from trainer.config import TrainConfig
 from trainer.errors import ConfigError
 from trainer.families.base import ModelFamily
+from trainer.families.flux import FluxFamily
 from trainer.families.qwen_image import QwenImageFamily
 
 FAMILIES: Dict[str, type] = {
     QwenImageFamily.name: QwenImageFamily,
+    FluxFamily.name: FluxFamily,
 }
 
 
-def get_family(name: Optional[str], model_path: str, revision: Optional[str] = None) -> ModelFamily:
-    """Instantiate the family ``name`` for the checkpoint at ``model_path``."""
-    if name not in FAMILIES:
-        raise ConfigError(f"key 'family': value '{name}' is not one of {', '.join(FAMILIES)}")
-    return FAMILIES[name](model_path, revision)
+def get_family(cfg: TrainConfig) -> ModelFamily:
+    """The family named by ``cfg.family``, for the checkpoint ``cfg.pretrained_model_name_or_path``."""
+    if cfg.family not in FAMILIES:
+        raise ConfigError(f"key 'family': value '{cfg.family}' is not one of {', '.join(FAMILIES)}")
+    return FAMILIES[cfg.family](cfg)

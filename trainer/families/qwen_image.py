@@ -14,6 +14,7 @@ from diffusers import (
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from trainer.adapters import TargetSpec
+from trainer.config import TrainConfig
 from trainer.families.base import Tensors, from_pretrained, pad_sequences, release, resolve_model_path
 
 _IMG_ATTN = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -37,9 +38,9 @@ class QwenImageFamily:
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = QWEN_LORA_PRESETS
     max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
 
-    def __init__(self, model_path: str, revision: Optional[str] = None):
-        self.model_path = resolve_model_path(model_path)
-        self.revision = revision
+    def __init__(self, cfg: TrainConfig):
+        self.model_path = resolve_model_path(cfg.pretrained_model_name_or_path)
+        self.revision = revision = cfg.revision
         self.vae_config: Mapping[str, Any] = from_pretrained(
             AutoencoderKLQwenImage.load_config, self.model_path, "vae", revision=revision)
         self.scheduler_config: Mapping[str, Any] = from_pretrained(

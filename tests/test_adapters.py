@@ -1,0 +1,88 @@
+"""LoRA target presets hit the intended layers, never modulation; alpha and init are honoured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import QwenImageTransformer2DModel
+
+from trainer.adapters import add_lora, lora_metadata, lora_state_dict
+from trainer.config import TrainConfig
+from trainer.errors import ConfigError
+from trainer.families.qwen_image import QWEN_LORA_PRESETS
+
+
+def tiny_transformer() -> QwenImageTransformer2DModel:
+    torch.manual_seed(0)
+    return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                       attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16,
+                                       axes_dims_rope=(4, 6, 6))
+
+
+def lora_layers(model: torch.nn.Module) -> set:
+    return {name for name, module in model.named_modules() if hasattr(module, "lora_A") and len(module.lora_A)}
+
+
+def cfg(**kw) -> TrainConfig:
+    c = TrainConfig(family="qwen_image")
+    for k, v in kw.items():
+        setattr(c, k, v)
+    return c
+
+
+@pytest.mark.parametrize("preset, per_block", [("attention", 4), ("attention_mlp", 12), ("all_linear", 12)])
+def test_presets_target_the_named_layers(preset: str, per_block: int) -> None:
+    model = tiny_transformer()
+    add_lora(model, cfg(lora_target=preset), QWEN_LORA_PRESETS)
+    layers = lora_layers(model)
+    in_blocks = [n for n in layers if n.startswith("transformer_blocks.0.")]
+    assert len(in_blocks) == per_block
+    assert not any("_mod" in n or n == "norm_out.linear" for n in layers), "modulation is never a target"
+    if preset == "attention":
+        assert {n.split(".", 2)[2] for n in in_blocks} == {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"}
+    if preset == "all_linear":
+        assert {"img_in", "txt_in", "proj_out"} <= layers
+    else:
+        assert "proj_out" not in layers
+
+
+def test_only_lora_weights_train_in_fp32_on_a_bf16_base() -> None:
+    model = tiny_transformer().to(torch.bfloat16)
+    count = add_lora(model, cfg(rank=4), QWEN_LORA_PRESETS)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert all(p.dtype == torch.float32 for p in trainable.values())
+    assert count == sum(p.numel() for p in trainable.values())
+    # rank 4 on 4 square 32-wide projections x 2 blocks: (32*4 + 4*32) * 4 * 2
+    assert count == (32 * 4 + 4 * 32) * 4 * 2
+
+
+def test_alpha_defaults_to_rank_and_is_saved() -> None:
+    model = tiny_transformer()
+    add_lora(model, cfg(rank=8), QWEN_LORA_PRESETS)
+    assert lora_metadata(model)["lora_alpha"] == 8
+    model2 = tiny_transformer()
+    add_lora(model2, cfg(rank=8, lora_alpha=32.0), QWEN_LORA_PRESETS)
+    meta = lora_metadata(model2)
+    assert (meta["r"], meta["lora_alpha"]) == (8, 32.0)
+    layer = model2.transformer_blocks[0].attn.to_q
+    assert layer.scaling["default"] == pytest.approx(4.0)
+
+
+def test_default_init_is_a_no_op_until_trained() -> None:
+    model = tiny_transformer()
+    ref = model.transformer_blocks[0].attn.to_q.weight.clone()
+    add_lora(model, cfg(), QWEN_LORA_PRESETS)
+    sd = lora_state_dict(model)
+    assert all(torch.count_nonzero(v) == 0 for k, v in sd.items() if "lora_B" in k)
+    assert torch.equal(model.transformer_blocks[0].attn.to_q.base_layer.weight, ref)
+
+
+def test_explicit_targets_and_unknown_targets() -> None:
+    model = tiny_transformer()
+    add_lora(model, cfg(lora_target_modules=["to_q"]), QWEN_LORA_PRESETS)
+    assert lora_layers(model) == {"transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.to_q"}
+    with pytest.raises(ConfigError, match="match no layer"):
+        add_lora(tiny_transformer(), cfg(lora_target_modules=["nonexistent_proj"]), QWEN_LORA_PRESETS)

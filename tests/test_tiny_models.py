@@ -1,0 +1,146 @@
+"""Tiny pipelines: build offline, load with the real diffusers classes, render, stay deterministic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxPipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
+from PIL import Image
+from transformers import Qwen2VLProcessor
+
+from utils.tiny_models import (
+    FAMILIES,
+    build_tiny_pipeline,
+    load_qwen_vl_processor,
+    record_standard_processor,
+    save_qwen_vl_processor,
+)
+from utils.tiny_models.__main__ import main as cli_main
+from utils.tiny_models.tokenizers import QWEN_TEMPLATES, template_prefix
+
+PIPELINES = {
+    "qwen_image": QwenImagePipeline,
+    "qwen_image_edit": QwenImageEditPipeline,
+    "qwen_image_edit_plus": QwenImageEditPlusPipeline,
+    "flux": FluxPipeline,
+}
+QWEN_FAMILIES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: build_tiny_pipeline(family, root / family) for family in FAMILIES}
+
+
+def load(family: str, folder: Path):
+    """Load as a user would; the Edit pipelines need the processor passed in without torchvision."""
+    extra = {"processor": load_qwen_vl_processor(folder)} if "edit" in family else {}
+    pipe = PIPELINES[family].from_pretrained(folder, **extra)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def reference_image(seed: int = 0, size: tuple[int, int] = (64, 64)) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def render(family: str, pipe, height: int = 64, width: int = 64) -> np.ndarray:
+    kwargs = dict(height=height, width=width, num_inference_steps=2, output_type="np")
+    kwargs["generator"] = torch.Generator().manual_seed(0)
+    if family == "flux":
+        kwargs.update(guidance_scale=3.5, max_sequence_length=32)
+    if "edit" in family:
+        kwargs["image"] = reference_image()
+    return pipe(prompt="a red cat", **kwargs).images
+
+
+def assert_image(images: np.ndarray, height: int, width: int) -> None:
+    assert images.shape == (1, height, width, 3)
+    assert np.isfinite(images).all()
+    assert images.std() > 1e-4, "constant image"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_builds_loads_and_renders(built, family):
+    pipe = load(family, built[family])
+    assert_image(render(family, pipe), 64, 64)
+
+
+def test_qwen_image_renders_non_square(built):
+    pipe = load("qwen_image", built["qwen_image"])
+    assert_image(render("qwen_image", pipe, height=32, width=48), 32, 48)
+
+
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
+def test_template_prefix_is_exactly_the_dropped_part(built, family):
+    pipe = load(family, built[family])
+    template, drop = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
+    assert (template, drop) == QWEN_TEMPLATES[family]  # our copy matches this diffusers version
+    assert len(pipe.tokenizer(template_prefix(template)).input_ids) == drop
+    # What survives the drop is exactly what follows "<|im_start|>user\n".
+    text = template.format("a red cat")
+    kept = pipe.tokenizer(text).input_ids[drop:]
+    assert pipe.tokenizer.decode(kept) == text[len(template_prefix(template)) :]
+
+
+@pytest.mark.parametrize("plus", [False, True])
+def test_edit_image_tokens_match_vision_tower(built, plus):
+    family = "qwen_image_edit_plus" if plus else "qwen_image_edit"
+    pipe = load(family, built[family])
+    assert isinstance(pipe.processor, Qwen2VLProcessor)
+    image = reference_image(size=(96, 64))
+    inputs = pipe.processor(text=["<|vision_start|><|image_pad|><|vision_end|>x"], images=image, return_tensors="pt")
+    n_pad = int((inputs.input_ids == pipe.text_encoder.config.image_token_id).sum())
+    assert n_pad == int(inputs.image_grid_thw.prod()) // 4  # 2x2 spatial merge
+    embeds, mask = pipe.encode_prompt("a red cat", image=[image] if plus else image)
+    assert embeds.shape[-1] == pipe.transformer.config.joint_attention_dim
+    assert mask is None  # single prompt: no padding, so the pipeline returns no mask
+
+
+def weights(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))}
+
+
+@pytest.mark.parametrize("family", ["qwen_image", "flux"])
+def test_same_seed_same_bytes_other_seed_differs(built, tmp_path, family):
+    rng_state = torch.get_rng_state()
+    again = weights(build_tiny_pipeline(family, tmp_path / "again", seed=0))
+    other = weights(build_tiny_pipeline(family, tmp_path / "other", seed=1))
+    assert torch.equal(rng_state, torch.get_rng_state()), "building must not move the caller's RNG"
+    assert again == weights(built[family])
+    assert other.keys() == again.keys()
+    assert all(other[name] != again[name] for name in again)
+
+
+def test_processor_loads_from_root_and_subfolder(built):
+    root = built["qwen_image_edit"]
+    for processor in (load_qwen_vl_processor(root), load_qwen_vl_processor(root / "processor")):
+        assert isinstance(processor, Qwen2VLProcessor)
+        assert processor.image_processor.merge_size == 2
+    assert '"Qwen2VLProcessor"' in (root / "model_index.json").read_text()
+
+
+def test_resaved_edit_pipeline_keeps_the_standard_layout(built, tmp_path):
+    pipe = load("qwen_image_edit", built["qwen_image_edit"])
+    pipe.save_pretrained(tmp_path)  # records the fallback class when torchvision is missing...
+    save_qwen_vl_processor(pipe.processor, tmp_path / "processor")
+    record_standard_processor(tmp_path)  # ...which these two undo
+    assert '"utils.' not in (tmp_path / "model_index.json").read_text()
+    reloaded = load("qwen_image_edit", tmp_path)
+    assert reloaded.processor.image_processor.size == pipe.processor.image_processor.size
+
+
+def test_cli_refuses_non_empty_folder_without_force(tmp_path, capsys):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert cli_main(["--family", "flux", "--out", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert cli_main(["--family", "flux", "--out", str(out), "--force"]) == 0
+    assert (out / "model_index.json").is_file() and not (out / "keep.txt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temp folder left behind

@@ -1,0 +1,170 @@
+"""End to end on the tiny Qwen-Image model: the real train.py, the LoRA file in diffusers, caching."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from diffusers import QwenImagePipeline
+from safetensors import safe_open
+
+from conftest import run_entry
+from trainer.config import load_config
+from trainer.engine import Trainer
+
+pytestmark = pytest.mark.e2e
+QUICKSTART = "train_configs/quickstart_tiny.yaml"
+
+
+def overrides(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
+    return [f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}", f"output_dir={out}",
+            "report_to=none", *extra]
+
+
+def metrics(out: Path) -> List[Dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def render(pipe: QwenImagePipeline, seed: int = 0) -> np.ndarray:
+    image = pipe(prompt="a red circle on a yellow background", width=64, height=64, num_inference_steps=4,
+                 generator=torch.Generator().manual_seed(seed), output_type="np").images[0]
+    return np.asarray(image, dtype=np.float64)
+
+
+def run_in_process(*override_list: str) -> Trainer:
+    """The engine without a subprocess (for counting calls); accelerate's state reset around it."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    trainer = Trainer(load_config(Path(QUICKSTART), list(override_list), default_family="qwen_image"))
+    trainer.run()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return trainer
+
+
+def test_train_py_end_to_end_lora_loads_in_diffusers(tiny_qwen_image: Path, sample_data: Path,
+                                                      tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_entry("train.py", QUICKSTART, overrides(
+        tiny_qwen_image, sample_data, out, "max_train_steps=8", "checkpointing_steps=3", "learning_rate=5e-3",
+        "checkpoints_total_limit=2", "rank=4", "lora_alpha=8", "report_to=tensorboard"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = metrics(out)
+    assert [m["step"] for m in log] == list(range(1, 9))
+    assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in log)
+    # Checkpoints every 3 steps and at the end, pruned to the newest two; each holds the LoRA file.
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+    assert (out / "checkpoint-8" / "pytorch_lora_weights.safetensors").is_file()
+    assert list((out / "logs").rglob("events.out.tfevents.*")), "tensorboard scalars were asked for"
+
+    lora = out / "pytorch_lora_weights.safetensors"
+    with safe_open(str(lora), "pt") as fh:
+        keys = set(fh.keys())
+        metadata = fh.metadata()
+    assert keys and all(k.startswith("transformer.") for k in keys)
+    assert not any("_mod." in k for k in keys), "modulation layers are not LoRA targets"
+
+    pipe = QwenImagePipeline.from_pretrained(tiny_qwen_image)
+    base = render(pipe)
+    pipe.load_lora_weights(str(out), adapter_name="trained")
+    loaded = {f"transformer.{k}" for k, _ in pipe.transformer.named_parameters() if "lora_" in k}
+    loaded = {k.replace(".trained.weight", ".weight") for k in loaded}
+    assert loaded == keys, "every saved key maps to a LoRA parameter, and every LoRA parameter was saved"
+    assert pipe.transformer.peft_config["trained"].lora_alpha == 8, "alpha survives the reload"
+    saved = json.loads(metadata["lora_adapter_metadata"])
+    assert (saved["transformer.r"], saved["transformer.lora_alpha"]) == (4, 8)
+    with_lora = render(pipe)
+    assert np.abs(with_lora - base).mean() > 1e-3, "the LoRA changes the render"
+
+
+def test_overfit_one_image_lowers_the_loss(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    one = tmp_path / "one"
+    one.mkdir()
+    for name in ("img1.png", "img1.txt"):
+        shutil.copy(sample_data / name, one / name)
+    out = tmp_path / "overfit"
+    # Fixed timestep sampling would make the loss trivially comparable; keep the real sampler and
+    # compare window means instead.
+    run_in_process(*overrides(tiny_qwen_image, one, out, "max_train_steps=120", "learning_rate=3e-3",
+                              "rank=16", "lora_target=all_linear",
+                              "data_config.caption_dropout_rate=0", "checkpointing_steps=1000"))
+    losses = [m["loss"] for m in metrics(out)]
+    first, last = np.mean(losses[:20]), np.mean(losses[-20:])
+    assert last < 0.7 * first, f"loss did not fall: first 20 steps {first:.4f}, last 20 {last:.4f}"
+
+
+def test_encoders_run_once_then_never_during_training(tiny_qwen_image: Path, sample_data: Path,
+                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.families.qwen_image import QwenImageFamily
+
+    calls = {"text": [], "image": 0}
+    real_prompts, real_images = QwenImageFamily.encode_prompts, QwenImageFamily.encode_images
+
+    def count_prompts(self, prompts):
+        calls["text"] += list(prompts)
+        return real_prompts(self, prompts)
+
+    def count_images(self, pixels):
+        calls["image"] += pixels.shape[0]
+        return real_images(self, pixels)
+
+    monkeypatch.setattr(QwenImageFamily, "encode_prompts", count_prompts)
+    monkeypatch.setattr(QwenImageFamily, "encode_images", count_images)
+    cache = tmp_path / "cache"
+    args = overrides(tiny_qwen_image, sample_data, tmp_path / "a", "max_train_steps=10", f"cache_dir={cache}",
+                     "data_config.caption_dropout_rate=0.5")
+    trainer = run_in_process(*args)
+    # Six captions plus the empty prompt for caption dropout; six images; nothing more in 10 steps.
+    assert sorted(calls["text"]) == sorted([s.caption for s in trainer.samples] + [""])
+    assert calls["image"] == 6
+    assert trainer.family.text_pipe is None and trainer.family.vae is None, "encoders freed after caching"
+
+    # A second run with the same disk cache encodes nothing; a changed caption is re-encoded alone.
+    calls.update(text=[], image=0)
+    run_in_process(*overrides(tiny_qwen_image, sample_data, tmp_path / "b", "max_train_steps=2",
+                              f"cache_dir={cache}"))
+    assert calls == {"text": [], "image": 0}
+    data = tmp_path / "data"
+    shutil.copytree(sample_data, data)
+    (data / "img3.txt").write_text("a brand new caption")
+    run_in_process(*overrides(tiny_qwen_image, data, tmp_path / "c", "max_train_steps=2", f"cache_dir={cache}"))
+    assert calls == {"text": ["a brand new caption"], "image": 0}
+
+
+def test_memory_cache_and_live_encoding_train(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    """Caches off (encoders kept and called each step) and in-memory caches give finite losses."""
+    for name, flags in {"live": ["precompute_text_embeddings=false", "precompute_image_embeddings=false"],
+                        "memory": ["save_cache_on_disk=false"]}.items():
+        out = tmp_path / name
+        run_in_process(*overrides(tiny_qwen_image, sample_data, out, "max_train_steps=3",
+                                  "data_config.train_batch_size=2", *flags))
+        assert all(math.isfinite(m["loss"]) for m in metrics(out))
+        assert not (out / "cache").exists() or name == "live"
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tiny_qwen_image: Path, sample_data: Path,
+                                                       tmp_path: Path) -> None:
+    out = tmp_path / "accum"
+    trainer = run_in_process(*overrides(tiny_qwen_image, sample_data, out, "max_train_steps=4",
+                                        "gradient_accumulation_steps=3", "checkpointing_steps=2"))
+    assert trainer.global_step == 4 and [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
+    # 4 optimizer steps x 3 micro-batches = 12 batches of one image: epoch 0 whole (2 steps), then
+    # 2 steps into epoch 1.
+    assert (trainer.epoch, trainer.batches_done_in_epoch) == (1, 2)
+
+
+def test_resume_latest_continues_from_the_checkpoint(tiny_qwen_image: Path, sample_data: Path,
+                                                      tmp_path: Path) -> None:
+    out = tmp_path / "resume"
+    run_in_process(*overrides(tiny_qwen_image, sample_data, out, "max_train_steps=4", "checkpointing_steps=2",
+                              "overwrite_output_dir=false"))
+    trainer = run_in_process(*overrides(tiny_qwen_image, sample_data, out, "max_train_steps=6",
+                                        "checkpointing_steps=2", "overwrite_output_dir=false",
+                                        "resume_from_checkpoint=latest"))
+    assert trainer.global_step == 6
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5, 6]

@@ -1,0 +1,48 @@
+"""CLI: python -m utils.tiny_models --family qwen_image --out DIR [--seed N] [--force]"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from . import FAMILIES, build_tiny_pipeline
+from ._common import folder_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m utils.tiny_models", description=__doc__)
+    parser.add_argument("--family", required=True, choices=FAMILIES)
+    parser.add_argument("--out", required=True, type=Path, help="folder to create (diffusers layout)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="replace a non-empty existing folder")
+    args = parser.parse_args(argv)
+
+    out: Path = args.out.resolve()
+    if out.exists() and not out.is_dir():
+        print(f"error: {out} exists and is not a folder", file=sys.stderr)
+        return 2
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        print(f"error: {out} is not empty; pass --force to replace it", file=sys.stderr)
+        return 2
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target (same filesystem) and rename, so a half-built model never appears at `out`.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        build_tiny_pipeline(args.family, tmp / "model", seed=args.seed)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rename(tmp / "old")  # moved aside, deleted with tmp below
+    (tmp / "model").rename(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{out} ({folder_size(out) / 1e6:.2f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Load the Qwen2-VL processor that the Qwen-Image-Edit pipelines need, with or without torchvision.
+
+`Qwen2VLProcessor` always builds a video processor, and transformers' Qwen2-VL video processor imports
+torchvision. Where torchvision is missing (or broken beside a CPU torch), `load_qwen_vl_processor` falls
+back to `Qwen2VLImageTextProcessor`: the same processor without the video part, which is all the Edit
+pipelines use. Works for real checkpoints (their `processor/` folder) and for the tiny test models.
+
+Saving: a pipeline that holds the fallback processor records `utils.tiny_models.qwen_processor` in its
+model_index.json and writes transformers 5's `processor_config.json`; write the processor with
+`save_qwen_vl_processor` and fix the index with `record_standard_processor` to keep the real layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, Qwen2VLProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+logger = logging.getLogger(__name__)
+
+
+class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
+    """`Qwen2VLProcessor` with only the image processor and the tokenizer (no torchvision needed).
+
+    Image handling (resize, patching, `<|image_pad|>` expansion) is inherited unchanged.
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template: str | None = None, **kwargs: Any):
+        # ProcessorMixin reads the sub-processors from this signature, so the video processor is not expected.
+        super().__init__(image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+
+
+def torchvision_usable() -> bool:
+    """True when torchvision imports cleanly (a CUDA build beside a CPU torch fails at import)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # ImportError, or RuntimeError such as "torchvision::nms does not exist"
+        return False
+    return True
+
+
+def _resolve(path: str | Path, subfolder: str | None) -> tuple[str, str]:
+    """Accept a checkpoint root (with a `processor/` folder) as well as the processor folder itself."""
+    if subfolder is None:
+        root = Path(path)
+        is_root = (root / "processor").is_dir() and not (root / "preprocessor_config.json").is_file()
+        subfolder = "processor" if is_root else ""
+    return str(path), subfolder
+
+
+def _read_chat_template(folder: Path) -> str | None:
+    """The processor's chat template, in either of the layouts transformers has written."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "chat_template.json").is_file():
+        return json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    return None
+
+
+def load_qwen_vl_processor(
+    path: str | Path, subfolder: str | None = None, **kwargs: Any
+) -> Qwen2VLProcessor:
+    """Load a Qwen2-VL processor from a checkpoint root, its `processor/` folder, or a hub id + subfolder.
+
+    Returns the standard `Qwen2VLProcessor` when torchvision works, else a `Qwen2VLImageTextProcessor`
+    (a subclass, so `isinstance(p, Qwen2VLProcessor)` holds either way). `kwargs` go to `from_pretrained`
+    (e.g. `local_files_only=True`, `revision=`).
+    """
+    path, subfolder = _resolve(path, subfolder)
+    if torchvision_usable():
+        return Qwen2VLProcessor.from_pretrained(path, subfolder=subfolder, **kwargs)
+    logger.info("torchvision unavailable: loading the Qwen2-VL processor without its video processor")
+    # Pil backend explicitly: the config names the torchvision class, which would only warn and fall back.
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, subfolder=subfolder, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path, subfolder=subfolder, **kwargs)
+    local = Path(path) / subfolder
+    chat_template = _read_chat_template(local) if local.is_dir() else None
+    return Qwen2VLImageTextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=chat_template or getattr(tokenizer, "chat_template", None),
+    )
+
+
+def save_qwen_vl_processor(processor: Qwen2VLProcessor, folder: str | Path) -> Path:
+    """Write `processor` in the layout of Qwen/Qwen-Image-Edit's `processor/` folder, naming the standard
+    `Qwen2VLProcessor`: tokenizer files + chat template, `preprocessor_config.json` and a
+    `video_preprocessor_config.json` (only read where torchvision exists)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    # transformers 5's own processor save writes this instead, naming the helper class when it is one.
+    (folder / "processor_config.json").unlink(missing_ok=True)
+    processor.tokenizer.save_pretrained(folder)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    if processor.chat_template and not (folder / "chat_template.jinja").is_file():
+        (folder / "chat_template.jinja").write_text(processor.chat_template)
+    processor.image_processor.save_pretrained(folder)
+    config_path = folder / "preprocessor_config.json"
+    config = json.loads(config_path.read_text())
+    # The torchvision class name, as in the real checkpoint; transformers falls back to the Pil one itself.
+    config.update(image_processor_type="Qwen2VLImageProcessor", processor_class="Qwen2VLProcessor")
+    _write_json(config_path, config)
+    video_config = {key: config[key] for key in ("size", "image_mean", "image_std", "patch_size", "merge_size")}
+    video_config.update(
+        video_processor_type="Qwen2VLVideoProcessor",
+        processor_class="Qwen2VLProcessor",
+        temporal_patch_size=config["temporal_patch_size"],
+    )
+    _write_json(folder / "video_preprocessor_config.json", video_config)
+    return folder
+
+
+def record_standard_processor(model_dir: str | Path) -> None:
+    """Make a pipeline folder's model_index.json name transformers' `Qwen2VLProcessor` for `processor`."""
+    index_path = Path(model_dir) / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    _write_json(index_path, index)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
