@@ -1,9 +1,11 @@
-"""Render an image with a base model and an optional LoRA.
+"""Render an image with a base model and an optional LoRA (Qwen-Image, Qwen-Image-Edit, FLUX.1-dev).
 
     python inference.py --model Qwen/Qwen-Image --lora output/pytorch_lora_weights.safetensors \
         --prompt "a red circle" --out out.png [--steps 30] [--width 1024 --height 1024] [--seed 0]
+    python inference.py --model Qwen/Qwen-Image-Edit-2509 --image ref1.png --image ref2.png \
+        --prompt "put the cat on the sofa" --out edit.png
 
-The pipeline class is read from the model folder's ``model_index.json``.
+The family (pipeline class) is read from the model's ``model_index.json`` unless ``--family`` names it.
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+PIPELINES = {"qwen_image": "QwenImagePipeline", "qwen_image_edit": "QwenImageEditPipeline",
+             "qwen_image_edit_plus": "QwenImageEditPlusPipeline", "flux": "FluxPipeline"}
+EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="diffusers folder or hub id")
+    p.add_argument("--family", choices=list(PIPELINES), help="default: from the model's model_index.json")
+    p.add_argument("--image", action="append", type=Path, default=[],
+                   help="reference image for Qwen-Image-Edit (repeat for Edit-2509/2511, up to 3)")
     p.add_argument("--lora", help="LoRA file (pytorch_lora_weights.safetensors) or its folder")
     p.add_argument("--lora-scale", type=float, default=1.0)
     p.add_argument("--prompt", required=True)
@@ -37,15 +45,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_pipeline(model: str, dtype_name: Optional[str]):
-    """The model's own diffusers pipeline class, on the GPU when there is one."""
+def load_pipeline(model: str, family: Optional[str], dtype_name: Optional[str]):
+    """The model's diffusers pipeline, on the GPU when there is one."""
+    import diffusers
     import torch
-    from diffusers import DiffusionPipeline
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, DTYPES[dtype_name or ("bf16" if device == "cuda" else "fp32")])
     try:
-        pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype)
+        name = PIPELINES[family] if family else diffusers.DiffusionPipeline.load_config(model)["_class_name"]
+        extra = {}
+        if name in EDIT_PIPELINES:
+            from utils.qwen_processor import load_qwen_vl_processor
+
+            extra["processor"] = load_qwen_vl_processor(model)  # works without torchvision too
+        pipe = getattr(diffusers, name).from_pretrained(model, dtype=dtype, **extra)
     except OSError as exc:
         raise SystemExit(f"error: cannot load '{model}': {str(exc).splitlines()[0]}\n"
                          "Download it first or point --model at a local diffusers folder.") from None
@@ -67,6 +81,7 @@ def call_kwargs(pipe, args: argparse.Namespace) -> Dict[str, Any]:
     import torch
 
     wanted = {
+        "image": reference_images(pipe, args.image),
         "prompt": args.prompt, "negative_prompt": args.negative_prompt, "num_inference_steps": args.steps,
         "width": args.width, "height": args.height, "guidance_scale": args.guidance,
         "true_cfg_scale": args.true_cfg, "generator": torch.Generator("cpu").manual_seed(args.seed),
@@ -75,9 +90,28 @@ def call_kwargs(pipe, args: argparse.Namespace) -> Dict[str, Any]:
     return {k: v for k, v in wanted.items() if k in accepted and v is not None}
 
 
+def reference_images(pipe, paths: List[Path]):
+    """The ``image`` argument of an Edit pipeline: one image, or a list for Edit-Plus."""
+    from PIL import Image
+
+    name = type(pipe).__name__
+    if name not in EDIT_PIPELINES:
+        if paths:
+            raise SystemExit(f"error: --image is for Qwen-Image-Edit models; {name} takes no reference")
+        return None
+    limit = 3 if name == "QwenImageEditPlusPipeline" else 1
+    if not 1 <= len(paths) <= limit:
+        raise SystemExit(f"error: {name} takes 1 to {limit} --image reference(s), got {len(paths)}")
+    for path in paths:
+        if not path.is_file():
+            raise SystemExit(f"error: reference image '{path}' does not exist")
+    images = [Image.open(p).convert("RGB") for p in paths]
+    return images if limit > 1 else images[0]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    pipe, device = load_pipeline(args.model, args.dtype)
+    pipe, device = load_pipeline(args.model, args.family, args.dtype)
     if args.lora:
         add_lora(pipe, args.lora, args.lora_scale)
     start = time.perf_counter()

@@ -1,4 +1,8 @@
-"""Image + caption samples from a folder (``img1.png`` + ``img1.txt``), resized for a family."""
+"""Image + caption samples from a folder (``img1.png`` + ``img1.txt``), resized for a family.
+
+Edit datasets add reference ("control") folders whose files share the target's stem:
+``images/img1.png`` + ``images/img1.txt`` + ``control/img1.jpg`` (+ ``control_1/img1.png`` ...).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -28,10 +32,28 @@ class Sample:
     image_path: Path
     caption: str
     size: Tuple[int, int]  # (width, height) fed to the VAE
+    references: Tuple[Path, ...] = ()  # reference images (Edit), in control-folder order
+    reference_sizes: Tuple[Tuple[int, int], ...] = ()
+
+    @property
+    def group(self) -> Hashable:
+        """Samples of one group stack into a batch: same target size, same reference sizes."""
+        return (self.size, self.reference_sizes)
 
     def content_hash(self) -> str:
         """Hash of the image file's bytes: a changed image gets a new cache entry."""
-        return hashlib.sha256(self.image_path.read_bytes()).hexdigest()
+        return file_hash(self.image_path)
+
+
+def file_hash(path: Path) -> str:
+    """SHA-256 of a file's bytes."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def image_size(path: Path) -> Tuple[int, int]:
+    """(width, height) as displayed, EXIF rotation applied."""
+    with Image.open(path) as img:
+        return ImageOps.exif_transpose(img).size
 
 
 def target_size(width: int, height: int, img_size: int, multiple: int) -> Tuple[int, int]:
@@ -42,8 +64,36 @@ def target_size(width: int, height: int, img_size: int, multiple: int) -> Tuple[
     return w, h
 
 
-def scan_image_folder(img_dir: str | Path, caption_ext: str, img_size: int, multiple: int) -> List[Sample]:
-    """All image/caption pairs under ``img_dir`` (sorted). Raises ``DataError`` listing every problem."""
+ReferenceSizer = Callable[[int, int], Tuple[int, int]]
+
+
+def find_control_dirs(img_dir: str | Path, control_dir: Optional[str], control_dirs: Optional[Sequence[str]]) -> List[Path]:
+    """The reference folders: as configured, else beside ``img_dir``: ``control/`` or
+    ``control_0/``, ``control_1/``, ... (the Edit dataset layout)."""
+    if control_dirs:
+        return [Path(d) for d in control_dirs]
+    if control_dir:
+        return [Path(control_dir)]
+    parent = Path(img_dir).resolve().parent
+    numbered = []
+    while (parent / f"control_{len(numbered)}").is_dir():
+        numbered.append(parent / f"control_{len(numbered)}")
+    if numbered:
+        return numbered
+    return [parent / "control"] if (parent / "control").is_dir() else []
+
+
+def scan_image_folder(
+    img_dir: str | Path,
+    caption_ext: str,
+    img_size: int,
+    multiple: int,
+    control_dirs: Sequence[str | Path] = (),
+    reference_size: Optional[ReferenceSizer] = None,
+) -> List[Sample]:
+    """All image/caption pairs under ``img_dir`` (sorted), each with its reference images from
+    ``control_dirs`` (the first folder required for every target, later ones optional).
+    Raises ``DataError`` listing every problem."""
     root = Path(img_dir)
     images = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
     if not images:
@@ -53,8 +103,7 @@ def scan_image_folder(img_dir: str | Path, caption_ext: str, img_size: int, mult
     for path in images:
         caption_path = path.with_suffix(f".{caption_ext}")
         try:
-            with Image.open(path) as img:
-                width, height = ImageOps.exif_transpose(img).size
+            width, height = image_size(path)
         except (OSError, UnidentifiedImageError) as exc:
             problems.append(f"{path}: cannot read the image ({exc.__class__.__name__}); remove or replace it")
             continue
@@ -67,7 +116,13 @@ def scan_image_folder(img_dir: str | Path, caption_ext: str, img_size: int, mult
             problems.append(f"{caption_path}: not UTF-8 text; re-save it as UTF-8")
             continue
         key = str(path.relative_to(root).with_suffix(""))
-        samples.append(Sample(key, path, caption, target_size(width, height, img_size, multiple)))
+        refs = _find_references(key, path, control_dirs, problems)
+        try:
+            ref_sizes = tuple(reference_size(*image_size(r)) for r in refs) if reference_size else ()
+        except (OSError, UnidentifiedImageError) as exc:
+            problems.append(f"{path}: a reference image cannot be read ({exc.__class__.__name__})")
+            continue
+        samples.append(Sample(key, path, caption, target_size(width, height, img_size, multiple), refs, ref_sizes))
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -75,14 +130,37 @@ def scan_image_folder(img_dir: str | Path, caption_ext: str, img_size: int, mult
     return samples
 
 
+def _find_references(key: str, target: Path, control_dirs: Sequence[str | Path], problems: List[str]) -> Tuple[Path, ...]:
+    """The reference of ``key`` in each control folder; a missing first one is a problem."""
+    refs: List[Path] = []
+    for n, folder in enumerate(control_dirs):
+        found = [p for ext in IMAGE_EXTENSIONS for p in Path(folder).glob(f"{key}{ext}") if p.is_file()]
+        if found:
+            refs.append(found[0])
+        elif n == 0:
+            problems.append(f"{target}: no reference image {key}.* in control folder {folder}")
+            break
+        else:
+            break  # later references are optional, but keep their order: stop at the first gap
+    return tuple(refs)
+
+
+def open_rgb(path: Path) -> Image.Image:
+    """An image as RGB with EXIF rotation applied."""
+    with Image.open(path) as img:
+        return ImageOps.exif_transpose(img).convert("RGB")
+
+
 def load_image(sample: Sample, rng: random.Random | None = None) -> torch.Tensor:
     """The sample's image as a ``(3, H, W)`` float tensor in [-1, 1] at ``sample.size``.
 
     With ``rng`` a random aspect crop is applied first (FlyMyAI's ``random_ratio``).
     """
-    with Image.open(sample.image_path) as img:
-        img = ImageOps.exif_transpose(img).convert("RGB")
-    size = sample.size
+    return pixels_at(open_rgb(sample.image_path), sample.size, rng)
+
+
+def pixels_at(img: Image.Image, size: Tuple[int, int], rng: random.Random | None = None) -> torch.Tensor:
+    """Cover-resize and centre-crop ``img`` to ``size``; a ``(3, H, W)`` tensor in [-1, 1]."""
     if rng is not None:
         ratio = rng.choice(RANDOM_RATIOS)
         if ratio is not None:
@@ -141,13 +219,13 @@ def collate(items: List[Dict[str, object]]) -> Dict[str, object]:
 
 
 class SizeGroupedBatchSampler(Sampler[List[int]]):
-    """Batches whose samples share one latent size, so they stack without padding.
+    """Batches whose samples share one group (latent size, reference sizes), so they stack without padding.
 
     Each epoch shuffles within size groups and then the batch order, from ``seed + epoch``;
     every sample appears exactly once per epoch. ``set_epoch`` is called by the engine.
     """
 
-    def __init__(self, sizes: Sequence[Tuple[int, int]], batch_size: int, shuffle: bool = True, seed: int = 0):
+    def __init__(self, sizes: Sequence[Hashable], batch_size: int, shuffle: bool = True, seed: int = 0):
         self.sizes = list(sizes)
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -159,11 +237,11 @@ class SizeGroupedBatchSampler(Sampler[List[int]]):
 
     def _batches(self) -> List[List[int]]:
         rng = random.Random(self.seed + self.epoch)
-        groups: Dict[Tuple[int, int], List[int]] = {}
+        groups: Dict[Hashable, List[int]] = {}
         for index, size in enumerate(self.sizes):
             groups.setdefault(size, []).append(index)
         batches = []
-        for size in sorted(groups):
+        for size in sorted(groups, key=repr):
             indices = groups[size]
             if self.shuffle:
                 rng.shuffle(indices)
@@ -176,7 +254,7 @@ class SizeGroupedBatchSampler(Sampler[List[int]]):
         return iter(self._batches())
 
     def __len__(self) -> int:
-        counts: Dict[Tuple[int, int], int] = {}
+        counts: Dict[Hashable, int] = {}
         for size in self.sizes:
             counts[size] = counts.get(size, 0) + 1
         return sum(-(-n // self.batch_size) for n in counts.values())

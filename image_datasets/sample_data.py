@@ -38,6 +38,22 @@ def draw_sample(index: int, size: int) -> tuple[Image.Image, str]:
     return img, f"a {fg} {shape} on a {bg} background"
 
 
+def make_edit_dataset(out: Path, size: int = 64, count: int = 4, references: int = 1) -> Path:
+    """An Edit dataset: ``images/`` (targets + instructions) and the reference folders
+    (``control/``, or ``control_0/``, ``control_1/``, ... when ``references`` > 1). Returns ``images/``."""
+    folders = ["control"] if references == 1 else [f"control_{k}" for k in range(references)]
+    for sub in ["images", *folders]:
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        target, caption = draw_sample(i, size)
+        target.save(out / "images" / f"pair{i + 1}.png")
+        for k, folder in enumerate(folders):
+            source, _ = draw_sample(i + 1 + k, size)  # another colour and shape per reference
+            source.resize(target.size).save(out / folder / f"pair{i + 1}.{FORMATS[k % len(FORMATS)]}")
+        (out / "images" / f"pair{i + 1}.txt").write_text(f"turn it into {caption}\n", encoding="utf-8")
+    return out / "images"
+
+
 def make_sample_dataset(out: Path, size: int = 64, count: int = 6) -> Path:
     """Write ``count`` image/caption pairs into ``out`` and return it."""
     out.mkdir(parents=True, exist_ok=True)
@@ -53,5 +69,10 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=Path("data/sample_dataset"))
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--count", type=int, default=6)
+    parser.add_argument("--edit-references", type=int, default=0,
+                        help="write an Edit dataset with this many reference folders instead")
     args = parser.parse_args()
-    print(make_sample_dataset(args.out, args.size, args.count))
+    if args.edit_references:
+        print(make_edit_dataset(args.out, args.size, args.count, args.edit_references))
+    else:
+        print(make_sample_dataset(args.out, args.size, args.count))

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from image_datasets.sample_data import make_sample_dataset  # noqa: E402
+from image_datasets.sample_data import make_edit_dataset, make_sample_dataset  # noqa: E402
 from utils.tiny_models import build_tiny_pipeline  # noqa: E402
 
 
@@ -24,9 +24,52 @@ def tiny_qwen_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random FLUX.1-dev-like pipeline folder (guidance embedding, CLIP + T5)."""
+    return build_tiny_pipeline("flux", tmp_path_factory.mktemp("models") / "tiny-flux", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_edit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen-Image-Edit pipeline folder (one reference)."""
+    return build_tiny_pipeline("qwen_image_edit", tmp_path_factory.mktemp("models") / "tiny-edit", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_edit_plus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen-Image-Edit-2509-like pipeline folder (1-3 references)."""
+    return build_tiny_pipeline("qwen_image_edit_plus", tmp_path_factory.mktemp("models") / "tiny-edit-plus", seed=0)
+
+
+@pytest.fixture(scope="session")
+def edit_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``images/`` folder of an Edit dataset with one reference folder (``control/``) beside it."""
+    return make_edit_dataset(tmp_path_factory.mktemp("data") / "edit1", size=64, count=4, references=1)
+
+
+@pytest.fixture(scope="session")
+def edit_data_two_refs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``images/`` folder of an Edit dataset with ``control_0/`` and ``control_1/`` beside it."""
+    return make_edit_dataset(tmp_path_factory.mktemp("data") / "edit2", size=64, count=4, references=2)
+
+
+@pytest.fixture(scope="session")
 def sample_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Six 64-pixel image/caption pairs (png, jpg, webp; one landscape)."""
     return make_sample_dataset(tmp_path_factory.mktemp("data") / "sample", size=64, count=6)
+
+
+def lora_keys_match(pipe, lora_dir: Path, adapter: str) -> None:
+    """Load ``lora_dir`` into ``pipe`` as ``adapter`` and assert every saved key maps to a created
+    LoRA parameter and every created one was saved (no unexpected or missing keys)."""
+    from safetensors import safe_open
+
+    with safe_open(str(lora_dir / "pytorch_lora_weights.safetensors"), "pt") as fh:
+        saved = set(fh.keys())
+    pipe.load_lora_weights(str(lora_dir), adapter_name=adapter)
+    created = {f"transformer.{name}".replace(f".{adapter}.weight", ".weight")
+               for name, _ in pipe.transformer.named_parameters() if "lora_" in name}
+    assert saved and created == saved
 
 
 def run_entry(script: str, config: str, overrides: List[str], launcher: bool = True,

@@ -51,7 +51,12 @@ class DataConfig:
     caption_dropout_rate: float = 0.0
     random_ratio: bool = False  # random aspect crop (16:9, 4:3, 1:1); needs live image encoding
     caption_type: str = "txt"  # caption file extension
-    control_dir: Optional[str] = None  # Qwen-Image-Edit reference images (families issue)
+    control_dir: Optional[str] = None  # Qwen-Image-Edit reference images (FlyMyAI's key)
+    control_dirs: Optional[List[str]] = None  # several reference folders (Edit-2509/2511), in order
+    # Edit reference resize areas in pixels; default: the pipeline's (Edit: 1024^2 for both,
+    # Edit-Plus: 384^2 for the vision tower, 1024^2 for the VAE).
+    reference_condition_area: Optional[int] = None
+    reference_vae_area: Optional[int] = None
 
 
 @dataclass
@@ -327,6 +332,21 @@ def validate(cfg: TrainConfig) -> List[str]:
     need(0 < cfg.memory_fraction <= 1, f"key 'memory_fraction': value {cfg.memory_fraction} must be in (0, 1]")
     need(cfg.fastsafetensors_num_threads >= 1,
          f"key 'fastsafetensors_num_threads': value {cfg.fastsafetensors_num_threads} must be >= 1")
+    if d.random_ratio and d.train_batch_size > 1:
+        p.append("key 'data_config.random_ratio': random aspect crops give each image its own size; "
+                 "use train_batch_size: 1")
+    for key in ("reference_condition_area", "reference_vae_area"):
+        area = getattr(d, key)
+        if area is not None and area < 32 * 32:
+            p.append(f"key 'data_config.{key}': value {area} must be at least 1024 (32x32 pixels)")
+    if (d.control_dir or d.control_dirs) and cfg.family not in (None, "qwen_image_edit"):
+        p.append(f"key 'data_config.control_dir': reference images are only used by the qwen_image_edit "
+                 f"family, not '{cfg.family}' (use train_qwen_edit_lora.py)")
+    if d.control_dir is not None and d.control_dirs is not None:
+        p.append("keys 'data_config.control_dir' and 'data_config.control_dirs': set one of them")
+    for folder in ([d.control_dir] if d.control_dir else []) + list(d.control_dirs or []):
+        if not Path(folder).is_dir():
+            p.append(f"key 'data_config.control_dir(s)': folder '{folder}' does not exist")
     if d.random_ratio and cfg.precompute_image_embeddings:
         p.append("key 'data_config.random_ratio': a random crop needs live image encoding; "
                  "set precompute_image_embeddings: false (a cached latent has one fixed crop)")
@@ -345,7 +365,5 @@ def _not_yet_supported(cfg: TrainConfig) -> List[str]:
                  "(set disable_sampling: true and render with inference.py)")
     if cfg.double_blocks is not None:
         p.append("key 'double_blocks': choosing FLUX blocks is not yet supported (set double_blocks: null)")
-    if cfg.data_config.control_dir is not None and cfg.family not in (None, "qwen_image_edit"):
-        p.append("key 'data_config.control_dir': control images are only used by the qwen_image_edit family")
     return p
 

@@ -28,13 +28,17 @@ from image_datasets.dataset import (
     Sample,
     SizeGroupedBatchSampler,
     collate,
+    file_hash,
+    find_control_dirs,
     load_image,
+    open_rgb,
+    pixels_at,
     scan_image_folder,
 )
 from trainer import checkpoint as ckpt
 from trainer.adapters import add_lora, lora_metadata, lora_state_dict
 from trainer.config import TrainConfig, config_to_yaml
-from trainer.errors import ConfigError, UserError
+from trainer.errors import ConfigError, DataError, UserError
 from trainer.families import get_family
 from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
 from trainer.optim import build_lr_scheduler, build_optimizer
@@ -145,24 +149,25 @@ class Trainer:
     # -- data -------------------------------------------------------------------------------------
     def prepare_data(self) -> None:
         cfg, d = self.cfg, self.cfg.data_config
-        self.samples = scan_image_folder(d.img_dir, d.caption_type, d.img_size, self.family.pixel_multiple)
-        sizes = sorted({s.size for s in self.samples})
-        logger.info(f"{len(self.samples)} images in {d.img_dir}; sizes {sizes}")
+        self.samples = self._scan_samples()
+        groups = sorted({(s.size, s.reference_sizes) for s in self.samples})
+        logger.info(f"{len(self.samples)} images in {d.img_dir}; sizes (target, references) {groups}")
         cache_dir = cfg.resolved_cache_dir if cfg.save_cache_on_disk else None
         self.text_cache = FeatureCache("text", cache_dir)
         self.latent_cache = FeatureCache("latents", cache_dir)
-        self.image_hashes = [s.content_hash() for s in self.samples] if cfg.precompute_image_embeddings else []
+        self.image_hashes = [s.content_hash() for s in self.samples]
+        self.reference_hashes = [tuple(file_hash(r) for r in s.references) for s in self.samples]
         # Rank 0 fills a disk cache first; the other ranks then find the entries there.
         with self.accelerator.main_process_first():
             if cfg.precompute_text_embeddings:
-                self._cache_text([s.caption for s in self.samples] + [""])
+                self._cache_text(self._text_requests())
             if cfg.precompute_image_embeddings:
                 self._cache_latents()
         if not cfg.precompute_text_embeddings:
             self.family.load_text_encoder(self.device, self.weight_dtype)
         if not cfg.precompute_image_embeddings:
             self.family.load_vae(self.device, self.weight_dtype)
-        self.sampler = SizeGroupedBatchSampler([s.size for s in self.samples], d.train_batch_size,
+        self.sampler = SizeGroupedBatchSampler([s.group for s in self.samples], d.train_batch_size,
                                                shuffle=True, seed=cfg.seed or 0)
         dataset = ImageCaptionDataset(self.samples, load_pixels=not cfg.precompute_image_embeddings,
                                       random_ratio=d.random_ratio)
@@ -171,41 +176,81 @@ class Trainer:
             pin_memory=cfg.pin_memory and torch.cuda.is_available(), persistent_workers=d.num_workers > 0)
         self.dataloader = self.accelerator.prepare(loader)  # shards batches across processes
 
-    def _text_key(self, caption: str) -> str:
+    def _scan_samples(self) -> List[Sample]:
+        d, family = self.cfg.data_config, self.family
+        if not family.uses_references:
+            return scan_image_folder(d.img_dir, d.caption_type, d.img_size, family.pixel_multiple)
+        control_dirs = find_control_dirs(d.img_dir, d.control_dir, d.control_dirs)
+        if not control_dirs:
+            raise DataError(f"{family.name} trains on reference images: set data_config.control_dir (or "
+                            f"control_dirs), or put them in a control/ folder beside {d.img_dir}")
+        family.check_references(len(control_dirs))
+        logger.info(f"reference folders: {', '.join(map(str, control_dirs))}")
+        return scan_image_folder(d.img_dir, d.caption_type, d.img_size, family.pixel_multiple,
+                                 control_dirs, family.reference_size)
+
+    # A text condition depends on the caption and, for Edit, on the reference images it sees.
+    def _text_key(self, caption: str, index: int) -> str:
         f = self.family
-        return cache_key(f.name, f.model_path, self.cfg.revision, "text", self.weight_dtype, caption)
+        refs = self.reference_hashes[index] if f.uses_references else ()
+        return cache_key(f.name, f.model_path, self.cfg.revision, "text", self.weight_dtype, caption, *refs)
 
-    def _latent_key(self, index: int) -> str:
+    def _text_requests(self) -> List[tuple]:
+        """(caption, sample index) pairs to encode: every caption, and the empty prompt for dropout
+        (once, or once per sample when references make each one different)."""
+        requests = [(s.caption, i) for i, s in enumerate(self.samples)]
+        if self.family.uses_references:
+            return requests + ([("", i) for i in range(len(self.samples))]
+                               if self.cfg.data_config.caption_dropout_rate > 0 else [])
+        return requests + [("", 0)]
+
+    def _latent_key(self, index: int, slot: Optional[int] = None) -> str:
+        """Key of sample ``index``'s target latents, or of its reference number ``slot``."""
         f, s = self.family, self.samples[index]
-        return cache_key(f.name, f.model_path, self.cfg.revision, "latents", self.weight_dtype,
-                         self.image_hashes[index], s.size)
+        content, size = (self.image_hashes[index], s.size) if slot is None else \
+            (self.reference_hashes[index][slot], s.reference_sizes[slot])
+        return cache_key(f.name, f.model_path, self.cfg.revision, "latents", self.weight_dtype, content, size)
 
-    def _cache_text(self, captions: List[str]) -> None:
-        todo = sorted({c for c in captions if self._text_key(c) not in self.text_cache})
-        logger.info(f"text cache: {len(set(captions)) - len(todo)} cached, {len(todo)} to encode")
+    def _encode_text(self, captions: List[str], indices: List[int]) -> List[Dict[str, torch.Tensor]]:
+        if not self.family.uses_references:
+            return self.family.encode_prompts(captions)
+        refs = [[open_rgb(p) for p in self.samples[i].references] for i in indices]
+        return self.family.encode_prompts(captions, refs)
+
+    def _cache_text(self, requests: List[tuple]) -> None:
+        todo = list({self._text_key(c, i): (c, i) for c, i in requests
+                     if self._text_key(c, i) not in self.text_cache}.values())
+        logger.info(f"text cache: {len(requests) - len(todo)} cached, {len(todo)} to encode")
         if not todo:
             return
         self.family.load_text_encoder(self.device, self.weight_dtype)
         for start in tqdm(range(0, len(todo), ENCODE_BATCH), desc="encoding captions",
                           disable=not self.is_main):
-            chunk = todo[start:start + ENCODE_BATCH]
-            for caption, cond in zip(chunk, self.family.encode_prompts(chunk)):
-                self.text_cache.put(self._text_key(caption), cond)
+            captions, indices = map(list, zip(*todo[start:start + ENCODE_BATCH]))
+            for caption, index, cond in zip(captions, indices, self._encode_text(captions, indices)):
+                self.text_cache.put(self._text_key(caption, index), cond)
         self.family.unload_text_encoder()
         logger.info("text encoder released")
 
     def _cache_latents(self) -> None:
-        todo = [i for i in range(len(self.samples)) if self._latent_key(i) not in self.latent_cache]
-        logger.info(f"latent cache: {len(self.samples) - len(todo)} cached, {len(todo)} to encode")
+        slots = [(i, k) for i, s in enumerate(self.samples) for k in [None, *range(len(s.references))]]
+        todo = [(i, k) for i, k in slots if self._latent_key(i, k) not in self.latent_cache]
+        logger.info(f"latent cache: {len(slots) - len(todo)} cached, {len(todo)} to encode")
         if not todo:
             return
         self.family.load_vae(self.device, self.weight_dtype)
-        for index in tqdm(todo, desc="encoding images", disable=not self.is_main):
+        for index, slot in tqdm(todo, desc="encoding images", disable=not self.is_main):
             # One image per call: sizes differ between images, and the VAE is the memory peak here.
-            pixels = load_image(self.samples[index]).unsqueeze(0)
-            self.latent_cache.put(self._latent_key(index), {"latents": self.family.encode_images(pixels)[0]})
+            latents = self._encode_image(index, slot)
+            self.latent_cache.put(self._latent_key(index, slot), {"latents": latents[0]})
         self.family.unload_vae()
         logger.info("VAE released")
+
+    def _encode_image(self, index: int, slot: Optional[int]) -> torch.Tensor:
+        sample = self.samples[index]
+        pixels = load_image(sample) if slot is None else \
+            pixels_at(open_rgb(sample.references[slot]), sample.reference_sizes[slot])
+        return self.family.encode_images(pixels.unsqueeze(0))
 
     # -- model ------------------------------------------------------------------------------------
     def setup_model(self) -> None:
@@ -297,16 +342,17 @@ class Trainer:
         gen = torch.Generator().manual_seed((cfg.seed or 0) * 1_000_003 + micro_step * 7919
                                             + self.accelerator.process_index)
         latents = self._batch_latents(batch)
+        references = self._batch_references(batch["index"])
         b = latents.shape[0]
         drop = (torch.rand(b, generator=gen) < cfg.data_config.caption_dropout_rate).tolist()
-        text = self._batch_text(batch["caption"], drop)
+        text = self._batch_text(batch["caption"], batch["index"], drop)
         noise = torch.randn(latents.shape, generator=gen).to(self.device)
         sigmas = sample_sigmas(b, cfg.timestep_sampling, gen, cfg.logit_mean, cfg.logit_std, cfg.mode_scale)
         sigmas = apply_shift(sigmas, cfg.timestep_shift, self.family.image_seq_len(latents.shape),
                              self.family.scheduler_config, cfg.shift).to(self.device)
         noisy = add_noise(latents, noise, sigmas).to(self.weight_dtype)
         with self.accelerator.autocast():
-            prediction = self.family.predict(self.transformer, noisy, sigmas, text)
+            prediction = self.family.predict(self.transformer, noisy, sigmas, text, references)
         return flow_matching_loss(prediction, velocity_target(latents, noise), sigmas, cfg.loss_weighting)
 
     def _batch_latents(self, batch: Dict[str, Any]) -> torch.Tensor:
@@ -315,12 +361,22 @@ class Trainer:
             return torch.stack(latents).to(self.device, torch.float32)
         return self.family.encode_images(batch["pixels"]).to(self.device, torch.float32)
 
-    def _batch_text(self, captions: List[str], drop: List[bool]) -> Dict[str, Any]:
+    def _batch_references(self, indices: List[int]) -> List[torch.Tensor]:
+        """One ``(B, C, h, w)`` tensor per reference slot (samples of a batch share their sizes)."""
+        slots = len(self.samples[indices[0]].references)
+        if self.cfg.precompute_image_embeddings:
+            fetch = lambda i, k: self.latent_cache.get(self._latent_key(i, k))["latents"]  # noqa: E731
+        else:
+            fetch = lambda i, k: self._encode_image(i, k)[0]  # noqa: E731
+        return [torch.stack([fetch(i, k) for i in indices]).to(self.device, self.weight_dtype)
+                for k in range(slots)]
+
+    def _batch_text(self, captions: List[str], indices: List[int], drop: List[bool]) -> Dict[str, Any]:
         captions = ["" if d else c for c, d in zip(captions, drop)]
         if self.cfg.precompute_text_embeddings:
-            conds = [self.text_cache.get(self._text_key(c)) for c in captions]
+            conds = [self.text_cache.get(self._text_key(c, i)) for c, i in zip(captions, indices)]
         else:
-            conds = self.family.encode_prompts(captions)
+            conds = self._encode_text(captions, indices)
         return self.family.collate_text(conds, self.device, self.weight_dtype)
 
     def _clip_gradients(self) -> Optional[float]:

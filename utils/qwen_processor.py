@@ -5,7 +5,7 @@ torchvision. Where torchvision is missing (or broken beside a CPU torch), `load_
 back to `Qwen2VLImageTextProcessor`: the same processor without the video part, which is all the Edit
 pipelines use. Works for real checkpoints (their `processor/` folder) and for the tiny test models.
 
-Saving: a pipeline that holds the fallback processor records `utils.tiny_models.qwen_processor` in its
+Saving: a pipeline that holds the fallback processor records `utils.qwen_processor` in its
 model_index.json and writes transformers 5's `processor_config.json`; write the processor with
 `save_qwen_vl_processor` and fix the index with `record_standard_processor` to keep the real layout.
 """

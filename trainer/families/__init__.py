@@ -9,9 +9,11 @@ from trainer.errors import ConfigError
 from trainer.families.base import ModelFamily
 from trainer.families.flux import FluxFamily
 from trainer.families.qwen_image import QwenImageFamily
+from trainer.families.qwen_image_edit import QwenImageEditFamily
 
 FAMILIES: Dict[str, type] = {
     QwenImageFamily.name: QwenImageFamily,
+    QwenImageEditFamily.name: QwenImageEditFamily,
     FluxFamily.name: FluxFamily,
 }
 

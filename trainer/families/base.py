@@ -27,14 +27,18 @@ class ModelFamily(Protocol):
     pipeline_class: ClassVar[type]  # the diffusers pipeline that renders and loads LoRA files
     lora_presets: ClassVar[Mapping[str, TargetSpec]]
 
+    uses_references: ClassVar[bool]  # Edit-style: reference images condition the prompt and the latents
+
     model_path: str
     pixel_multiple: int  # image sides must be multiples of this
     scheduler_config: Mapping[str, Any]
 
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None: ...
     def unload_text_encoder(self) -> None: ...
-    def encode_prompts(self, prompts: Sequence[str]) -> List[Tensors]:
-        """One dict of CPU-cacheable tensors per prompt (no batch axis, no padding)."""
+    def encode_prompts(self, prompts: Sequence[str], references: Optional[Sequence[Sequence[Any]]] = None,
+                       ) -> List[Tensors]:
+        """One dict of CPU-cacheable tensors per prompt (no batch axis, no padding). Families that
+        use references get each prompt's reference PIL images."""
     def collate_text(self, conds: Sequence[Tensors], device: torch.device, dtype: torch.dtype) -> Tensors:
         """Batch per-sample text conditions (padding with a mask where lengths differ)."""
 
@@ -47,9 +51,15 @@ class ModelFamily(Protocol):
     def image_seq_len(self, latent_shape: Sequence[int]) -> int:
         """Number of image tokens for a latent shape (drives the resolution-dependent shift)."""
     def predict(
-        self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors
+        self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
+        references: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
-        """The transformer's velocity prediction in the latents' own ``(B, C, H, W)`` layout."""
+        """The transformer's velocity prediction in the latents' own ``(B, C, H, W)`` layout;
+        ``references`` are clean reference latents, one ``(B, C, h, w)`` tensor per reference slot."""
+
+    # Families with ``uses_references`` also provide:
+    #   reference_size(width, height) -> (w, h)   the VAE size of a reference image
+    #   check_references(count) -> None           raise ConfigError when the pipeline takes fewer
 
 
 def resolve_model_path(name_or_path: str) -> str:

@@ -37,6 +37,7 @@ class QwenImageFamily:
     pipeline_class: ClassVar[type] = QwenImagePipeline
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = QWEN_LORA_PRESETS
     max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
+    uses_references: ClassVar[bool] = False
 
     def __init__(self, cfg: TrainConfig):
         self.model_path = resolve_model_path(cfg.pretrained_model_name_or_path)
@@ -66,7 +67,7 @@ class QwenImageFamily:
         release()
 
     @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> List[Tensors]:
+    def encode_prompts(self, prompts: Sequence[str], references: None = None) -> List[Tensors]:
         assert self.text_pipe is not None, "load_text_encoder() first"
         device = self.text_pipe.text_encoder.device
         embeds, mask = self.text_pipe.encode_prompt(
@@ -124,16 +125,24 @@ class QwenImageFamily:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
 
     def predict(
-        self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors
+        self,
+        transformer: torch.nn.Module,
+        noisy_latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        text: Tensors,
+        references: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
         b, c, h, w = noisy_latents.shape
-        packed = QwenImagePipeline._pack_latents(noisy_latents, b, c, h, w)
+        # Edit: reference latents follow the noisy target in the image sequence, each listed in
+        # img_shapes; only the target's tokens are the prediction.
+        latents = [noisy_latents, *[r.to(noisy_latents.dtype) for r in references]]
+        packed = torch.cat([QwenImagePipeline._pack_latents(x, b, c, *x.shape[-2:]) for x in latents], dim=1)
         out = transformer(
             hidden_states=packed,
             timestep=sigmas.to(packed.device, packed.dtype),  # the pipeline's t / 1000
             encoder_hidden_states=text["prompt_embeds"],
             encoder_hidden_states_mask=text["prompt_embeds_mask"],
-            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            img_shapes=[[(1, x.shape[-2] // 2, x.shape[-1] // 2) for x in latents]] * b,
             return_dict=False,
         )[0]
         return unpack_latents(out[:, : (h // 2) * (w // 2)], c, h, w)

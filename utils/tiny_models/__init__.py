@@ -15,7 +15,7 @@ from pathlib import Path
 from .flux import build_tiny_flux
 from .qwen_image import build_tiny_qwen_image
 from .qwen_image_edit import build_tiny_qwen_image_edit
-from .qwen_processor import load_qwen_vl_processor, record_standard_processor, save_qwen_vl_processor
+from utils.qwen_processor import load_qwen_vl_processor, record_standard_processor, save_qwen_vl_processor
 
 _BUILDERS: dict[str, Callable[[Path, int], Path]] = {
     "qwen_image": build_tiny_qwen_image,

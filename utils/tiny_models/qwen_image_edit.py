@@ -10,7 +10,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from ._common import save_pipeline
 from .qwen_image import qwen_image_components
-from .qwen_processor import Qwen2VLImageTextProcessor, record_standard_processor, save_qwen_vl_processor
+from utils.qwen_processor import Qwen2VLImageTextProcessor, record_standard_processor, save_qwen_vl_processor
 
 # Factor 28 = patch 14 * merge 2 (must match the vision config). The real checkpoint allows up to 12.8 Mpx;
 # here a reference image becomes 56x56..112x112 px, i.e. 4..16 `<|image_pad|>` tokens.
@@ -22,7 +22,7 @@ def build_tiny_qwen_image_edit(out_dir: str | Path, seed: int = 0, plus: bool = 
     """Build a tiny Qwen-Image-Edit (or Edit-Plus with `plus=True`) pipeline into `out_dir`.
 
     Load it with `QwenImageEdit[Plus]Pipeline.from_pretrained(out_dir, processor=load_qwen_vl_processor(out_dir))`;
-    without torchvision the processor must be passed in like that (see qwen_processor.py).
+    without torchvision the processor must be passed in like that (see utils/qwen_processor.py).
     """
     components = qwen_image_components(seed)
     image_processor = Qwen2VLImageProcessorPil(
