@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from trainer.config import TrainConfig, load_config
 from trainer.errors import ConfigError
@@ -22,14 +23,23 @@ def base(data_dir: Path) -> list:
     return [f"data_config.img_dir={data_dir}", "pretrained_model_name_or_path=Qwen/Qwen-Image"]
 
 
+ENTRY_FAMILIES = {"train.py": "qwen_image", "train_4090.py": "qwen_image", "train_full_qwen_image.py": "qwen_image",
+                  "train_flux_lora.py": "flux", "train_qwen_edit_lora.py": "qwen_image_edit"}
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_every_shipped_yaml_fits_the_schema(path: Path, data_dir: Path) -> None:
-    text = path.read_text()
-    assert text.startswith("#") and "--config train_configs/" + path.name in text.splitlines()[1], \
+    command = path.read_text().splitlines()[1]
+    assert path.read_text().startswith("#") and f"--config train_configs/{path.name}" in command, \
         "each YAML opens with a comment giving the command that runs it"
-    # The data folder of a shipped profile is the user's; point it at an existing one to validate.
-    cfg = load_config(path, [f"data_config.img_dir={data_dir}"], default_family="qwen_image")
-    assert cfg.family == "qwen_image"
+    script = next(word for word in command.split() if word.endswith(".py"))
+    assert (ROOT / script).is_file(), f"{path.name} names {script}, which does not exist"
+    # The data folders of a shipped profile are the user's; point them at an existing one to validate.
+    raw = OmegaConf.load(path)
+    folders = [f"data_config.img_dir={data_dir}"] + \
+        ([f"data_config.control_dir={data_dir}"] if raw.data_config.get("control_dir") else [])
+    cfg = load_config(path, folders, default_family=ENTRY_FAMILIES[script])
+    assert cfg.family == ENTRY_FAMILIES[script]
     assert cfg.max_train_steps >= 1
 
 

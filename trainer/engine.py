@@ -42,6 +42,9 @@ from trainer.errors import ConfigError, DataError, UserError
 from trainer.families import get_family
 from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.platform import choose_attention, configure_device, maybe_fp8, prepare_environment
+from utils.attention import sdpa_context
+from utils.memory_monitor import MemoryMonitor
 
 ENCODE_BATCH = 8  # prompts / images per encoder call in the cache pass
 METRICS_NAME = "metrics.jsonl"
@@ -71,6 +74,7 @@ class Trainer:
         cfg = self.cfg
         resume_from = self._check_output_dir()
         self.trackers = self._trackers()
+        self.policy = prepare_environment(cfg)  # before CUDA starts: allocator settings
         self.accelerator = Accelerator(
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             # The launcher's --mixed_precision wins; the YAML value applies to plain `python train.py`.
@@ -84,6 +88,8 @@ class Trainer:
         self.weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
             self.accelerator.mixed_precision, torch.float32)
         self._setup_logging()
+        configure_device(cfg, self.policy)
+        self.monitor = MemoryMonitor(writer=lambda tag, value, step: self.accelerator.log({tag: value}, step=step))
         if cfg.seed is not None:
             set_seed(cfg.seed)
         self.family = get_family(cfg)
@@ -158,14 +164,14 @@ class Trainer:
         self.image_hashes = [s.content_hash() for s in self.samples]
         self.reference_hashes = [tuple(file_hash(r) for r in s.references) for s in self.samples]
         # Rank 0 fills a disk cache first; the other ranks then find the entries there.
-        with self.accelerator.main_process_first():
+        with self.accelerator.main_process_first(), self.monitor.phase("cache_pass"):
             if cfg.precompute_text_embeddings:
                 self._cache_text(self._text_requests())
             if cfg.precompute_image_embeddings:
                 self._cache_latents()
-        if not cfg.precompute_text_embeddings:
+        if not cfg.precompute_text_embeddings and self.family.text_pipe is None:
             self.family.load_text_encoder(self.device, self.weight_dtype)
-        if not cfg.precompute_image_embeddings:
+        if not cfg.precompute_image_embeddings and self.family.vae is None:
             self.family.load_vae(self.device, self.weight_dtype)
         self.sampler = SizeGroupedBatchSampler([s.group for s in self.samples], d.train_batch_size,
                                                shuffle=True, seed=cfg.seed or 0)
@@ -173,7 +179,7 @@ class Trainer:
                                       random_ratio=d.random_ratio)
         loader = torch.utils.data.DataLoader(
             dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=d.num_workers,
-            pin_memory=cfg.pin_memory and torch.cuda.is_available(), persistent_workers=d.num_workers > 0)
+            pin_memory=self.policy.pin_memory, persistent_workers=d.num_workers > 0)
         self.dataloader = self.accelerator.prepare(loader)  # shards batches across processes
 
     def _scan_samples(self) -> List[Sample]:
@@ -229,8 +235,9 @@ class Trainer:
             captions, indices = map(list, zip(*todo[start:start + ENCODE_BATCH]))
             for caption, index, cond in zip(captions, indices, self._encode_text(captions, indices)):
                 self.text_cache.put(self._text_key(caption, index), cond)
-        self.family.unload_text_encoder()
-        logger.info("text encoder released")
+        if not self.policy.keep_encoders:
+            self.family.unload_text_encoder()
+            logger.info("text encoder released")
 
     def _cache_latents(self) -> None:
         slots = [(i, k) for i, s in enumerate(self.samples) for k in [None, *range(len(s.references))]]
@@ -243,8 +250,9 @@ class Trainer:
             # One image per call: sizes differ between images, and the VAE is the memory peak here.
             latents = self._encode_image(index, slot)
             self.latent_cache.put(self._latent_key(index, slot), {"latents": latents[0]})
-        self.family.unload_vae()
-        logger.info("VAE released")
+        if not self.policy.keep_encoders:
+            self.family.unload_vae()
+            logger.info("VAE released")
 
     def _encode_image(self, index: int, slot: Optional[int]) -> torch.Tensor:
         sample = self.samples[index]
@@ -255,9 +263,12 @@ class Trainer:
     # -- model ------------------------------------------------------------------------------------
     def setup_model(self) -> None:
         cfg = self.cfg
-        transformer = self.family.load_transformer(self.weight_dtype).to(self.device)
+        with self.monitor.phase("load_transformer"):
+            transformer = self.family.load_transformer(self.weight_dtype).to(self.device)
         if not cfg.disable_gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
+        self.attention = choose_attention(cfg, transformer)
+        maybe_fp8(cfg, transformer)
         add_lora(transformer, cfg, self.family.lora_presets)
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         optimizer = build_optimizer(cfg, self.params)
@@ -295,11 +306,21 @@ class Trainer:
 
     # -- loop -------------------------------------------------------------------------------------
     def train(self) -> None:
-        cfg, acc = self.cfg, self.accelerator
+        cfg = self.cfg
         progress = tqdm(total=cfg.max_train_steps, initial=self.global_step, desc="training",
                         disable=not self.is_main, dynamic_ncols=True)
         self.transformer.train()
         start, first_step = time.perf_counter(), self.global_step
+        with self.monitor.phase("train_loop", self.global_step), sdpa_context(self.attention):
+            self._loop(progress)
+        progress.close()
+        steps = self.global_step - first_step
+        if steps:
+            elapsed = time.perf_counter() - start
+            logger.info(f"trained {steps} steps in {elapsed:.1f} s ({elapsed / steps:.3f} s/step)")
+
+    def _loop(self, progress: tqdm) -> None:
+        cfg, acc = self.cfg, self.accelerator
         while self.global_step < cfg.max_train_steps:
             self.sampler.set_epoch(self.epoch)
             loader = acc.skip_first_batches(self.dataloader, self.batches_done_in_epoch * cfg.gradient_accumulation_steps) \
@@ -329,11 +350,6 @@ class Trainer:
             else:
                 self.epoch += 1
                 self.batches_done_in_epoch = 0
-        progress.close()
-        steps = self.global_step - first_step
-        if steps:
-            elapsed = time.perf_counter() - start
-            logger.info(f"trained {steps} steps in {elapsed:.1f} s ({elapsed / steps:.3f} s/step)")
 
     def training_step(self, batch: Dict[str, Any], micro_step: int) -> torch.Tensor:
         """Flow-matching loss of one micro-batch. Randomness comes from a generator seeded by the
@@ -421,6 +437,7 @@ class Trainer:
         if self.is_main:
             final = self._save_lora(self.output_dir)
             logger.info(f"LoRA saved to {final}")
+            self.monitor.log_summary()
         self.accelerator.end_training()
         return final
 

@@ -1,0 +1,88 @@
+"""The platform layer's config switches change what the engine does (not islands)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from loguru import logger
+
+from trainer.config import TrainConfig, load_config
+from trainer.engine import Trainer
+from trainer.platform import choose_attention, maybe_fp8, prepare_environment, requested_features
+
+
+@pytest.fixture
+def logs():
+    lines: list = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
+    yield lines
+    logger.remove(sink)
+
+
+def test_unified_memory_sets_allocator_and_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    monkeypatch.setenv("QWEN_TRAINER_UNIFIED_MEMORY", "0")
+    policy = prepare_environment(TrainConfig(unified_memory=True))
+    import os
+
+    conf = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    assert "expandable_segments:True" in conf and "max_split_size_mb:512" in conf, "user setting kept"
+    assert policy.unified_memory and not policy.pin_memory and policy.keep_encoders
+
+
+def test_discrete_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QWEN_TRAINER_UNIFIED_MEMORY", "0")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    policy = prepare_environment(TrainConfig())
+    assert not policy.unified_memory and not policy.keep_encoders
+    assert policy.pin_memory == torch.cuda.is_available()
+    assert prepare_environment(TrainConfig(disable_cpu_offload=True)).keep_encoders
+
+
+def test_attention_switches(logs: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer.platform as platform
+
+    model = torch.nn.Linear(2, 2)
+    assert choose_attention(TrainConfig(attention_backend="math"), model).name == "math"
+    assert any("Attention backend: math" in line for line in logs)
+    seen = []
+    real = platform.select_attention_backend
+    monkeypatch.setattr(platform, "select_attention_backend",
+                        lambda requested, exclude: seen.append((requested, set(exclude))) or real(requested, exclude=exclude))
+    choose_attention(TrainConfig(), model)
+    cfg = TrainConfig()
+    cfg.cuda_features.enable_cudnn_sdp = False
+    cfg.cuda_features.enable_flash_attention_3 = True
+    choose_attention(cfg, model)
+    assert seen == [("auto", {"flash3"}), ("auto", {"cudnn"})]
+
+
+def test_fp8_without_support_says_so(logs: list) -> None:
+    cfg = TrainConfig()
+    cfg.cuda_features.enable_fp8_training = True
+    if torch.cuda.is_available():
+        pytest.skip("checks the message on machines without fp8 support")
+    assert maybe_fp8(cfg, torch.nn.Linear(16, 16)) is False
+    assert any("fp8 training needs an sm_89+ GPU" in line for line in logs)
+    assert "fp8" in requested_features(cfg)
+
+
+def test_engine_honours_offload_and_checkpointing_switches(tiny_qwen_image: Path, sample_data: Path,
+                                                           tmp_path: Path) -> None:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    cfg = load_config(Path("train_configs/quickstart_tiny.yaml"), [
+        f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
+        f"output_dir={tmp_path}", "max_train_steps=1", "report_to=none", "disable_cpu_offload=true",
+        "disable_gradient_checkpointing=true", "attention_backend=math"], default_family="qwen_image")
+    trainer = Trainer(cfg)
+    trainer.run()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert trainer.family.text_pipe is not None and trainer.family.vae is not None, "encoders kept resident"
+    assert not trainer.accelerator.unwrap_model(trainer.transformer).is_gradient_checkpointing
+    assert trainer.attention.name == "math"
+    summary = trainer.monitor.summary()
+    assert set(summary["phases"]) == {"cache_pass", "load_transformer", "train_loop"}
+    assert summary["peak"]["host_peak_rss_gib"] > 0.1
