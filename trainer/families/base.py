@@ -47,7 +47,10 @@ class ModelFamily(Protocol):
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """``(B, 3, H, W)`` in [-1, 1] -> normalised latents ``(B, C, H/f, W/f)``."""
 
-    def load_transformer(self, dtype: torch.dtype) -> torch.nn.Module: ...
+    def load_transformer(self, dtype: torch.dtype) -> torch.nn.Module:
+        """The transformer on the CPU (the engine places it, block by block)."""
+    def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
+        """The repeated blocks, in execution order (units of quantization and block swap)."""
     def image_seq_len(self, latent_shape: Sequence[int]) -> int:
         """Number of image tokens for a latent shape (drives the resolution-dependent shift)."""
     def predict(
@@ -111,3 +114,10 @@ def pad_sequences(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
         padded[i, : seq.shape[0]] = seq
         mask[i, : seq.shape[0]] = 1
     return padded, mask
+
+
+def unpack_latents(tokens: torch.Tensor, channels: int, height: int, width: int) -> torch.Tensor:
+    """Inverse of the pipelines' 2x2 ``_pack_latents``: ``(B, h*w/4, 4C)`` -> ``(B, C, h, w)``."""
+    b = tokens.shape[0]
+    x = tokens.reshape(b, height // 2, width // 2, channels, 2, 2)
+    return x.permute(0, 3, 1, 4, 2, 5).reshape(b, channels, height, width)

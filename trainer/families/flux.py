@@ -6,33 +6,43 @@ from __future__ import annotations
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from trainer.adapters import TargetSpec
 from trainer.config import TrainConfig
-from trainer.families.base import Tensors, from_pretrained, release, resolve_model_path
-from trainer.families.qwen_image import unpack_latents
+from trainer.families.base import Tensors, from_pretrained, release, resolve_model_path, unpack_latents
 
-_DOUBLE_ATTN = r"attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+T5_MAX_LENGTH = 512  # FLUX.1-dev's T5 context: FluxPipeline's default and its upper limit
+
+# Layer names inside a double-stream block (image + text streams) and a single-stream block (joint).
+_IMG_ATTN = r"attn\.(to_q|to_k|to_v|to_out\.0)"
+_TXT_ATTN = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
 _DOUBLE_MLP = r"(ff|ff_context)\.net\.(0\.proj|2)"
 _SINGLE_ATTN = r"attn\.(to_q|to_k|to_v)"
+# A single block's proj_out maps [attention, MLP] back to the hidden size: attention output and MLP
+# down-projection in one layer, so it belongs with the MLP.
 _SINGLE_MLP = r"proj_mlp|proj_out"
+# Outside the blocks. The guidance embedder is left out: training sees one guidance value, so a LoRA
+# there could only learn a shift that distorts every other value used at render time.
+_OUTER = r"x_embedder|context_embedder|proj_out|time_text_embed\.(timestep_embedder|text_embedder)\.linear_[12]"
 
 
-def _blocks(double: str, single: str, extra: str = "") -> str:
-    """A full-match regex over block layers. A bare ``proj_out`` suffix would also hit the model's
-    final output layer, so single-block layers are anchored to their block."""
+def _blocks(double: str, single: str, outer: str = "") -> str:
+    """One regex that peft full-matches against module names. Block layers are anchored to their
+    block: a bare ``proj_out`` suffix would also hit the model's final output layer."""
     pattern = rf"transformer_blocks\.\d+\.({double})|single_transformer_blocks\.\d+\.({single})"
-    return f"{pattern}|{extra}" if extra else pattern
+    return f"{pattern}|{outer}" if outer else pattern
 
 
 # Modulation (norm1.linear, norm1_context.linear, norm.linear, norm_out.linear) is never a target.
 FLUX_LORA_PRESETS: Dict[str, TargetSpec] = {
-    "attention": _blocks(_DOUBLE_ATTN, _SINGLE_ATTN),
-    "attention_mlp": _blocks(f"{_DOUBLE_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_ATTN}|{_SINGLE_MLP}"),
-    "all_linear": _blocks(f"{_DOUBLE_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_ATTN}|{_SINGLE_MLP}",
-                          extra=r"x_embedder|context_embedder|proj_out"),
+    # FlyMyAI's FLUX targets (to_q/to_k/to_v/to_out.0): image-stream attention in double blocks,
+    # joint attention in single blocks.
+    "attention": _blocks(_IMG_ATTN, _SINGLE_ATTN),
+    "attention_mlp": _blocks(f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_ATTN}|{_SINGLE_MLP}"),
+    "all_linear": _blocks(f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_ATTN}|{_SINGLE_MLP}", _OUTER),
 }
 
 
@@ -42,7 +52,7 @@ class FluxFamily:
     name: ClassVar[str] = "flux"
     pipeline_class: ClassVar[type] = FluxPipeline
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = FLUX_LORA_PRESETS
-    max_sequence_length: ClassVar[int] = 512  # FLUX.1-dev's T5 length
+    uses_references: ClassVar[bool] = False
 
     def __init__(self, cfg: TrainConfig):
         self.model_path = resolve_model_path(cfg.pretrained_model_name_or_path)
@@ -52,35 +62,50 @@ class FluxFamily:
             AutoencoderKL.load_config, self.model_path, "vae", revision=revision)
         self.scheduler_config: Mapping[str, Any] = from_pretrained(
             FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=revision)
-        self.pixel_multiple = 2 ** (len(self.vae_config["block_out_channels"]) - 1) * 2
+        vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # as FluxPipeline
+        self.pixel_multiple = vae_scale_factor * 2  # the transformer packs 2x2 latent patches
+        # Tokenizers are small and fix the T5 length, which must equal the render-time length: the
+        # pipeline pads T5 input to it and FLUX attends to the padding (no mask), so it shapes the
+        # conditioning. 512 for FLUX.1-dev; less only where the checkpoint's tokenizer says so.
+        self.tokenizer: CLIPTokenizer = from_pretrained(
+            CLIPTokenizer.from_pretrained, self.model_path, "tokenizer", revision=revision)
+        self.tokenizer_2: T5TokenizerFast = from_pretrained(
+            T5TokenizerFast.from_pretrained, self.model_path, "tokenizer_2", revision=revision)
+        self.max_sequence_length: int = min(T5_MAX_LENGTH, self.tokenizer_2.model_max_length)
         self.text_pipe: Optional[FluxPipeline] = None
         self.vae: Optional[AutoencoderKL] = None
 
     # -- text -------------------------------------------------------------------------------------
+    def _load_encoder(self, cls: type, subfolder: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+        encoder = from_pretrained(cls.from_pretrained, self.model_path, subfolder, revision=self.revision,
+                                  dtype=dtype)
+        return encoder.requires_grad_(False).eval().to(device)
+
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
-        load = lambda cls, sub, **kw: from_pretrained(cls.from_pretrained, self.model_path, sub,  # noqa: E731
-                                                      revision=self.revision, **kw)
-        clip, t5 = load(CLIPTextModel, "text_encoder", dtype=dtype), load(T5EncoderModel, "text_encoder_2", dtype=dtype)
-        for encoder in (clip, t5):
-            encoder.requires_grad_(False).eval().to(device)
-        self.text_pipe = FluxPipeline(scheduler=None, vae=None, text_encoder=clip,
-                                      tokenizer=load(CLIPTokenizer, "tokenizer"), text_encoder_2=t5,
-                                      tokenizer_2=load(T5TokenizerFast, "tokenizer_2"), transformer=None)
+        # The pipeline's own encode_prompt holds CLIP pooling and T5 padding: reuse, don't copy.
+        self.text_pipe = FluxPipeline(
+            scheduler=None, vae=None, transformer=None,
+            text_encoder=self._load_encoder(CLIPTextModel, "text_encoder", device, dtype),
+            tokenizer=self.tokenizer,
+            text_encoder_2=self._load_encoder(T5EncoderModel, "text_encoder_2", device, dtype),
+            tokenizer_2=self.tokenizer_2,
+        )
 
     def unload_text_encoder(self) -> None:
         self.text_pipe = None
         release()
 
     @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> List[Tensors]:
+    def encode_prompts(self, prompts: Sequence[str], references: None = None) -> List[Tensors]:
         assert self.text_pipe is not None, "load_text_encoder() first"
         embeds, pooled, _ = self.text_pipe.encode_prompt(
             list(prompts), prompt_2=None, device=self.text_pipe.text_encoder.device,
             max_sequence_length=self.max_sequence_length)
+        # Padding is kept: FLUX sees the padded T5 sequence at render time too.
         return [{"prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i]} for i in range(len(prompts))]
 
     def collate_text(self, conds: Sequence[Tensors], device: torch.device, dtype: torch.dtype) -> Tensors:
-        # T5 embeddings are padded to max_sequence_length by the tokenizer: they stack as they are.
+        # Every T5 sequence is max_sequence_length long, so the batch stacks without a mask.
         return {key: torch.stack([c[key] for c in conds]).to(device, dtype)
                 for key in ("prompt_embeds", "pooled_prompt_embeds")}
 
@@ -97,12 +122,13 @@ class FluxFamily:
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         assert self.vae is not None, "load_vae() first"
+        # The distribution's mode, not a sample: a cached latent must be the same on every run.
         latents = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist.mode()
         return (latents - self.vae_config["shift_factor"]) * self.vae_config["scaling_factor"]
 
     @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised latents -> images in [-1, 1]."""
+        """Normalised latents -> images in [-1, 1] (used by tests and previews)."""
         assert self.vae is not None, "load_vae() first"
         latents = latents.to(self.vae.device, self.vae.dtype)
         return self.vae.decode(latents / self.vae_config["scaling_factor"] + self.vae_config["shift_factor"]).sample
@@ -112,33 +138,39 @@ class FluxFamily:
         return from_pretrained(FluxTransformer2DModel.from_pretrained, self.model_path, "transformer",
                                revision=self.revision, dtype=dtype)
 
+    def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
+        """The double- then single-stream blocks (units of quantization, block swap, checkpointing)."""
+        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
     def image_seq_len(self, latent_shape: Sequence[int]) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
 
     def predict(
-        self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors
+        self,
+        transformer: torch.nn.Module,
+        noisy_latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        text: Tensors,
+        references: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
+        if len(references):
+            raise ValueError("FLUX.1-dev text-to-image takes no reference latents")
         b, c, h, w = noisy_latents.shape
         device, dtype = noisy_latents.device, noisy_latents.dtype
         packed = FluxPipeline._pack_latents(noisy_latents, b, c, h, w)
-        config = _config(transformer)
+        # FLUX.1-dev embeds the guidance value (the transformer scales it by 1000 as it does t);
+        # schnell-like checkpoints have no guidance embedding and take None.
         guidance = torch.full((b,), self.guidance, device=device, dtype=torch.float32) \
-            if config.guidance_embeds else None
+            if extract_model_from_parallel(transformer).config.guidance_embeds else None
         out = transformer(
             hidden_states=packed,
             timestep=sigmas.to(device, dtype),  # the pipeline's t / 1000
             guidance=guidance,
             pooled_projections=text["pooled_prompt_embeds"],
             encoder_hidden_states=text["prompt_embeds"],
+            # Text tokens sit at position 0; image tokens at their (row, column) in the packed grid.
             txt_ids=torch.zeros(text["prompt_embeds"].shape[1], 3, device=device, dtype=dtype),
             img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
             return_dict=False,
         )[0]
         return unpack_latents(out, c, h, w)
-
-
-def _config(transformer: torch.nn.Module) -> Any:
-    """The diffusers config of a transformer that may be wrapped (DDP, torch.compile)."""
-    while not hasattr(transformer, "config") and hasattr(transformer, "module"):
-        transformer = transformer.module
-    return transformer.config

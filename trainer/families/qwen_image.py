@@ -15,7 +15,15 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from trainer.adapters import TargetSpec
 from trainer.config import TrainConfig
-from trainer.families.base import Tensors, from_pretrained, pad_sequences, release, resolve_model_path
+from trainer.families.base import (
+    Tensors,
+    from_pretrained,
+    pad_sequences,
+    release,
+    resolve_model_path,
+    unpack_latents,
+)
+from trainer.quantization import place, text_encoder_spec
 
 _IMG_ATTN = ["to_q", "to_k", "to_v", "to_out.0"]
 _TXT_ATTN = ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -48,6 +56,7 @@ class QwenImageFamily:
             FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=revision)
         self.vae_scale_factor = 2 ** len(self.vae_config["temperal_downsample"])
         self.pixel_multiple = self.vae_scale_factor * 2  # the transformer packs 2x2 latent patches
+        self.encoder_quantization = text_encoder_spec(cfg)
         self.text_pipe: Optional[QwenImagePipeline] = None
         self.vae: Optional[AutoencoderKLQwenImage] = None
 
@@ -55,12 +64,15 @@ class QwenImageFamily:
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
         tokenizer = from_pretrained(Qwen2Tokenizer.from_pretrained, self.model_path, "tokenizer",
                                     revision=self.revision)
-        encoder = from_pretrained(Qwen2_5_VLForConditionalGeneration.from_pretrained, self.model_path,
-                                  "text_encoder", revision=self.revision, dtype=dtype)
-        encoder.requires_grad_(False).eval().to(device)
+        encoder = self._load_encoder(device, dtype)
         # The pipeline's own encode_prompt holds the template and the token drop: reuse, don't copy.
         self.text_pipe = QwenImagePipeline(scheduler=None, vae=None, text_encoder=encoder,
                                            tokenizer=tokenizer, transformer=None)
+
+    def _load_encoder(self, device: torch.device, dtype: torch.dtype) -> Qwen2_5_VLForConditionalGeneration:
+        encoder = from_pretrained(Qwen2_5_VLForConditionalGeneration.from_pretrained, self.model_path,
+                                  "text_encoder", revision=self.revision, dtype=dtype)
+        return place(encoder.requires_grad_(False).eval(), device, self.encoder_quantization, what="text encoder")
 
     def unload_text_encoder(self) -> None:
         self.text_pipe = None
@@ -121,6 +133,10 @@ class QwenImageFamily:
         return from_pretrained(QwenImageTransformer2DModel.from_pretrained, self.model_path, "transformer",
                                revision=self.revision, dtype=dtype)
 
+    def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
+        """The repeated blocks (units of quantization, block swap and checkpointing)."""
+        return list(transformer.transformer_blocks)
+
     def image_seq_len(self, latent_shape: Sequence[int]) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
 
@@ -147,9 +163,3 @@ class QwenImageFamily:
         )[0]
         return unpack_latents(out[:, : (h // 2) * (w // 2)], c, h, w)
 
-
-def unpack_latents(tokens: torch.Tensor, channels: int, height: int, width: int) -> torch.Tensor:
-    """Inverse of the pipelines' 2x2 ``_pack_latents``: ``(B, h*w/4, 4C)`` -> ``(B, C, h, w)``."""
-    b = tokens.shape[0]
-    x = tokens.reshape(b, height // 2, width // 2, channels, 2, 2)
-    return x.permute(0, 3, 1, 4, 2, 5).reshape(b, channels, height, width)

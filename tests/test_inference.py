@@ -1,0 +1,84 @@
+"""inference.py renders every family from its folder, with and without a LoRA, and refuses bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from accelerate.state import AcceleratorState
+from PIL import Image
+
+from conftest import ROOT
+from trainer.config import load_config
+from trainer.engine import Trainer
+
+pytestmark = pytest.mark.e2e
+
+
+def infer(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "inference.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def rendered(result: subprocess.CompletedProcess, out: Path, pipeline: str) -> np.ndarray:
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["pipeline"] == pipeline
+    image = np.asarray(Image.open(out), dtype=np.float64)
+    assert image.shape == (64, 64, 3) and image.std() > 1.0
+    return image
+
+
+@pytest.fixture(scope="module")
+def qwen_lora(tiny_qwen_image: Path, sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lora")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    Trainer(load_config(ROOT / "train_configs/quickstart_tiny.yaml", [
+        f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
+        f"output_dir={out}", "max_train_steps=10", "learning_rate=5e-3", "report_to=none"],
+        default_family="qwen_image")).run()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return out / "pytorch_lora_weights.safetensors"
+
+
+def test_qwen_image_with_and_without_lora(tiny_qwen_image: Path, qwen_lora: Path, tmp_path: Path) -> None:
+    common = ["--model", str(tiny_qwen_image), "--prompt", "a red circle", "--width", "64", "--height", "64",
+              "--steps", "4", "--seed", "1"]
+    base = rendered(infer(*common, "--out", str(tmp_path / "base.png")), tmp_path / "base.png", "QwenImagePipeline")
+    lora = rendered(infer(*common, "--lora", str(qwen_lora), "--out", str(tmp_path / "lora.png")),
+                    tmp_path / "lora.png", "QwenImagePipeline")
+    zero = rendered(infer(*common, "--lora", str(qwen_lora), "--lora-scale", "0", "--out", str(tmp_path / "z.png")),
+                    tmp_path / "z.png", "QwenImagePipeline")
+    assert np.abs(lora - base).mean() > 0.5, "the LoRA changes the image"
+    assert np.abs(zero - base).mean() < 0.5, "scale 0 turns it off"
+
+
+def test_edit_plus_with_two_references(tiny_qwen_image_edit_plus: Path, edit_data_two_refs: Path,
+                                       tmp_path: Path) -> None:
+    root = edit_data_two_refs.parent
+    out = tmp_path / "edit.png"
+    result = infer("--model", str(tiny_qwen_image_edit_plus), "--image", str(root / "control_0" / "pair1.png"),
+                   "--image", str(root / "control_1" / "pair1.jpg"), "--prompt", "swap them", "--width", "64",
+                   "--height", "64", "--steps", "2", "--out", str(out))
+    rendered(result, out, "QwenImageEditPlusPipeline")
+
+
+def test_flux_renders(tiny_flux: Path, tmp_path: Path) -> None:
+    out = tmp_path / "flux.png"
+    result = infer("--model", str(tiny_flux), "--prompt", "a red circle", "--width", "64", "--height", "64",
+                   "--steps", "2", "--guidance", "3.5", "--out", str(out))
+    rendered(result, out, "FluxPipeline")
+
+
+def test_bad_inputs_are_one_line_errors(tiny_qwen_image: Path, tmp_path: Path) -> None:
+    result = infer("--model", str(tiny_qwen_image), "--prompt", "x", "--lora", str(tmp_path / "none.safetensors"),
+                   "--out", str(tmp_path / "x.png"))
+    assert result.returncode != 0 and "LoRA file" in result.stderr and "Traceback" not in result.stderr
+    result = infer("--model", str(tiny_qwen_image), "--prompt", "x", "--image", str(tmp_path / "r.png"),
+                   "--out", str(tmp_path / "x.png"))
+    assert result.returncode != 0 and "--image is for Qwen-Image-Edit" in result.stderr
