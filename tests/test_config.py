@@ -128,7 +128,8 @@ def test_wrong_type_names_key_and_value(data_dir: Path) -> None:
     ("mixed_precision=fp8", "key 'mixed_precision': value 'fp8' is not one of"),
     ("data_config.caption_dropout_rate=1.5", "must be in [0, 1]"),
     ("train_batch_size=4", "differs from data_config.train_batch_size 1"),
-    ("quantize=true", "quantized training is not yet supported"),
+    ("quantization.weights=qint2", "key 'quantization.weights': value 'qint2' is not one of qfloat8, qint8, qint4"),
+    ("blocks_to_swap=-1", "key 'blocks_to_swap': value -1 must be >= 0"),
 ])
 def test_impossible_values_are_named(data_dir: Path, override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as err:

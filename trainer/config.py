@@ -70,6 +70,14 @@ class CudaFeatures:
 
 
 @dataclass
+class QuantizationConfig:
+    """Weight quantization of the frozen transformer (used when ``quantize: true``)."""
+
+    backend: str = "quanto"  # quanto (optimum-quanto) | torchao
+    weights: str = "qfloat8"  # quanto: qfloat8 | qint8 | qint4; torchao: int8_weight_only | ...
+
+
+@dataclass
 class TrainConfig:
     """Every key the engine reads. Unknown keys are errors, never silently ignored."""
 
@@ -119,8 +127,11 @@ class TrainConfig:
     # Precision and memory
     mixed_precision: Optional[str] = None  # the launcher's --mixed_precision wins when given
     disable_gradient_checkpointing: bool = False
-    quantize: bool = False
-    disable_quantization: bool = False
+    quantize: bool = False  # FlyMyAI switch: quantize the transformer's block weights
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    quantize_text_encoder: bool = False  # also for the cache pass (Qwen's encoder is 16 GB in bf16)
+    disable_quantization: bool = False  # wins over quantize (the DGX Spark switch)
+    blocks_to_swap: int = 0  # transformer blocks kept in host memory, brought in just in time
 
     # Flow matching
     timestep_sampling: str = "logit_normal"
@@ -350,16 +361,29 @@ def validate(cfg: TrainConfig) -> List[str]:
     if d.random_ratio and cfg.precompute_image_embeddings:
         p.append("key 'data_config.random_ratio': a random crop needs live image encoding; "
                  "set precompute_image_embeddings: false (a cached latent has one fixed crop)")
+    p += _validate_quantization(cfg)
     p += _not_yet_supported(cfg)
+    return p
+
+
+def _validate_quantization(cfg: TrainConfig) -> List[str]:
+    from trainer.quantization import QUANTO_WEIGHTS, TORCHAO_WEIGHTS  # import here: it imports this module
+
+    q, p = cfg.quantization, []
+    formats = {"quanto": QUANTO_WEIGHTS, "torchao": tuple(TORCHAO_WEIGHTS)}
+    if q.backend not in formats:
+        p.append(f"key 'quantization.backend': value '{q.backend}' is not one of quanto, torchao")
+    elif q.weights not in formats[q.backend]:
+        p.append(f"key 'quantization.weights': value '{q.weights}' is not one of "
+                 f"{', '.join(formats[q.backend])} (for backend {q.backend})")
+    if cfg.blocks_to_swap < 0:
+        p.append(f"key 'blocks_to_swap': value {cfg.blocks_to_swap} must be >= 0")
     return p
 
 
 def _not_yet_supported(cfg: TrainConfig) -> List[str]:
     """Keys accepted for compatibility whose feature lands in a later issue: refuse, don't ignore."""
     p: List[str] = []
-    if cfg.quantize and not cfg.disable_quantization:
-        p.append("key 'quantize': quantized training is not yet supported by this version "
-                 "(set quantize: false)")
     if not cfg.disable_sampling:
         p.append("key 'disable_sampling': validation samples during training are not yet supported "
                  "(set disable_sampling: true and render with inference.py)")

@@ -42,7 +42,9 @@ from trainer.errors import ConfigError, DataError, UserError
 from trainer.families import get_family
 from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.block_swap import BlockSwapper
 from trainer.platform import choose_attention, configure_device, maybe_fp8, prepare_environment
+from trainer.quantization import check_available, place, quantization_spec
 from utils.attention import sdpa_context
 from utils.memory_monitor import MemoryMonitor
 
@@ -263,18 +265,29 @@ class Trainer:
     # -- model ------------------------------------------------------------------------------------
     def setup_model(self) -> None:
         cfg = self.cfg
+        spec = quantization_spec(cfg)
+        if spec is not None:
+            check_available(spec)
         with self.monitor.phase("load_transformer"):
-            transformer = self.family.load_transformer(self.weight_dtype).to(self.device)
+            transformer = self.family.load_transformer(self.weight_dtype)
+            blocks = self.family.blocks(transformer)
+            if cfg.blocks_to_swap > len(blocks):
+                raise ConfigError(f"key 'blocks_to_swap': value {cfg.blocks_to_swap} is more than the "
+                                  f"transformer's {len(blocks)} blocks")
+            place(transformer, self.device, spec, blocks, "transformer", host_blocks=cfg.blocks_to_swap)
         if not cfg.disable_gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         self.attention = choose_attention(cfg, transformer)
         maybe_fp8(cfg, transformer)
         add_lora(transformer, cfg, self.family.lora_presets)
+        _lora_to(transformer, self.device)  # frozen weights are where `place` put them
+        self.swapper = BlockSwapper(blocks, cfg.blocks_to_swap, self.device)
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         optimizer = build_optimizer(cfg, self.params)
         lr_scheduler = build_lr_scheduler(cfg, optimizer, self.accelerator.num_processes)
+        # The transformer is already placed (swapped blocks must stay in host memory).
         self.transformer, self.optimizer, self.lr_scheduler = self.accelerator.prepare(
-            transformer, optimizer, lr_scheduler)
+            transformer, optimizer, lr_scheduler, device_placement=[False, None, None])
         self.accelerator.register_save_state_pre_hook(self._save_model_hook)
         self.accelerator.register_load_state_pre_hook(self._load_model_hook)
         if self.resume_from is not None:
@@ -440,6 +453,13 @@ class Trainer:
             self.monitor.log_summary()
         self.accelerator.end_training()
         return final
+
+
+def _lora_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Move only the trainable (LoRA) weights; frozen ones stay where ``place`` put them."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.to(device)
 
 
 def _to_dict(cfg: TrainConfig) -> Dict[str, Any]:

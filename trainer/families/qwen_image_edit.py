@@ -20,7 +20,6 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
     calculate_dimensions,
 )
 from PIL import Image
-from transformers import Qwen2_5_VLForConditionalGeneration
 
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
@@ -59,9 +58,7 @@ class QwenImageEditFamily(QwenImageFamily):
 
     # -- text -------------------------------------------------------------------------------------
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
-        encoder = from_pretrained(Qwen2_5_VLForConditionalGeneration.from_pretrained, self.model_path,
-                                  "text_encoder", revision=self.revision, dtype=dtype)
-        encoder.requires_grad_(False).eval().to(device)
+        encoder = self._load_encoder(device, dtype)
         processor = from_pretrained(load_qwen_vl_processor, self.model_path, "processor", revision=self.revision)
         self.text_pipe = self.pipeline_class(scheduler=None, vae=None, text_encoder=encoder,
                                              tokenizer=processor.tokenizer, processor=processor, transformer=None)

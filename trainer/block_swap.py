@@ -1,0 +1,91 @@
+"""Block swap: the frozen weights of the last N transformer blocks live in host memory and are copied
+to the GPU just before each block runs (forward, and the recomputation in backward), then dropped.
+
+Only frozen tensors move: LoRA weights, their gradients and optimizer state stay on the GPU, and the
+host copy is the master (frozen weights never change), so nothing is copied back. On CUDA the next
+swapped block is prefetched on a side stream while the current one computes; on the CPU the
+"device" and the host are one, and the swap reduces to bookkeeping (so it is testable here).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from loguru import logger
+
+
+class BlockSwapper:
+    """Swap the frozen weights of ``blocks[-count:]`` between host and ``device``."""
+
+    def __init__(self, blocks: Sequence[torch.nn.Module], count: int, device: torch.device):
+        self.blocks = list(blocks)[len(blocks) - count:] if count else []
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.host: List[Dict[str, torch.Tensor]] = [self._host_copy(b) for b in self.blocks]
+        self.ready: Dict[int, Optional[torch.cuda.Event]] = {}
+        self.loads = 0  # how many times a block was brought in (tests and logs)
+        self.handles = []
+        for index, block in enumerate(self.blocks):
+            self._release(index)
+            self.handles.append(block.register_forward_pre_hook(lambda m, a, i=index: self._before(i)))
+            self.handles.append(block.register_forward_hook(lambda m, a, o, i=index: self._after(i)))
+        if self.blocks:
+            logger.info(f"block swap: {len(self.blocks)} of {len(blocks)} blocks kept in host memory")
+
+    def _host_copy(self, block: torch.nn.Module) -> Dict[str, torch.Tensor]:
+        frozen = {n: t for n, t in _frozen_tensors(block)}
+        # Pinned host memory makes the copies asynchronous on CUDA.
+        return {n: t.detach().to("cpu").pin_memory() if self.cuda else t.detach().to("cpu") for n, t in frozen.items()}
+
+    def _assign(self, index: int, tensors: Dict[str, torch.Tensor]) -> None:
+        for name, tensor in _frozen_tensors(self.blocks[index]):
+            tensor.data = tensors[name]
+
+    def _fetch(self, index: int) -> None:
+        """Start copying block ``index`` to the device (on the side stream on CUDA)."""
+        if index in self.ready or index >= len(self.blocks):
+            return
+        if not self.cuda:
+            self._assign(index, {n: t.to(self.device) for n, t in self.host[index].items()})
+            self.ready[index] = None
+            return
+        with torch.cuda.stream(self.stream):
+            self._assign(index, {n: t.to(self.device, non_blocking=True) for n, t in self.host[index].items()})
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.ready[index] = event
+
+    def _before(self, index: int) -> None:
+        self._fetch(index)
+        event = self.ready[index]
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        self.loads += 1
+        self._fetch(index + 1)  # overlap the next block's copy with this block's compute
+
+    def _after(self, index: int) -> None:
+        self._release(index)
+
+    def _release(self, index: int) -> None:
+        """Point the block back at the host copies; the device copies are freed once unused."""
+        self._assign(index, self.host[index])
+        self.ready.pop(index, None)
+
+    def remove(self) -> None:
+        """Detach the hooks and leave every block on the device."""
+        for handle in self.handles:
+            handle.remove()
+        for index in range(len(self.blocks)):
+            self._fetch(index)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def _frozen_tensors(block: torch.nn.Module):
+    for name, param in block.named_parameters():
+        if not param.requires_grad:
+            yield name, param
+    for name, buffer in block.named_buffers():
+        yield name, buffer

@@ -1,0 +1,103 @@
+"""Weight quantization of frozen models, one block at a time, with optimum-quanto or torchao.
+
+Moving a block to the GPU and quantizing it there before the next one means the GPU never holds the
+whole bf16 model (the 24 GB profile's trick). LoRA trains on top in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, List, Optional
+
+import torch
+from loguru import logger
+from tqdm.auto import tqdm
+
+from trainer.config import TrainConfig
+from trainer.errors import ConfigError
+
+QUANTO_WEIGHTS = ("qfloat8", "qint8", "qint4")
+TORCHAO_WEIGHTS = {"int8_weight_only": "Int8WeightOnlyConfig", "int4_weight_only": "Int4WeightOnlyConfig",
+                   "float8_weight_only": "Float8WeightOnlyConfig"}
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """Which library and weight format; ``None`` everywhere means no quantization."""
+
+    backend: str  # quanto | torchao
+    weights: str
+
+
+def quantization_spec(cfg: TrainConfig) -> Optional[QuantizationSpec]:
+    """The transformer's quantization for this run (``quantize: true`` + the ``quantization`` section),
+    or None; ``disable_quantization: true`` wins (the DGX Spark switch)."""
+    if not cfg.quantize or cfg.disable_quantization:
+        return None
+    return QuantizationSpec(cfg.quantization.backend, cfg.quantization.weights)
+
+
+def text_encoder_spec(cfg: TrainConfig) -> Optional[QuantizationSpec]:
+    """Quantization of the text encoder for the cache pass (``quantize_text_encoder: true``)."""
+    if not cfg.quantize_text_encoder or cfg.disable_quantization:
+        return None
+    return QuantizationSpec(cfg.quantization.backend, cfg.quantization.weights)
+
+
+def check_available(spec: QuantizationSpec) -> None:
+    """Fail early, naming the package to install, when the backend is missing."""
+    package = {"quanto": "optimum.quanto", "torchao": "torchao"}[spec.backend]
+    try:
+        __import__(package)
+    except ImportError:
+        raise ConfigError(f"key 'quantization.backend': {spec.backend} needs the {package.split('.')[0]} "
+                          f"package (pip install {'optimum-quanto' if spec.backend == 'quanto' else 'torchao'})") from None
+
+
+def quantize_module(module: torch.nn.Module, spec: QuantizationSpec) -> None:
+    """Quantize the weights of ``module``'s linear layers in place and freeze them."""
+    if spec.backend == "quanto":
+        import optimum.quanto as quanto
+
+        quanto.quantize(module, weights=getattr(quanto, spec.weights))
+        quanto.freeze(module)
+    else:
+        import torchao.quantization as ao
+
+        ao.quantize_(module, getattr(ao, TORCHAO_WEIGHTS[spec.weights])())
+
+
+def place(module: torch.nn.Module, device: torch.device, spec: Optional[QuantizationSpec],
+          blocks: Optional[Iterable[torch.nn.Module]] = None, what: str = "model",
+          host_blocks: int = 0) -> torch.nn.Module:
+    """Move ``module`` to ``device`` block by block, quantizing each there when ``spec`` is given.
+
+    ``blocks`` default to the items of the module's largest ``ModuleList`` (its layers). The last
+    ``host_blocks`` return to host memory after quantization (for block swap), so the device never
+    holds more than the resident blocks plus one.
+    """
+    blocks = list(blocks) if blocks is not None else largest_module_list(module)
+    stays = len(blocks) - host_blocks
+    label = f"quantizing {what} ({spec.backend} {spec.weights})" if spec else f"placing {what}"
+    for index, block in enumerate(tqdm(blocks, desc=label, leave=False)):
+        block.to(device)
+        if spec is not None:
+            quantize_module(block, spec)
+        if index >= stays:
+            block.to("cpu")
+    in_blocks = {id(p) for b in blocks for p in b.parameters()} | {id(t) for b in blocks for t in b.buffers()}
+    for tensor in [*module.parameters(), *module.buffers()]:  # the rest: embedders, norms, output layer
+        if id(tensor) not in in_blocks:
+            tensor.data = tensor.data.to(device)
+    if spec is not None:
+        logger.info(f"{what}: {len(blocks)} blocks quantized to {spec.weights} with {spec.backend}")
+    return module
+
+
+def largest_module_list(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """The items of the ``ModuleList`` holding the most parameters (a model's stack of layers)."""
+    lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        return [module]
+    best = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
+    return list(best)
