@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from trainer.config import load_config
 from trainer.errors import UserError
@@ -21,13 +21,18 @@ def parse_args(description: str, argv: Optional[List[str]] = None) -> argparse.N
     return parser.parse_args(argv)
 
 
-def main(default_family: str, description: str, argv: Optional[List[str]] = None) -> int:
-    """Load the config, train, and turn a user mistake into one clear line (exit code 2)."""
+def main(default_family: str, description: str, argv: Optional[List[str]] = None,
+         profile_defaults: Optional[Dict[str, Any]] = None) -> int:
+    """Load the config, train, and turn a user mistake into one clear line (exit code 2).
+
+    ``profile_defaults`` are the entry script's own defaults (e.g. the 24 GB policy); the YAML wins.
+    """
     from trainer.engine import Trainer  # heavy imports after argument parsing, so --help is instant
 
     args = parse_args(description, argv)
     try:
-        cfg = load_config(args.config, args.overrides, default_family=default_family)
+        cfg = load_config(args.config, args.overrides, default_family=default_family,
+                          profile_defaults=profile_defaults)
         Trainer(cfg).run()
     except UserError as exc:
         # One clear message, no traceback: these are mistakes the user can fix.

@@ -195,13 +195,17 @@ def load_config(
     path: str | os.PathLike | None,
     overrides: List[str] | None = None,
     default_family: Optional[str] = None,
+    profile_defaults: Optional[Dict[str, Any]] = None,
 ) -> TrainConfig:
     """Load a YAML profile, apply ``key=value`` overrides, and validate it against the schema.
 
-    ``default_family`` is the entry script's family, used when the YAML names none.
+    ``default_family`` is the entry script's family, used when the YAML names none;
+    ``profile_defaults`` are the entry script's defaults (the YAML and overrides win over them).
     Raises ``ConfigError`` naming every bad key or value.
     """
     user = _read_yaml(path) if path is not None else OmegaConf.create({})
+    if profile_defaults:
+        user = OmegaConf.merge(OmegaConf.create(profile_defaults), user)
     if overrides:
         user = OmegaConf.merge(user, _parse_overrides(overrides))
     source = str(path) if path is not None else "<overrides>"

@@ -1,0 +1,153 @@
+"""Low-memory training on the tiny model: quantized LoRA, 8-bit AdamW, block swap."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import List
+
+import numpy as np
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from diffusers import QwenImagePipeline
+
+from conftest import lora_keys_match, run_entry
+from trainer.block_swap import BlockSwapper
+from trainer.config import TrainConfig, load_config
+from trainer.engine import Trainer
+from trainer.optim import build_optimizer
+from trainer.quantization import place, quantization_spec
+
+QUICKSTART = "train_configs/quickstart_tiny.yaml"
+
+
+def losses(out: Path) -> List[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def in_process(*args: str) -> Trainer:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    trainer = Trainer(load_config(Path(QUICKSTART), list(args), default_family="qwen_image"))
+    trainer.run()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return trainer
+
+
+def base_args(model: Path, data: Path, out: Path) -> List[str]:
+    return [f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}", f"output_dir={out}",
+            "report_to=none"]
+
+
+@pytest.mark.e2e
+def test_train_4090_quantized_lora_reloads_unquantized(tiny_qwen_image: Path, sample_data: Path,
+                                                       tmp_path: Path) -> None:
+    out = tmp_path / "q"
+    result = run_entry("train_4090.py", QUICKSTART, base_args(tiny_qwen_image, sample_data, out) + [
+        "max_train_steps=6", "learning_rate=5e-3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "quantized to qfloat8 with quanto" in result.stderr, "the 24 GB policy quantizes by default"
+    assert all(math.isfinite(x) for x in losses(out))
+    pipe = QwenImagePipeline.from_pretrained(tiny_qwen_image)  # plain bf16/fp32 pipeline, no quanto
+    lora_keys_match(pipe, out, "q8")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend, weights", [("quanto", "qfloat8"), ("torchao", "int8_weight_only")])
+def test_quantized_overfit_lowers_the_loss(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
+                                           backend: str, weights: str) -> None:
+    one = tmp_path / "one"
+    one.mkdir()
+    for name in ("img1.png", "img1.txt"):
+        shutil.copy(sample_data / name, one / name)
+    trainer = in_process(*base_args(tiny_qwen_image, one, tmp_path / "out"), "quantize=true",
+                         f"quantization.backend={backend}", f"quantization.weights={weights}",
+                         "max_train_steps=100", "learning_rate=3e-3", "rank=16", "lora_target=all_linear",
+                         "checkpointing_steps=1000", "data_config.caption_dropout_rate=0")
+    base = trainer.accelerator.unwrap_model(trainer.transformer).transformer_blocks[0].attn.to_q.base_layer
+    quantized = type(base).__name__ if backend == "quanto" else type(base.weight).__name__
+    assert quantized == {"quanto": "QLinear", "torchao": "Int8Tensor"}[backend], "the base layer is quantized"
+    values = losses(tmp_path / "out")
+    assert np.mean(values[-20:]) < 0.7 * np.mean(values[:20])
+
+
+def test_adamw8bit_tracks_adamw() -> None:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(2)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    eight = build_optimizer(TrainConfig(adam8bit=True, learning_rate=1e-3), params)
+    plain = build_optimizer(TrainConfig(learning_rate=1e-3), twins)
+    assert type(eight).__name__ == "AdamW8bit" and isinstance(plain, torch.optim.AdamW)
+    start = [p.detach().clone() for p in params]
+    for step in range(5):
+        grads = [torch.randn(64, 64, generator=torch.Generator().manual_seed(step * 2 + i)) for i in range(2)]
+        for opt, group in ((eight, params), (plain, twins)):
+            for p, g in zip(group, grads):
+                p.grad = g.clone()
+            opt.step()
+    for p, t, s in zip(params, twins, start):
+        moved = (t - s).abs().mean()
+        assert moved > 1e-3
+        assert (p - t).abs().mean() < 0.05 * moved, "8-bit updates follow AdamW's closely"
+
+
+def test_adam8bit_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_bnb(name, *args, **kwargs):
+        if name == "bitsandbytes":
+            raise ImportError("no bitsandbytes")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_bnb)
+    from loguru import logger
+
+    lines: list = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="WARNING")
+    try:
+        opt = build_optimizer(TrainConfig(adam8bit=True), [torch.nn.Parameter(torch.zeros(2))])
+    finally:
+        logger.remove(sink)
+    assert isinstance(opt, torch.optim.AdamW) and len(lines) == 1 and "8-bit AdamW unavailable" in lines[0]
+
+
+@pytest.mark.e2e
+def test_block_swap_gives_the_same_losses(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    plain = in_process(*base_args(tiny_qwen_image, sample_data, tmp_path / "a"), "max_train_steps=4")
+    swapped = in_process(*base_args(tiny_qwen_image, sample_data, tmp_path / "b"), "max_train_steps=4",
+                         "blocks_to_swap=1")
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    # 4 steps x 1 swapped block x (forward + recomputation in backward, gradient checkpointing on)
+    assert swapped.swapper.loads == 8 and plain.swapper.loads == 0
+
+
+def test_block_swap_keeps_frozen_weights_on_the_host_between_uses() -> None:
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    blocks[2].weight.requires_grad_(True)
+    blocks[2].bias.requires_grad_(False)
+    for block in blocks[:2]:
+        block.requires_grad_(False)
+    swapper = BlockSwapper(blocks, 2, torch.device("cpu"))
+    host_weight = swapper.host[0]["weight"]
+    assert blocks[1].weight.data_ptr() == host_weight.data_ptr(), "released blocks point at the host copy"
+    assert "weight" not in swapper.host[1], "trainable weights never move"
+    x = torch.randn(2, 4)
+    y = blocks[2](blocks[1](blocks[0](x)))
+    y.sum().backward()
+    assert swapper.loads == 2 and blocks[2].weight.grad is not None
+    swapper.remove()
+    assert blocks[1](x).shape == (2, 4)
+
+
+def test_place_quantizes_and_leaves_swapped_blocks_on_the_host() -> None:
+    blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32)) for _ in range(2)]
+    model = torch.nn.ModuleDict({"embed": torch.nn.Linear(32, 32), "blocks": torch.nn.ModuleList(blocks)})
+    spec = quantization_spec(TrainConfig(quantize=True))
+    place(model, torch.device("cpu"), spec, blocks, host_blocks=1)
+    assert all(type(b[0]).__name__ == "QLinear" for b in blocks)
+    assert type(model["embed"]).__name__ == "Linear", "only blocks are quantized"
+    assert quantization_spec(TrainConfig(quantize=True, disable_quantization=True)) is None

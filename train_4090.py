@@ -1,0 +1,18 @@
+"""Qwen-Image LoRA on a 24 GB card (RTX 4090/3090): the shared engine with the low-memory policy on.
+
+    accelerate launch train_4090.py --config train_configs/train_lora_4090.yaml [key=value ...]
+
+Defaults beneath the YAML: the transformer quantized block by block to qfloat8, 8-bit AdamW,
+caches on disk (text encoder and VAE freed before the transformer loads), gradient checkpointing.
+"""
+
+import sys
+
+from trainer.cli import main
+
+LOW_MEMORY = {"quantize": True, "adam8bit": True, "precompute_text_embeddings": True,
+              "precompute_image_embeddings": True, "save_cache_on_disk": True,
+              "disable_gradient_checkpointing": False}
+
+if __name__ == "__main__":
+    sys.exit(main(default_family="qwen_image", description=__doc__, profile_defaults=LOW_MEMORY))
