@@ -10,7 +10,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -90,12 +90,15 @@ def scan_image_folder(
     multiple: int,
     control_dirs: Sequence[str | Path] = (),
     reference_size: Optional[ReferenceSizer] = None,
+    exclude: Collection[Path] = frozenset(),
 ) -> List[Sample]:
     """All image/caption pairs under ``img_dir`` (sorted), each with its reference images from
-    ``control_dirs`` (the first folder required for every target, later ones optional).
-    Raises ``DataError`` listing every problem."""
+    ``control_dirs`` (the first folder required for every target, later ones optional), less the
+    ``exclude``d images. Raises ``DataError`` listing every problem."""
     root = Path(img_dir)
-    images = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    excluded = {Path(p).resolve() for p in exclude}
+    images = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
+                    and p.resolve() not in excluded)
     if not images:
         raise DataError(f"{root}: no images found (expected {', '.join(IMAGE_EXTENSIONS)} files with "
                         f".{caption_ext} captions beside them)")
@@ -104,7 +107,7 @@ def scan_image_folder(
         caption_path = path.with_suffix(f".{caption_ext}")
         try:
             width, height = image_size(path)
-        except (OSError, UnidentifiedImageError) as exc:
+        except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
             problems.append(f"{path}: cannot read the image ({exc.__class__.__name__}); remove or replace it")
             continue
         if not caption_path.is_file():

@@ -44,7 +44,13 @@ def test_missing_caption_and_unreadable_image(tiny_qwen_image: Path, sample_data
     (data / "img4.png").write_bytes(b"")
     result = run(f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={data}",
                  f"output_dir={tmp_path}/out")
-    assert_clear_error(result, "img2.jpg: caption file img2.txt is missing", "img4.png: cannot read the image")
+    assert_clear_error(result, "img2.jpg: caption file img2.txt is missing", "img4.png: empty file (0 bytes)",
+                       "data_config.skip_bad_samples: true", "python utils/validate_dataset.py --path")
+    # Allowed to skip them, training runs on the four good samples.
+    result = run(f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={data}",
+                 f"output_dir={tmp_path}/out2", "data_config.skip_bad_samples=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "skipping" in result.stderr and "4 images in" in result.stderr
 
 
 def test_typo_in_config_key(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:

@@ -108,7 +108,7 @@ def test_target_without_reference_is_named(tiny_qwen_image_edit: Path, edit_data
     result = run_entry("train_qwen_edit_lora.py", CONFIG, overrides(
         tiny_qwen_image_edit, data / "images", tmp_path / "out", "max_train_steps=1"), launcher=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "pair3.png: no reference image pair3.* in control folder" in result.stderr
+    assert "images/pair3.png: no reference image pair3.* in control/" in result.stderr
 
 
 def test_no_reference_folder_and_too_many_references(tiny_qwen_image_edit: Path, sample_data: Path,

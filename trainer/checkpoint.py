@@ -6,6 +6,7 @@ complete (it then holds ``trainer_state.json``), so ``latest`` never points at a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from loguru import logger
+
+from trainer.errors import UserError
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 STATE_NAME = "trainer_state.json"
@@ -43,10 +46,20 @@ def _umask() -> int:
     return mask
 
 
+def is_complete(folder: Path) -> bool:
+    """A checkpoint is complete when its state file exists and every file its manifest lists is
+    there with the recorded size."""
+    try:
+        files = read_state(folder).get("files", {})
+    except (OSError, ValueError):
+        return False
+    return all((folder / name).is_file() and (folder / name).stat().st_size == size for name, size in files.items())
+
+
 def list_checkpoints(output_dir: Path) -> List[Path]:
     """Complete checkpoints, oldest first."""
     found = [p for p in Path(output_dir).glob("checkpoint-*")
-             if p.is_dir() and p.name.split("-", 1)[1].isdigit() and (p / STATE_NAME).is_file()]
+             if p.is_dir() and p.name.split("-", 1)[1].isdigit() and is_complete(p)]
     return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
 
 
@@ -70,14 +83,32 @@ def write_checkpoint(
     final = Path(output_dir) / f"checkpoint-{step}"
     if is_main and tmp.exists():
         shutil.rmtree(tmp)
-    save_contents(tmp)
+    try:
+        save_contents(tmp)
+        if is_main:
+            manifest = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+            _write_json(tmp / STATE_NAME, {**state, "files": manifest})
+            if final.exists():  # re-saving the same step (a resumed run): replace it whole
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+    except OSError as exc:
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(output_dir)
+        reason = "the disk is full" if exc.errno == errno.ENOSPC else str(exc)
+        raise UserError(f"saving checkpoint-{step} failed: {reason}. The previous checkpoint "
+                        f"({previous.name if previous else 'none'}) is intact; free space and resume with "
+                        "resume_from_checkpoint=latest") from None
     if is_main:
-        (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
         logger.info(f"saved {final}")
     return final
+
+
+def _write_json(path: Path, data: Dict[str, Any]) -> None:
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def prune_checkpoints(output_dir: Path, limit: Optional[int]) -> List[Path]:

@@ -7,7 +7,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from trainer.config import load_config
-from trainer.errors import UserError
+from trainer.errors import TrainingInterrupted, UserError
 
 
 def parse_args(description: str, argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -34,6 +34,9 @@ def main(default_family: str, description: str, argv: Optional[List[str]] = None
         cfg = load_config(args.config, args.overrides, default_family=default_family,
                           profile_defaults=profile_defaults)
         Trainer(cfg).run()
+    except TrainingInterrupted as exc:
+        print(f"interrupted: {exc}", file=sys.stderr)
+        return exc.exit_code
     except UserError as exc:
         # One clear message, no traceback: these are mistakes the user can fix.
         print(f"error: {exc}", file=sys.stderr)

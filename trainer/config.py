@@ -51,6 +51,7 @@ class DataConfig:
     caption_dropout_rate: float = 0.0
     random_ratio: bool = False  # random aspect crop (16:9, 4:3, 1:1); needs live image encoding
     caption_type: str = "txt"  # caption file extension
+    skip_bad_samples: bool = False  # train without unreadable images / bad captions (one warning each)
     control_dir: Optional[str] = None  # Qwen-Image-Edit reference images (FlyMyAI's key)
     control_dirs: Optional[List[str]] = None  # several reference folders (Edit-2509/2511), in order
     # Edit reference resize areas in pixels; default: the pipeline's (Edit: 1024^2 for both,
@@ -123,6 +124,7 @@ class TrainConfig:
     adam_weight_decay: float = 0.01
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
+    max_nonfinite_steps: int = 5  # non-finite loss/gradient steps in a row before stopping
 
     # Precision and memory
     mixed_precision: Optional[str] = None  # the launcher's --mixed_precision wins when given
@@ -320,6 +322,8 @@ def validate(cfg: TrainConfig) -> List[str]:
     need(0 <= cfg.adam_beta2 < 1, f"key 'adam_beta2': value {cfg.adam_beta2} must be in [0, 1)")
     need(cfg.adam_weight_decay >= 0, f"key 'adam_weight_decay': value {cfg.adam_weight_decay} must be >= 0")
     need(cfg.adam_epsilon > 0, f"key 'adam_epsilon': value {cfg.adam_epsilon} must be > 0")
+    need(cfg.max_nonfinite_steps >= 1,
+         f"key 'max_nonfinite_steps': value {cfg.max_nonfinite_steps} must be >= 1")
     need(cfg.max_grad_norm >= 0, f"key 'max_grad_norm': value {cfg.max_grad_norm} must be >= 0 (0 disables)")
     if cfg.mixed_precision is not None:
         choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION_CHOICES)
@@ -340,6 +344,9 @@ def validate(cfg: TrainConfig) -> List[str]:
     if cfg.checkpoints_total_limit is not None:
         need(cfg.checkpoints_total_limit >= 1,
              f"key 'checkpoints_total_limit': value {cfg.checkpoints_total_limit} must be >= 1 (or null)")
+    if Path(cfg.logging_dir).is_absolute() or ".." in Path(cfg.logging_dir).parts:
+        p.append(f"key 'logging_dir': value '{cfg.logging_dir}' must be a folder inside output_dir "
+                 "(relative, without '..')")
     need(cfg.log_every_n_steps >= 1, f"key 'log_every_n_steps': value {cfg.log_every_n_steps} must be >= 1")
     report = cfg.report_to if cfg.report_to is not None else "none"
     choice("report_to", report, REPORT_TO_CHOICES)

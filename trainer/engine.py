@@ -7,8 +7,10 @@ cache pass, loader) -> ``setup_model`` (transformer, LoRA, optimizer, resume) ->
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -35,10 +37,12 @@ from image_datasets.dataset import (
     pixels_at,
     scan_image_folder,
 )
+from image_datasets.validation import check_before_training
 from trainer import checkpoint as ckpt
 from trainer.adapters import add_lora, lora_metadata, lora_state_dict
 from trainer.config import TrainConfig, config_to_yaml
-from trainer.errors import ConfigError, DataError, UserError
+from trainer.errors import ConfigError, DataError, TrainingDiverged, TrainingInterrupted, UserError
+from trainer.signals import GracefulStop
 from trainer.families import get_family
 from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
 from trainer.optim import build_lr_scheduler, build_optimizer
@@ -61,6 +65,8 @@ class Trainer:
         self.global_step = 0
         self.epoch = 0
         self.batches_done_in_epoch = 0  # optimizer-step batches already consumed in `epoch`
+        self.bad_steps = 0  # non-finite steps in a row
+        self.stop = GracefulStop()
 
     # ---------------------------------------------------------------------------------------------
     def run(self) -> Path:
@@ -69,6 +75,12 @@ class Trainer:
         self.prepare_data()
         self.setup_model()
         self.train()
+        if self.stop.requested:
+            self.accelerator.end_training()
+            raise TrainingInterrupted(
+                f"stopped by signal at step {self.global_step}; checkpoint saved in "
+                f"{self.output_dir / f'checkpoint-{self.global_step}'}. Resume with "
+                "resume_from_checkpoint=latest", exit_code=128 + self.stop.requested)
         return self.finish()
 
     # -- setup ------------------------------------------------------------------------------------
@@ -185,17 +197,20 @@ class Trainer:
         self.dataloader = self.accelerator.prepare(loader)  # shards batches across processes
 
     def _scan_samples(self) -> List[Sample]:
+        """The training samples, after the dataset checks (before any model loads)."""
         d, family = self.cfg.data_config, self.family
-        if not family.uses_references:
-            return scan_image_folder(d.img_dir, d.caption_type, d.img_size, family.pixel_multiple)
-        control_dirs = find_control_dirs(d.img_dir, d.control_dir, d.control_dirs)
-        if not control_dirs:
-            raise DataError(f"{family.name} trains on reference images: set data_config.control_dir (or "
-                            f"control_dirs), or put them in a control/ folder beside {d.img_dir}")
-        family.check_references(len(control_dirs))
-        logger.info(f"reference folders: {', '.join(map(str, control_dirs))}")
-        return scan_image_folder(d.img_dir, d.caption_type, d.img_size, family.pixel_multiple,
-                                 control_dirs, family.reference_size)
+        control_dirs: List[Path] = []
+        if family.uses_references:
+            control_dirs = find_control_dirs(d.img_dir, d.control_dir, d.control_dirs)
+            if not control_dirs:
+                raise DataError(f"{family.name} trains on reference images: set data_config.control_dir (or "
+                                f"control_dirs), or put them in a control/ folder beside {d.img_dir}")
+            family.check_references(len(control_dirs))
+            logger.info(f"reference folders: {', '.join(map(str, control_dirs))}")
+        skip = check_before_training(d.img_dir, d.caption_type, d.img_size, family.pixel_multiple,
+                                     control_dirs, skip_bad=d.skip_bad_samples)
+        return scan_image_folder(d.img_dir, d.caption_type, d.img_size, family.pixel_multiple, control_dirs,
+                                 family.reference_size if family.uses_references else None, exclude=skip)
 
     # A text condition depends on the caption and, for Edit, on the reference images it sees.
     def _text_key(self, caption: str, index: int) -> str:
@@ -315,6 +330,8 @@ class Trainer:
         state = ckpt.read_state(path)
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batches_done_in_epoch = state["batches_done_in_epoch"]
+        if self.is_main:  # steps logged after the checkpoint by the interrupted run are redone
+            _truncate_metrics(self.output_dir / METRICS_NAME, self.global_step)
         logger.info(f"resumed from {path} at step {self.global_step}")
 
     # -- loop -------------------------------------------------------------------------------------
@@ -324,7 +341,7 @@ class Trainer:
                         disable=not self.is_main, dynamic_ncols=True)
         self.transformer.train()
         start, first_step = time.perf_counter(), self.global_step
-        with self.monitor.phase("train_loop", self.global_step), sdpa_context(self.attention):
+        with self.monitor.phase("train_loop", self.global_step), sdpa_context(self.attention), self.stop:
             self._loop(progress)
         progress.close()
         steps = self.global_step - first_step
@@ -335,41 +352,68 @@ class Trainer:
     def _loop(self, progress: tqdm) -> None:
         cfg, acc = self.cfg, self.accelerator
         while self.global_step < cfg.max_train_steps:
+            done = self.batches_done_in_epoch * cfg.gradient_accumulation_steps
+            loader = acc.skip_first_batches(self.dataloader, done) if done else self.dataloader
+            # accelerate's loaders re-set the sampler's epoch from their own iteration count on
+            # every pass (a fresh skip-loader counts from 0): give them ours.
+            loader.set_epoch(self.epoch)
             self.sampler.set_epoch(self.epoch)
-            loader = acc.skip_first_batches(self.dataloader, self.batches_done_in_epoch * cfg.gradient_accumulation_steps) \
-                if self.batches_done_in_epoch else self.dataloader
             losses: List[torch.Tensor] = []
-            micro = self.batches_done_in_epoch * cfg.gradient_accumulation_steps
-            for batch in loader:
+            finite = True
+            for micro, batch in enumerate(loader, start=done):
                 with acc.accumulate(self.transformer):
                     loss = self.training_step(batch, micro)
-                    acc.backward(loss)
+                    finite = finite and bool(torch.isfinite(acc.gather(loss.detach())).all())
+                    if finite:  # a non-finite loss must not reach the weights through backward
+                        acc.backward(loss)
                     grad_norm = self._clip_gradients()
-                    self.optimizer.step()
-                    self.lr_scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                micro += 1
+                    if acc.sync_gradients:
+                        self._optimizer_step(finite and (grad_norm is None or math.isfinite(grad_norm)))
                 losses.append(acc.gather(loss.detach()).mean())
                 if not acc.sync_gradients:
                     continue
                 self.global_step += 1
-                self.batches_done_in_epoch = micro // cfg.gradient_accumulation_steps
+                self.batches_done_in_epoch = (micro + 1) // cfg.gradient_accumulation_steps
                 self._log_step(torch.stack(losses).mean().item(), grad_norm, progress)
-                losses = []
-                if self.global_step % cfg.checkpointing_steps == 0 or self.global_step == cfg.max_train_steps:
+                losses, finite = [], True
+                if self._should_checkpoint():
                     self.save_checkpoint()
-                if self.global_step >= cfg.max_train_steps:
-                    break
-            else:
-                self.epoch += 1
-                self.batches_done_in_epoch = 0
+                if self.global_step >= cfg.max_train_steps or self.stop.requested:
+                    return
+            self.epoch += 1
+            self.batches_done_in_epoch = 0
+
+    def _optimizer_step(self, ok: bool) -> None:
+        """Step, or skip a step whose loss or gradients are not finite (NaN guard)."""
+        if ok:
+            self.optimizer.step()
+            self.lr_scheduler.step()
+            self.bad_steps = 0
+        else:
+            self.bad_steps += 1
+            logger.warning(f"step {self.global_step + 1}: non-finite loss or gradient, step skipped "
+                           f"({self.bad_steps}/{self.cfg.max_nonfinite_steps} in a row)")
+            if self.bad_steps >= self.cfg.max_nonfinite_steps:
+                raise TrainingDiverged(
+                    f"{self.bad_steps} steps in a row had a non-finite loss or gradient at step "
+                    f"{self.global_step + 1}: training stopped. The last good checkpoint is kept "
+                    f"({ckpt.latest_checkpoint(self.output_dir) or 'none yet'}). Likely causes: a learning "
+                    f"rate too high ({self.cfg.learning_rate:g}) or fp16 overflow (try mixed_precision: bf16).")
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _should_checkpoint(self) -> bool:
+        step = self.global_step
+        return step % self.cfg.checkpointing_steps == 0 or step == self.cfg.max_train_steps or self.stop.requested
 
     def training_step(self, batch: Dict[str, Any], micro_step: int) -> torch.Tensor:
         """Flow-matching loss of one micro-batch. Randomness comes from a generator seeded by the
-        micro-step, so a resumed run draws the same noise, timesteps and caption drops."""
+        epoch and micro-step, so a resumed run draws the same noise, timesteps and caption drops."""
         cfg = self.cfg
-        gen = torch.Generator().manual_seed((cfg.seed or 0) * 1_000_003 + micro_step * 7919
-                                            + self.accelerator.process_index)
+        seed = step_seed(cfg.seed or 0, self.epoch, micro_step, self.accelerator.process_index)
+        gen = torch.Generator().manual_seed(seed)
+        # The global RNG too (LoRA dropout draws from it): iterators and workers also consume it,
+        # at points a resumed run does not repeat.
+        torch.manual_seed(seed)
         latents = self._batch_latents(batch)
         references = self._batch_references(batch["index"])
         b = latents.shape[0]
@@ -453,6 +497,21 @@ class Trainer:
             self.monitor.log_summary()
         self.accelerator.end_training()
         return final
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def step_seed(seed: int, epoch: int, micro_step: int, rank: int) -> int:
+    """A 63-bit seed unique to (seed, epoch, micro-batch, process)."""
+    digest = hashlib.sha256(f"{seed}/{epoch}/{micro_step}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def _lora_to(model: torch.nn.Module, device: torch.device) -> None:

@@ -15,3 +15,15 @@ class DataError(UserError):
 
 class ModelNotFoundError(UserError):
     """The model path is neither a local folder nor a cached hub checkpoint."""
+
+
+class TrainingDiverged(UserError):
+    """Too many steps in a row had a non-finite loss or gradient."""
+
+
+class TrainingInterrupted(UserError):
+    """A signal stopped training after a checkpoint; resuming continues it."""
+
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code

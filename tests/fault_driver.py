@@ -1,0 +1,76 @@
+"""Runs train.py's main with a fault injected, for the resilience tests (never imported by the trainer).
+
+    FAULT=kill_at_call:7 python tests/fault_driver.py --config ... key=value ...
+
+Faults: kill_at_call:N (SIGKILL at the N-th micro-batch), kill_in_save:N:WHERE (SIGKILL during the
+N-th checkpoint save, WHERE = contents | manifest), slow:SECONDS (each micro-batch sleeps),
+nan_at:A-B (loss is NaN for micro-batch calls A..B), enospc_at_save:N (the N-th save hits a full disk).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from trainer import checkpoint as ckpt  # noqa: E402
+from trainer import cli  # noqa: E402
+from trainer.engine import Trainer  # noqa: E402
+
+kind, _, arg = os.environ["FAULT"].partition(":")
+calls = {"step": 0, "save": 0}
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+real_step = Trainer.training_step
+
+
+def faulty_step(self, batch, micro):
+    calls["step"] += 1
+    n = calls["step"]
+    if kind == "kill_at_call" and n == int(arg):
+        die()
+    if kind == "slow":
+        time.sleep(float(arg))
+    loss = real_step(self, batch, micro)
+    if kind == "nan_at":
+        first, last = (int(x) for x in arg.split("-"))
+        if first <= n <= last:
+            return loss * torch.tensor(float("nan"))
+    return loss
+
+
+real_write = ckpt.write_checkpoint
+
+
+def faulty_write(output_dir, step, save_contents, state, is_main):
+    calls["save"] += 1
+    number, _, where = arg.partition(":")
+    if kind in ("kill_in_save", "enospc_at_save") and calls["save"] == int(number):
+        def contents(folder):
+            if kind == "enospc_at_save":
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / "partial.bin").write_bytes(b"x" * 10)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            save_contents(folder)
+            if where == "contents":
+                die()
+        if where == "manifest":
+            ckpt._write_json = lambda *a, **k: die()
+        return real_write(output_dir, step, contents, state, is_main)
+    return real_write(output_dir, step, save_contents, state, is_main)
+
+
+Trainer.training_step = faulty_step
+ckpt.write_checkpoint = faulty_write
+sys.exit(cli.main("qwen_image", "fault-injection driver", sys.argv[1:]))

@@ -1,0 +1,151 @@
+"""Never lose a user's work: exact resume after SIGKILL, kill during save, SIGTERM, NaN, full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT
+from trainer import checkpoint as ckpt
+
+pytestmark = pytest.mark.e2e
+CONFIG = ROOT / "train_configs" / "quickstart_tiny.yaml"
+
+
+def args(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
+    # Accumulation over 2 micro-batches of 6 images: windows straddle epochs; caption dropout and
+    # LoRA dropout exercise every random stream.
+    return ["--config", str(CONFIG), f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}",
+            f"output_dir={out}", "report_to=none", "max_train_steps=8", "gradient_accumulation_steps=2",
+            "checkpointing_steps=3", "checkpoints_total_limit=3", "lr_scheduler=cosine", "lr_warmup_steps=2",
+            "data_config.caption_dropout_rate=0.3", "lora_dropout=0.1", "overwrite_output_dir=false", *extra]
+
+
+def run(argv: List[str], fault: str = "none:0", wait: bool = True) -> subprocess.Popen | subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "tests" / "fault_driver.py"), *argv]
+    env = {**os.environ, "FAULT": fault, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def losses(out: Path) -> List[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def lora(path: Path) -> Dict[str, torch.Tensor]:
+    return load_file(str(path / "pytorch_lora_weights.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen_image: Path, sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run to step 8."""
+    out = tmp_path_factory.mktemp("reference")
+    result = run(args(tiny_qwen_image, sample_data, out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("kill_at", [7, 10, 14], ids=["after-checkpoint", "inside-accumulation", "next-epoch"])
+def test_sigkill_and_resume_is_bit_identical(reference: Path, tiny_qwen_image: Path, sample_data: Path,
+                                             tmp_path: Path, kill_at: int) -> None:
+    out = tmp_path / "run"
+    killed = run(args(tiny_qwen_image, sample_data, out), fault=f"kill_at_call:{kill_at}")
+    assert killed.returncode == -signal.SIGKILL
+    assert not (out / "pytorch_lora_weights.safetensors").exists()
+    resumed = run(args(tiny_qwen_image, sample_data, out, "resume_from_checkpoint=latest"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    want, got = lora(reference), lora(out)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want), "resumed LoRA differs from the uninterrupted one"
+    assert losses(out) == losses(reference), "the loss log is the same, step for step"
+
+
+@pytest.mark.parametrize("where", ["contents", "manifest"])
+def test_kill_during_save_keeps_the_previous_checkpoint(tiny_qwen_image: Path, sample_data: Path,
+                                                        tmp_path: Path, where: str) -> None:
+    out = tmp_path / "run"
+    killed = run(args(tiny_qwen_image, sample_data, out), fault=f"kill_in_save:2:{where}")
+    assert killed.returncode == -signal.SIGKILL
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["checkpoint-3"], "the partial save is not a checkpoint"
+    assert ckpt.latest_checkpoint(out).name == "checkpoint-3"
+    resumed = run(args(tiny_qwen_image, sample_data, out, "resume_from_checkpoint=latest"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "checkpoint-3 at step 3" in resumed.stderr
+    assert not list(out.glob(".checkpoint-*.tmp")), "the leftover temporary folder was replaced"
+
+
+def test_sigterm_checkpoints_and_says_how_to_resume(tiny_qwen_image: Path, sample_data: Path,
+                                                    tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run(args(tiny_qwen_image, sample_data, out, "max_train_steps=1000", "checkpointing_steps=500"),
+               fault="slow:0.2", wait=False)
+    deadline = time.time() + 120
+    while not ((out / "metrics.jsonl").exists() and len(losses(out)) >= 2):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "resume_from_checkpoint=latest" in stderr and "Traceback" not in stderr
+    latest = ckpt.latest_checkpoint(out)
+    assert latest is not None and ckpt.read_state(latest)["global_step"] == len(losses(out))
+    assert not (out / "pytorch_lora_weights.safetensors").exists(), "an unfinished run has no final LoRA"
+
+
+def test_second_signal_exits_at_once(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run(args(tiny_qwen_image, sample_data, out, "max_train_steps=1000"), fault="slow:3", wait=False)
+    deadline = time.time() + 120
+    log = out / "train.log"
+    while not (log.exists() and "trainable parameters" in log.read_text()):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    start = time.time()
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert time.time() - start < 2.5, "did not wait for the slow step to finish"
+
+
+def test_single_nan_step_is_skipped(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run(args(tiny_qwen_image, sample_data, out), fault="nan_at:5-5")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "non-finite loss or gradient, step skipped (1/5 in a row)" in result.stderr
+    assert all(torch.isfinite(v).all() for v in lora(out).values())
+
+
+def test_repeated_nan_stops_with_the_last_good_checkpoint(tiny_qwen_image: Path, sample_data: Path,
+                                                          tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run(args(tiny_qwen_image, sample_data, out, "max_nonfinite_steps=2"), fault="nan_at:7-100")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "2 steps in a row had a non-finite loss" in result.stderr and "learning rate" in result.stderr
+    latest = ckpt.latest_checkpoint(out)
+    assert latest is not None and latest.name == "checkpoint-3"
+    assert all(torch.isfinite(v).all() for v in lora(latest).values())
+
+
+def test_full_disk_during_save_is_a_clear_error(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run(args(tiny_qwen_image, sample_data, out), fault="enospc_at_save:2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "saving checkpoint-6 failed: the disk is full" in result.stderr
+    assert "previous checkpoint (checkpoint-3) is intact" in result.stderr
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["checkpoint-3"]
+    assert not list(out.glob(".checkpoint-*.tmp"))
