@@ -53,7 +53,7 @@ def faulty_step(self, batch, micro):
 real_write = ckpt.write_checkpoint
 
 
-def faulty_write(output_dir, step, save_contents, state, is_main):
+def faulty_write(output_dir, step, save_contents, state, is_main, barrier=lambda: None):
     calls["save"] += 1
     number, _, where = arg.partition(":")
     if kind in ("kill_in_save", "enospc_at_save") and calls["save"] == int(number):
@@ -67,8 +67,8 @@ def faulty_write(output_dir, step, save_contents, state, is_main):
                 die()
         if where == "manifest":
             ckpt._write_json = lambda *a, **k: die()
-        return real_write(output_dir, step, contents, state, is_main)
-    return real_write(output_dir, step, save_contents, state, is_main)
+        return real_write(output_dir, step, contents, state, is_main, barrier)
+    return real_write(output_dir, step, save_contents, state, is_main, barrier)
 
 
 Trainer.training_step = faulty_step

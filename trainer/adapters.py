@@ -1,16 +1,22 @@
-"""Trainable parameters: LoRA through peft (full fine-tuning joins here in a later issue)."""
+"""What trains: LoRA through peft, or every transformer weight (full fine-tuning).
+
+``LoraWeights`` and ``FullWeights`` share one small interface (attach, save, load, export) so the
+engine's loop and checkpoints don't care which mode runs.
+"""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any, Dict, List, Mapping
 
 import torch
 from loguru import logger
 from peft import LoraConfig
-from peft.utils import get_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserError
 
 # A preset is either a list of module-name suffixes (peft's list form) or one regex (peft's str form,
 # matched against the full module name) where a suffix would also hit layers outside the blocks.
@@ -64,3 +70,83 @@ def lora_state_dict(transformer: torch.nn.Module) -> Dict[str, torch.Tensor]:
 def lora_metadata(transformer: torch.nn.Module) -> Dict[str, Any]:
     """The adapter config saved with the weights so alpha and targets survive a reload."""
     return transformer.peft_config["default"].to_dict()
+
+
+class LoraWeights:
+    """LoRA mode: what trains, and how it is saved, restored and exported."""
+
+    final_name = "pytorch_lora_weights.safetensors"
+
+    def __init__(self, cfg: TrainConfig, presets: Mapping[str, TargetSpec], pipeline_class: type):
+        self.cfg, self.presets, self.pipeline_class = cfg, presets, pipeline_class
+
+    def attach(self, transformer: torch.nn.Module) -> int:
+        return add_lora(transformer, self.cfg, self.presets)
+
+    def save(self, transformer: torch.nn.Module, folder: Path) -> Path:
+        from trainer.checkpoint import save_lora_file
+
+        return save_lora_file(folder, self.pipeline_class, lora_state_dict(transformer), lora_metadata(transformer))
+
+    def load(self, transformer: torch.nn.Module, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = load_file(str(folder / self.final_name))
+        result = set_peft_model_state_dict(transformer, {k.removeprefix("transformer."): v for k, v in state.items()})
+        if result.unexpected_keys:
+            raise UserError(f"{folder}: the checkpoint's LoRA does not fit this model "
+                            f"(unexpected {result.unexpected_keys[:3]})")
+
+    def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str) -> Path:
+        """The final LoRA file in ``output_dir``."""
+        return self.save(transformer, output_dir)
+
+
+class FullWeights:
+    """Full fine-tuning: every transformer weight trains (or those matching ``trainable_modules``);
+    saved in the diffusers layout as sharded safetensors, exported as a complete pipeline folder."""
+
+    final_name = "final_model"
+
+    def __init__(self, cfg: TrainConfig, presets: Mapping[str, TargetSpec], pipeline_class: type):
+        self.cfg, self.pipeline_class = cfg, pipeline_class
+
+    def attach(self, transformer: torch.nn.Module) -> int:
+        patterns = [re.compile(p) for p in self.cfg.trainable_modules or []]
+        for name, param in transformer.named_parameters():
+            param.requires_grad_(not patterns or any(p.search(name) for p in patterns))
+        count = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+        if count == 0:
+            raise ConfigError(f"key 'trainable_modules': {self.cfg.trainable_modules} match no parameter")
+        logger.info(f"full fine-tuning: {count / 1e6:.1f}M trainable parameters")
+        return count
+
+    def save(self, transformer: torch.nn.Module, folder: Path) -> Path:
+        target = folder / "transformer"
+        transformer.save_pretrained(target, safe_serialization=True, max_shard_size=self.cfg.max_shard_size)
+        return target
+
+    def load(self, transformer: torch.nn.Module, folder: Path) -> None:
+        from trainer.checkpoint import load_sharded_state_dict
+
+        state = load_sharded_state_dict(folder / "transformer")
+        missing, unexpected = transformer.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise UserError(f"{folder}: the checkpoint's transformer does not fit this model "
+                            f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+    def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str) -> Path:
+        """``output_dir/final_model``: the base pipeline with the trained transformer, ready for
+        ``from_pretrained``; written beside and renamed into place."""
+        from trainer.checkpoint import replace_folder
+
+        def write(tmp: Path) -> None:
+            pipe = self.pipeline_class.from_pretrained(base_model, transformer=transformer)
+            pipe.save_pretrained(tmp, safe_serialization=True, max_shard_size=self.cfg.max_shard_size)
+
+        return replace_folder(output_dir / self.final_name, write)
+
+
+def trained_weights(cfg: TrainConfig, presets: Mapping[str, TargetSpec], pipeline_class: type):
+    """The strategy for ``cfg.training_mode``."""
+    return (FullWeights if cfg.training_mode == "full" else LoraWeights)(cfg, presets, pipeline_class)

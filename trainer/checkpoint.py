@@ -76,17 +76,21 @@ def read_state(checkpoint: Path) -> Dict[str, Any]:
 
 def write_checkpoint(
     output_dir: Path, step: int, save_contents: Callable[[Path], None], state: Dict[str, Any], is_main: bool,
+    barrier: Callable[[], None] = lambda: None,
 ) -> Path:
-    """Save a checkpoint atomically. ``save_contents(folder)`` runs on every process (accelerate
-    gathers there); only the main process writes the state file and renames."""
+    """Save a checkpoint atomically. ``save_contents(folder)`` runs on every process (each writes its
+    own RNG state); after ``barrier`` only the main process writes the manifest and renames."""
     tmp = Path(output_dir) / f".checkpoint-{step}.tmp"
     final = Path(output_dir) / f"checkpoint-{step}"
-    if is_main and tmp.exists():
-        shutil.rmtree(tmp)
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed save
+        tmp.mkdir(parents=True)
+    barrier()  # the folder exists before any process writes into it
     try:
         save_contents(tmp)
+        barrier()  # every process has written its files before the folder is sealed
         if is_main:
-            manifest = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+            manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
             _write_json(tmp / STATE_NAME, {**state, "files": manifest})
             if final.exists():  # re-saving the same step (a resumed run): replace it whole
                 shutil.rmtree(final)
@@ -121,3 +125,29 @@ def prune_checkpoints(output_dir: Path, limit: Optional[int]) -> List[Path]:
         shutil.rmtree(path)
         logger.info(f"removed old checkpoint {path.name} (checkpoints_total_limit={limit})")
     return doomed
+
+
+def load_sharded_state_dict(folder: Path) -> Dict[str, torch.Tensor]:
+    """A diffusers model folder's weights, single-file or sharded with an index (safetensors only)."""
+    from safetensors.torch import load_file
+
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["diffusion_pytorch_model.safetensors"]
+    state: Dict[str, torch.Tensor] = {}
+    for name in names:
+        state.update(load_file(str(folder / name)))
+    return state
+
+
+def replace_folder(final: Path, write: Callable[[Path], None]) -> Path:
+    """Write a folder beside ``final`` and swap it in only once complete."""
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final

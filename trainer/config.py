@@ -30,7 +30,8 @@ LR_SCHEDULER_CHOICES = (
     "cosine_with_restarts",
     "polynomial",
 )
-OPTIMIZER_CHOICES = ("adamw", "adamw8bit")
+OPTIMIZER_CHOICES = ("adamw", "adamw8bit", "adafactor")
+TRAINING_MODES = ("lora", "full")
 TIMESTEP_SAMPLING_CHOICES = ("uniform", "logit_normal", "mode")
 TIMESTEP_SHIFT_CHOICES = ("auto", "fixed", "none")
 LOSS_WEIGHTING_CHOICES = ("none", "sigma_sqrt", "cosmap")
@@ -86,6 +87,9 @@ class TrainConfig:
     pretrained_model_name_or_path: str = ""
     revision: Optional[str] = None
     family: Optional[str] = None  # set by the entry script; may be given to override
+    training_mode: str = "lora"  # lora | full (train_full_qwen_image.py)
+    trainable_modules: Optional[List[str]] = None  # full mode: regexes of parameter names to train
+    max_shard_size: str = "5GB"  # full mode: shard size of saved transformer weights
 
     # Data and caching
     data_config: DataConfig = field(default_factory=DataConfig)
@@ -318,6 +322,11 @@ def validate(cfg: TrainConfig) -> List[str]:
     need(cfg.lr_warmup_steps >= 0, f"key 'lr_warmup_steps': value {cfg.lr_warmup_steps} must be >= 0")
     choice("lr_scheduler", cfg.lr_scheduler, LR_SCHEDULER_CHOICES)
     choice("optimizer", cfg.optimizer, OPTIMIZER_CHOICES)
+    choice("training_mode", cfg.training_mode, TRAINING_MODES)
+    if cfg.training_mode == "full" and (cfg.quantize and not cfg.disable_quantization):
+        p.append("key 'quantize': a quantized transformer cannot be fully fine-tuned (use LoRA, or quantize: false)")
+    if cfg.training_mode == "full" and cfg.blocks_to_swap:
+        p.append("key 'blocks_to_swap': block swap moves frozen weights only; full fine-tuning has none")
     need(0 <= cfg.adam_beta1 < 1, f"key 'adam_beta1': value {cfg.adam_beta1} must be in [0, 1)")
     need(0 <= cfg.adam_beta2 < 1, f"key 'adam_beta2': value {cfg.adam_beta2} must be in [0, 1)")
     need(cfg.adam_weight_decay >= 0, f"key 'adam_weight_decay': value {cfg.adam_weight_decay} must be >= 0")

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
 from loguru import logger
 from tqdm.auto import tqdm
 
@@ -39,7 +39,7 @@ from image_datasets.dataset import (
 )
 from image_datasets.validation import check_before_training
 from trainer import checkpoint as ckpt
-from trainer.adapters import add_lora, lora_metadata, lora_state_dict
+from trainer.adapters import trained_weights
 from trainer.config import TrainConfig, config_to_yaml
 from trainer.errors import ConfigError, DataError, TrainingDiverged, TrainingInterrupted, UserError
 from trainer.signals import GracefulStop
@@ -91,6 +91,8 @@ class Trainer:
         self.policy = prepare_environment(cfg)  # before CUDA starts: allocator settings
         self.accelerator = Accelerator(
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            # Qwen's last block leaves its text-side outputs unused: DDP must not wait for them.
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
             # The launcher's --mixed_precision wins; the YAML value applies to plain `python train.py`.
             mixed_precision=None if os.environ.get("ACCELERATE_MIXED_PRECISION") else cfg.mixed_precision,
             log_with=self.trackers or None,
@@ -118,7 +120,7 @@ class Trainer:
         cfg, out = self.cfg, self.output_dir
         out.mkdir(parents=True, exist_ok=True)
         checkpoints = ckpt.list_checkpoints(out)
-        final = out / ckpt.LORA_WEIGHTS_NAME
+        final = out / ("final_model" if cfg.training_mode == "full" else ckpt.LORA_WEIGHTS_NAME)
         if cfg.resume_from_checkpoint and cfg.resume_from_checkpoint != "latest":
             path = Path(cfg.resume_from_checkpoint)
             if not (path / ckpt.STATE_NAME).is_file():
@@ -130,11 +132,13 @@ class Trainer:
             if not cfg.overwrite_output_dir:
                 raise ConfigError(
                     f"output_dir '{out}' holds another run ({len(checkpoints)} checkpoint(s)"
-                    f"{', a final LoRA' if final.exists() else ''}); set resume_from_checkpoint: latest to "
+                    f"{', a final ' + final.name if final.exists() else ''}); set resume_from_checkpoint: latest to "
                     "continue it, overwrite_output_dir: true to replace it, or choose another output_dir")
             if int(os.environ.get("RANK", "0")) == 0:
                 for path in checkpoints:
                     shutil.rmtree(path)
+                if final.is_dir():
+                    shutil.rmtree(final)
                 final.unlink(missing_ok=True)
                 (out / METRICS_NAME).unlink(missing_ok=True)
                 logger.warning(f"overwrite_output_dir: removed the previous run's outputs in {out}")
@@ -177,8 +181,7 @@ class Trainer:
         self.latent_cache = FeatureCache("latents", cache_dir)
         self.image_hashes = [s.content_hash() for s in self.samples]
         self.reference_hashes = [tuple(file_hash(r) for r in s.references) for s in self.samples]
-        # Rank 0 fills a disk cache first; the other ranks then find the entries there.
-        with self.accelerator.main_process_first(), self.monitor.phase("cache_pass"):
+        with self.monitor.phase("cache_pass"):
             if cfg.precompute_text_embeddings:
                 self._cache_text(self._text_requests())
             if cfg.precompute_image_embeddings:
@@ -244,7 +247,9 @@ class Trainer:
         todo = list({self._text_key(c, i): (c, i) for c, i in requests
                      if self._text_key(c, i) not in self.text_cache}.values())
         logger.info(f"text cache: {len(requests) - len(todo)} cached, {len(todo)} to encode")
+        todo = self._my_share(todo)
         if not todo:
+            self.accelerator.wait_for_everyone()
             return
         self.family.load_text_encoder(self.device, self.weight_dtype)
         for start in tqdm(range(0, len(todo), ENCODE_BATCH), desc="encoding captions",
@@ -252,6 +257,7 @@ class Trainer:
             captions, indices = map(list, zip(*todo[start:start + ENCODE_BATCH]))
             for caption, index, cond in zip(captions, indices, self._encode_text(captions, indices)):
                 self.text_cache.put(self._text_key(caption, index), cond)
+        self.accelerator.wait_for_everyone()
         if not self.policy.keep_encoders:
             self.family.unload_text_encoder()
             logger.info("text encoder released")
@@ -260,16 +266,28 @@ class Trainer:
         slots = [(i, k) for i, s in enumerate(self.samples) for k in [None, *range(len(s.references))]]
         todo = [(i, k) for i, k in slots if self._latent_key(i, k) not in self.latent_cache]
         logger.info(f"latent cache: {len(slots) - len(todo)} cached, {len(todo)} to encode")
+        todo = self._my_share(todo)
         if not todo:
+            self.accelerator.wait_for_everyone()
             return
         self.family.load_vae(self.device, self.weight_dtype)
         for index, slot in tqdm(todo, desc="encoding images", disable=not self.is_main):
             # One image per call: sizes differ between images, and the VAE is the memory peak here.
             latents = self._encode_image(index, slot)
             self.latent_cache.put(self._latent_key(index, slot), {"latents": latents[0]})
+        self.accelerator.wait_for_everyone()
         if not self.policy.keep_encoders:
             self.family.unload_vae()
             logger.info("VAE released")
+
+    def _my_share(self, todo: List[Any]) -> List[Any]:
+        """With a disk cache the processes split the encoding and read each other's entries after;
+        an in-memory cache is per process, so each encodes everything."""
+        if self.latent_cache.directory is None:
+            return todo
+        # Every process has listed the missing entries before any is written, so the lists agree.
+        self.accelerator.wait_for_everyone()
+        return todo[self.accelerator.process_index::self.accelerator.num_processes]
 
     def _encode_image(self, index: int, slot: Optional[int]) -> torch.Tensor:
         sample = self.samples[index]
@@ -283,8 +301,12 @@ class Trainer:
         spec = quantization_spec(cfg)
         if spec is not None:
             check_available(spec)
+        self.weights = trained_weights(cfg, self.family.lora_presets, self.family.pipeline_class)
+        # Full fine-tuning keeps fp32 master weights (autocast computes in bf16): bf16 weights would
+        # round away most updates of a small learning rate.
+        master_dtype = torch.float32 if cfg.training_mode == "full" else self.weight_dtype
         with self.monitor.phase("load_transformer"):
-            transformer = self.family.load_transformer(self.weight_dtype)
+            transformer = self.family.load_transformer(master_dtype)
             blocks = self.family.blocks(transformer)
             if cfg.blocks_to_swap > len(blocks):
                 raise ConfigError(f"key 'blocks_to_swap': value {cfg.blocks_to_swap} is more than the "
@@ -294,8 +316,8 @@ class Trainer:
             transformer.enable_gradient_checkpointing()
         self.attention = choose_attention(cfg, transformer)
         maybe_fp8(cfg, transformer)
-        add_lora(transformer, cfg, self.family.lora_presets)
-        _lora_to(transformer, self.device)  # frozen weights are where `place` put them
+        self.weights.attach(transformer)
+        _trainable_to(transformer, self.device)  # frozen weights are where `place` put them
         self.swapper = BlockSwapper(blocks, cfg.blocks_to_swap, self.device)
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         optimizer = build_optimizer(cfg, self.params)
@@ -309,20 +331,13 @@ class Trainer:
             self._resume(self.resume_from)
 
     def _save_model_hook(self, models: List[torch.nn.Module], weights: List[Any], output_dir: str) -> None:
-        """accelerate would save the whole transformer; a checkpoint only needs the LoRA file."""
+        """Save what trains (LoRA file, or the sharded transformer) instead of accelerate's default."""
         if self.is_main:
-            self._save_lora(Path(output_dir))
+            self.weights.save(self.accelerator.unwrap_model(self.transformer), Path(output_dir))
         weights.clear()
 
     def _load_model_hook(self, models: List[torch.nn.Module], input_dir: str) -> None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        state = load_file(str(Path(input_dir) / ckpt.LORA_WEIGHTS_NAME))
-        state = {k.removeprefix("transformer."): v for k, v in state.items()}
-        result = set_peft_model_state_dict(self.accelerator.unwrap_model(self.transformer), state)
-        if result.unexpected_keys:
-            raise UserError(f"{input_dir}: checkpoint LoRA does not fit this model ({result.unexpected_keys[:3]})")
+        self.weights.load(self.accelerator.unwrap_model(self.transformer), Path(input_dir))
         models.clear()
 
     def _resume(self, path: Path) -> None:
@@ -471,29 +486,26 @@ class Trainer:
                 fh.write(json.dumps(record) + "\n")
 
     # -- checkpoints and output -------------------------------------------------------------------
-    def _save_lora(self, directory: Path) -> Path:
-        model = self.accelerator.unwrap_model(self.transformer)
-        return ckpt.save_lora_file(directory, self.family.pipeline_class, lora_state_dict(model),
-                                   lora_metadata(model))
-
     def save_checkpoint(self) -> Path:
         """LoRA file + optimizer/scheduler/RNG state + loop position, written atomically."""
         state = {"global_step": self.global_step, "epoch": self.epoch,
                  "batches_done_in_epoch": self.batches_done_in_epoch}
         path = ckpt.write_checkpoint(self.output_dir, self.global_step,
-                                     lambda folder: self.accelerator.save_state(str(folder)), state, self.is_main)
+                                     lambda folder: self.accelerator.save_state(str(folder)), state, self.is_main,
+                                     barrier=self.accelerator.wait_for_everyone)
         self.accelerator.wait_for_everyone()
         if self.is_main:
             ckpt.prune_checkpoints(self.output_dir, self.cfg.checkpoints_total_limit)
         return path
 
     def finish(self) -> Path:
-        """Write the final LoRA file into ``output_dir`` and close the trackers."""
+        """Write the final LoRA file (or full pipeline folder) into ``output_dir``; close the trackers."""
         self.accelerator.wait_for_everyone()
-        final = self.output_dir / ckpt.LORA_WEIGHTS_NAME
+        final = self.output_dir / self.weights.final_name
         if self.is_main:
-            final = self._save_lora(self.output_dir)
-            logger.info(f"LoRA saved to {final}")
+            model = self.accelerator.unwrap_model(self.transformer)
+            final = self.weights.export(model, self.output_dir, self.family.model_path)
+            logger.info(f"saved {final}")
             self.monitor.log_summary()
         self.accelerator.end_training()
         return final
@@ -514,8 +526,8 @@ def step_seed(seed: int, epoch: int, micro_step: int, rank: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def _lora_to(model: torch.nn.Module, device: torch.device) -> None:
-    """Move only the trainable (LoRA) weights; frozen ones stay where ``place`` put them."""
+def _trainable_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Move only the trainable weights (LoRA's are created on the CPU for swapped blocks)."""
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.to(device)

@@ -12,11 +12,14 @@ from trainer.config import TrainConfig
 
 
 def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW, or bitsandbytes' 8-bit AdamW (``adam8bit: true`` / ``optimizer: adamw8bit``).
+    """AdamW, bitsandbytes' 8-bit AdamW (``adam8bit: true`` / ``optimizer: adamw8bit``) or Adafactor.
 
     Without bitsandbytes the 8-bit request falls back to plain AdamW with one warning.
     """
     params = list(params)
+    if cfg.optimizer_name == "adafactor":
+        # Factored second moments: a fraction of AdamW's state, for full fine-tuning on less memory.
+        return torch.optim.Adafactor(params, lr=cfg.learning_rate, weight_decay=cfg.adam_weight_decay)
     kwargs = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                   weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
     if cfg.optimizer_name == "adamw8bit":
