@@ -6,6 +6,7 @@ Edit datasets add reference ("control") folders whose files share the target's s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from dataclasses import dataclass
@@ -131,6 +132,22 @@ def scan_image_folder(
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise DataError(f"{len(problems)} problem(s) in {root}:\n  {shown}{more}")
     return samples
+
+
+def add_trigger_word(samples: Sequence[Sample], trigger: Optional[str]) -> List[Sample]:
+    """Captions with the trigger word in front (``"ohwx, a photo of ..."``), unless already there."""
+    if not trigger:
+        return list(samples)
+    return [s if s.caption.startswith(trigger) else dataclasses.replace(s, caption=f"{trigger}, {s.caption}".rstrip(", "))
+            for s in samples]
+
+
+def shuffle_tags(caption: str, rng: random.Random, keep: int = 0) -> str:
+    """Shuffle comma-separated tags, keeping the first ``keep`` in place (the trigger word)."""
+    tags = [t.strip() for t in caption.split(",") if t.strip()]
+    head, tail = tags[:keep], tags[keep:]
+    rng.shuffle(tail)
+    return ", ".join(head + tail)
 
 
 def _find_references(key: str, target: Path, control_dirs: Sequence[str | Path], problems: List[str]) -> Tuple[Path, ...]:

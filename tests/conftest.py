@@ -67,7 +67,8 @@ def lora_keys_match(pipe, lora_dir: Path, adapter: str) -> None:
     with safe_open(str(lora_dir / "pytorch_lora_weights.safetensors"), "pt") as fh:
         saved = set(fh.keys())
     pipe.load_lora_weights(str(lora_dir), adapter_name=adapter)
-    created = {f"transformer.{name}".replace(f".{adapter}.weight", ".weight")
+    created = {f"transformer.{name}".replace(f"lora_magnitude_vector.{adapter}.weight", "lora_magnitude_vector")
+               .replace(f".{adapter}.weight", ".weight")
                for name, _ in pipe.transformer.named_parameters() if "lora_" in name}
     assert saved and created == saved
 

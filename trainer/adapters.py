@@ -41,6 +41,8 @@ def lora_config(cfg: TrainConfig, targets: TargetSpec) -> LoraConfig:
         lora_dropout=cfg.lora_dropout,
         init_lora_weights="gaussian" if cfg.lora_init == "gaussian" else True,
         target_modules=targets,
+        use_dora=cfg.use_dora,
+        use_rslora=cfg.use_rslora,
     )
 
 
@@ -72,6 +74,9 @@ def lora_metadata(transformer: torch.nn.Module) -> Dict[str, Any]:
     return transformer.peft_config["default"].to_dict()
 
 
+COMFYUI_NAME = "pytorch_lora_weights_comfyui.safetensors"
+
+
 class LoraWeights:
     """LoRA mode: what trains, and how it is saved, restored and exported."""
 
@@ -98,7 +103,11 @@ class LoraWeights:
                             f"(unexpected {result.unexpected_keys[:3]})")
 
     def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str) -> Path:
-        """The final LoRA file in ``output_dir``."""
+        """The final LoRA file in ``output_dir`` (and the ComfyUI file when asked for)."""
+        if "comfyui" in self.cfg.lora_export_formats:
+            from trainer.lora_formats import save_comfyui_lora
+
+            save_comfyui_lora(output_dir / COMFYUI_NAME, lora_state_dict(transformer), lora_metadata(transformer))
         return self.save(transformer, output_dir)
 
 

@@ -32,7 +32,7 @@ LR_SCHEDULER_CHOICES = (
 )
 OPTIMIZER_CHOICES = ("adamw", "adamw8bit", "adafactor")
 TRAINING_MODES = ("lora", "full")
-TIMESTEP_SAMPLING_CHOICES = ("uniform", "logit_normal", "mode")
+TIMESTEP_SAMPLING_CHOICES = ("uniform", "logit_normal", "mode", "cosmap", "sigmoid")
 TIMESTEP_SHIFT_CHOICES = ("auto", "fixed", "none")
 LOSS_WEIGHTING_CHOICES = ("none", "sigma_sqrt", "cosmap")
 LORA_TARGET_PRESETS = ("attention", "attention_mlp", "all_linear")
@@ -53,6 +53,8 @@ class DataConfig:
     random_ratio: bool = False  # random aspect crop (16:9, 4:3, 1:1); needs live image encoding
     caption_type: str = "txt"  # caption file extension
     skip_bad_samples: bool = False  # train without unreadable images / bad captions (one warning each)
+    trigger_word: Optional[str] = None  # put in front of every caption ("ohwx, a photo of ...")
+    shuffle_caption_tags: bool = False  # shuffle comma-separated tags each step (trigger stays first)
     control_dir: Optional[str] = None  # Qwen-Image-Edit reference images (FlyMyAI's key)
     control_dirs: Optional[List[str]] = None  # several reference folders (Edit-2509/2511), in order
     # Edit reference resize areas in pixels; default: the pipeline's (Edit: 1024^2 for both,
@@ -144,6 +146,7 @@ class TrainConfig:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     mode_scale: float = 1.29
+    sigmoid_scale: float = 1.0  # "sigmoid" sampling: sigmoid(scale * N(0, 1))
     timestep_shift: str = "auto"  # auto: the resolution-dependent shift of the family's scheduler
     shift: float = 3.0  # used when timestep_shift is "fixed"
     loss_weighting: str = "none"
@@ -156,6 +159,9 @@ class TrainConfig:
     lora_init: str = "default"
     lora_target: str = "attention"
     lora_target_modules: Optional[List[str]] = None  # explicit list; overrides the preset
+    use_dora: bool = False  # weight-decomposed LoRA (peft)
+    use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(rank) (peft)
+    lora_export_formats: List[str] = field(default_factory=lambda: ["diffusers"])  # + "comfyui"
 
     # Checkpoints
     checkpointing_steps: int = 500
@@ -378,6 +384,14 @@ def validate(cfg: TrainConfig) -> List[str]:
     for folder in ([d.control_dir] if d.control_dir else []) + list(d.control_dirs or []):
         if not Path(folder).is_dir():
             p.append(f"key 'data_config.control_dir(s)': folder '{folder}' does not exist")
+    if d.shuffle_caption_tags and cfg.precompute_text_embeddings:
+        p.append("key 'data_config.shuffle_caption_tags': shuffled captions change every step; "
+                 "set precompute_text_embeddings: false")
+    for fmt in cfg.lora_export_formats:
+        choice("lora_export_formats", fmt, ("diffusers", "comfyui"))
+    if cfg.use_dora and "comfyui" in cfg.lora_export_formats:
+        p.append("key 'lora_export_formats': the ComfyUI export does not carry DoRA magnitudes; "
+                 "use diffusers only with use_dora: true")
     if d.random_ratio and cfg.precompute_image_embeddings:
         p.append("key 'data_config.random_ratio': a random crop needs live image encoding; "
                  "set precompute_image_embeddings: false (a cached latent has one fixed crop)")

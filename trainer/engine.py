@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import time
@@ -29,6 +30,7 @@ from image_datasets.dataset import (
     ImageCaptionDataset,
     Sample,
     SizeGroupedBatchSampler,
+    add_trigger_word,
     collate,
     file_hash,
     find_control_dirs,
@@ -36,6 +38,7 @@ from image_datasets.dataset import (
     open_rgb,
     pixels_at,
     scan_image_folder,
+    shuffle_tags,
 )
 from image_datasets.validation import check_before_training
 from trainer import checkpoint as ckpt
@@ -46,6 +49,7 @@ from trainer.signals import GracefulStop
 from trainer.families import get_family
 from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.reporting import plot_losses, read_metrics, write_summary
 from trainer.block_swap import BlockSwapper
 from trainer.platform import choose_attention, configure_device, maybe_fp8, prepare_environment
 from trainer.quantization import check_available, place, quantization_spec
@@ -212,8 +216,9 @@ class Trainer:
             logger.info(f"reference folders: {', '.join(map(str, control_dirs))}")
         skip = check_before_training(d.img_dir, d.caption_type, d.img_size, family.pixel_multiple,
                                      control_dirs, skip_bad=d.skip_bad_samples)
-        return scan_image_folder(d.img_dir, d.caption_type, d.img_size, family.pixel_multiple, control_dirs,
-                                 family.reference_size if family.uses_references else None, exclude=skip)
+        samples = scan_image_folder(d.img_dir, d.caption_type, d.img_size, family.pixel_multiple, control_dirs,
+                                    family.reference_size if family.uses_references else None, exclude=skip)
+        return add_trigger_word(samples, d.trigger_word)
 
     # A text condition depends on the caption and, for Edit, on the reference images it sees.
     def _text_key(self, caption: str, index: int) -> str:
@@ -360,8 +365,9 @@ class Trainer:
             self._loop(progress)
         progress.close()
         steps = self.global_step - first_step
+        self.train_seconds = time.perf_counter() - start
         if steps:
-            elapsed = time.perf_counter() - start
+            elapsed = self.train_seconds
             logger.info(f"trained {steps} steps in {elapsed:.1f} s ({elapsed / steps:.3f} s/step)")
 
     def _loop(self, progress: tqdm) -> None:
@@ -433,9 +439,14 @@ class Trainer:
         references = self._batch_references(batch["index"])
         b = latents.shape[0]
         drop = (torch.rand(b, generator=gen) < cfg.data_config.caption_dropout_rate).tolist()
-        text = self._batch_text(batch["caption"], batch["index"], drop)
+        captions = batch["caption"]
+        if cfg.data_config.shuffle_caption_tags:
+            rng = random.Random(seed)
+            captions = [shuffle_tags(c, rng, keep=1 if cfg.data_config.trigger_word else 0) for c in captions]
+        text = self._batch_text(captions, batch["index"], drop)
         noise = torch.randn(latents.shape, generator=gen).to(self.device)
-        sigmas = sample_sigmas(b, cfg.timestep_sampling, gen, cfg.logit_mean, cfg.logit_std, cfg.mode_scale)
+        sigmas = sample_sigmas(b, cfg.timestep_sampling, gen, cfg.logit_mean, cfg.logit_std, cfg.mode_scale,
+                               cfg.sigmoid_scale)
         sigmas = apply_shift(sigmas, cfg.timestep_shift, self.family.image_seq_len(latents.shape),
                              self.family.scheduler_config, cfg.shift).to(self.device)
         noisy = add_noise(latents, noise, sigmas).to(self.weight_dtype)
@@ -474,14 +485,22 @@ class Trainer:
 
     def _log_step(self, loss: float, grad_norm: Optional[float], progress: tqdm) -> None:
         lr = self.lr_scheduler.get_last_lr()[0]
+        now = time.perf_counter()
+        step_time, self.last_step_at = now - getattr(self, "last_step_at", now), now
+        self.loss_avg = loss if not hasattr(self, "loss_avg") else 0.9 * self.loss_avg + 0.1 * loss
         progress.update(1)
         progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
         if self.global_step % self.cfg.log_every_n_steps:
             return
-        logs = {"loss": loss, "lr": lr, **({"grad_norm": grad_norm} if grad_norm is not None else {})}
+        logs = {"loss": loss, "loss_smoothed": self.loss_avg, "lr": lr,
+                **({"grad_norm": grad_norm} if grad_norm is not None else {})}
+        if step_time > 0:
+            samples = self.cfg.batch_size * self.cfg.gradient_accumulation_steps * self.accelerator.num_processes
+            logs.update(step_time_s=step_time, samples_per_s=samples / step_time)
         self.accelerator.log(logs, step=self.global_step)
         if self.is_main:
-            record = {"step": self.global_step, "epoch": self.epoch, **logs}
+            record = {"step": self.global_step, "epoch": self.epoch, "loss": loss, "lr": lr,
+                      **({"grad_norm": grad_norm} if grad_norm is not None else {})}
             with open(self.output_dir / METRICS_NAME, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
 
@@ -506,7 +525,10 @@ class Trainer:
             model = self.accelerator.unwrap_model(self.transformer)
             final = self.weights.export(model, self.output_dir, self.family.model_path)
             logger.info(f"saved {final}")
-            self.monitor.log_summary()
+            records = read_metrics(self.output_dir / METRICS_NAME)
+            curve = plot_losses(records, self.output_dir / "loss_curve.png")
+            write_summary(self.output_dir, self.cfg, self.train_seconds, self.monitor.log_summary(),
+                          {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME})
         self.accelerator.end_training()
         return final
 

@@ -21,16 +21,25 @@ def sample_sigmas(
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
     mode_scale: float = 1.29,
+    sigmoid_scale: float = 1.0,
 ) -> torch.Tensor:
     """Draw ``batch_size`` noise levels in (0, 1) on the CPU.
 
-    ``uniform``, ``logit_normal`` (SD3's density) or ``mode`` (SD3's mode sampling with heavy tails).
+    ``uniform``, ``logit_normal`` (SD3's density), ``mode`` (SD3's mode sampling with heavy tails),
+    ``cosmap`` (SD3's cosine-mapped density) or ``sigmoid`` (``sigmoid(scale * N(0, 1))``, as the
+    FLUX trainers call it).
     """
-    weighting = {"uniform": "none", "logit_normal": "logit_normal", "mode": "mode"}[scheme]
-    u = compute_density_for_timestep_sampling(
-        weighting, batch_size, logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale,
-        device="cpu", generator=generator,
-    )
+    if scheme == "cosmap":
+        x = torch.rand(batch_size, generator=generator)
+        u = 1 - 1 / (torch.tan(math.pi / 2 * x) + 1)
+    elif scheme == "sigmoid":
+        u = torch.sigmoid(sigmoid_scale * torch.randn(batch_size, generator=generator))
+    else:
+        weighting = {"uniform": "none", "logit_normal": "logit_normal", "mode": "mode"}[scheme]
+        u = compute_density_for_timestep_sampling(
+            weighting, batch_size, logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale,
+            device="cpu", generator=generator,
+        )
     # Keep away from exactly 0 (no noise, nothing to learn) and 1 (time-shift divides by sigma).
     return u.clamp(1e-4, 1.0 - 1e-4)
 

@@ -1,0 +1,119 @@
+"""What users watch and steer: reports, tensorboard scalars, exports, LoRA variants, captions, samplers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from diffusers import QwenImagePipeline
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from conftest import lora_keys_match
+from image_datasets.dataset import shuffle_tags
+from trainer.config import load_config
+from trainer.engine import Trainer
+from trainer.flow_matching import sample_sigmas
+from trainer.lora_formats import from_comfyui
+
+QUICKSTART = Path("train_configs/quickstart_tiny.yaml")
+
+
+def train(model: Path, data: Path, out: Path, *extra: str) -> Trainer:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    trainer = Trainer(load_config(QUICKSTART, [f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}",
+                                               f"output_dir={out}", *extra], default_family="qwen_image"))
+    trainer.run()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return trainer
+
+
+@pytest.mark.e2e
+def test_reports_tensorboard_and_comfyui_export(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    trainer = train(tiny_qwen_image, sample_data, out, "max_train_steps=12", "report_to=tensorboard", "rank=4",
+                    "lora_alpha=8", "use_rslora=true", "lora_export_formats=[diffusers,comfyui]")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 12 and math.isfinite(summary["final_loss"])
+    assert summary["peak_memory_gib"]["host_peak_rss_gib"] > 0.1
+    with Image.open(out / "loss_curve.png") as png:
+        assert png.size == (800, 400) and png.format == "PNG"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((out / "logs").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "loss_smoothed", "lr", "grad_norm", "step_time_s", "samples_per_s"} <= tags
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 13))
+
+    # ComfyUI file: every key maps to a module of the model, alpha stored per module (rsLoRA folded in).
+    comfy = load_file(str(out / "pytorch_lora_weights_comfyui.safetensors"))
+    modules = dict(trainer.accelerator.unwrap_model(trainer.transformer).named_modules())
+    groups = from_comfyui(comfy)
+    assert groups and all(name in modules for name in groups)
+    for name, parts in groups.items():
+        base = modules[name].base_layer
+        assert parts["lora_A"].shape == (4, base.in_features) and parts["lora_B"].shape == (base.out_features, 4)
+        assert float(parts["alpha"]) == pytest.approx(8 * 2.0), "alpha / rank in ComfyUI == alpha / sqrt(rank)"
+    with safe_open(str(out / "pytorch_lora_weights_comfyui.safetensors"), "pt") as fh:
+        assert fh.metadata()["lora_scale"] == "1.0"
+
+
+@pytest.mark.e2e
+def test_dora_round_trips_through_diffusers(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "dora"
+    train(tiny_qwen_image, sample_data, out, "max_train_steps=3", "report_to=none", "use_dora=true")
+    keys = set(load_file(str(out / "pytorch_lora_weights.safetensors")))
+    assert any("lora_magnitude_vector" in k for k in keys)
+    pipe = QwenImagePipeline.from_pretrained(tiny_qwen_image)
+    lora_keys_match(pipe, out, "dora")
+    assert pipe.transformer.peft_config["dora"].use_dora
+
+
+@pytest.mark.e2e
+def test_trigger_word_reaches_the_cached_embedding(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    plain = train(tiny_qwen_image, sample_data, tmp_path / "a", "max_train_steps=1", "report_to=none",
+                  "save_cache_on_disk=false")
+    triggered = train(tiny_qwen_image, sample_data, tmp_path / "b", "max_train_steps=1", "report_to=none",
+                      "save_cache_on_disk=false", "data_config.trigger_word=ohwx")
+    assert all(s.caption.startswith("ohwx, ") for s in triggered.samples)
+    key_a = plain._text_key(plain.samples[0].caption, 0)
+    key_b = triggered._text_key(triggered.samples[0].caption, 0)
+    assert key_a != key_b
+    emb_a = plain.text_cache.get(key_a)["prompt_embeds"]
+    emb_b = triggered.text_cache.get(key_b)["prompt_embeds"]
+    assert emb_b.shape[0] > emb_a.shape[0], "the trigger's tokens are in the cached embedding"
+
+
+def test_tag_shuffle_keeps_the_trigger_first() -> None:
+    import random
+
+    caption = "ohwx, red, circle, yellow background, flat"
+    seen = {shuffle_tags(caption, random.Random(i), keep=1) for i in range(20)}
+    assert len(seen) > 3 and all(s.startswith("ohwx, ") for s in seen)
+    assert all(sorted(s.split(", ")) == sorted(caption.split(", ")) for s in seen)
+
+
+@pytest.mark.parametrize("scheme, mean, std", [
+    ("uniform", 0.5, math.sqrt(1 / 12)),
+    ("cosmap", 0.5, None),
+    ("sigmoid", 0.5, None),
+])
+def test_sampler_moments(scheme: str, mean: float, std: float | None) -> None:
+    s = sample_sigmas(100_000, scheme, torch.Generator().manual_seed(0), sigmoid_scale=2.0)
+    assert abs(s.mean().item() - mean) < 0.01
+    if std is not None:
+        assert abs(s.std().item() - std) < 0.01
+    if scheme == "sigmoid":  # logit of the sample is N(0, scale)
+        logits = torch.log(s / (1 - s))
+        assert abs(logits.std().item() - 2.0) < 0.05
+    if scheme == "cosmap":  # SD3's cosmap puts less mass at the ends than uniform
+        assert ((s < 0.1) | (s > 0.9)).float().mean().item() < 0.2 - 0.03
+    assert np.isfinite(s.numpy()).all()
