@@ -85,8 +85,9 @@ def test_references_condition_the_prediction(tiny_qwen_image_edit: Path, edit_da
     """Changing only a reference changes the text condition (vision tower) and the prediction."""
     trainer = in_process(*overrides(tiny_qwen_image_edit, edit_data, tmp_path / "a", "max_train_steps=1",
                                     "save_cache_on_disk=false"))
-    cond_a = trainer.text_cache.get(trainer._text_key(trainer.samples[0].caption, 0))["prompt_embeds"]
-    cond_b = trainer.text_cache.get(trainer._text_key(trainer.samples[1].caption, 1))["prompt_embeds"]
+    a, b = trainer.samples[0], trainer.samples[1]
+    cond_a = trainer.text_cache.get(trainer._text_key(a.caption, a.references))["prompt_embeds"]
+    cond_b = trainer.text_cache.get(trainer._text_key(b.caption, b.references))["prompt_embeds"]
     assert cond_a.shape[0] > 20, "the prompt carries the reference's image tokens"
     assert not torch.equal(cond_a[:4], cond_b[:4]), "different references, different vision tokens"
 

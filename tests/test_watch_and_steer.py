@@ -84,8 +84,8 @@ def test_trigger_word_reaches_the_cached_embedding(tiny_qwen_image: Path, sample
     triggered = train(tiny_qwen_image, sample_data, tmp_path / "b", "max_train_steps=1", "report_to=none",
                       "save_cache_on_disk=false", "data_config.trigger_word=ohwx")
     assert all(s.caption.startswith("ohwx, ") for s in triggered.samples)
-    key_a = plain._text_key(plain.samples[0].caption, 0)
-    key_b = triggered._text_key(triggered.samples[0].caption, 0)
+    key_a = plain._text_key(plain.samples[0].caption)
+    key_b = triggered._text_key(triggered.samples[0].caption)
     assert key_a != key_b
     emb_a = plain.text_cache.get(key_a)["prompt_embeds"]
     emb_b = triggered.text_cache.get(key_b)["prompt_embeds"]
@@ -117,3 +117,35 @@ def test_sampler_moments(scheme: str, mean: float, std: float | None) -> None:
     if scheme == "cosmap":  # SD3's cosmap puts less mass at the ends than uniform
         assert ((s < 0.1) | (s > 0.9)).float().mean().item() < 0.2 - 0.03
     assert np.isfinite(s.numpy()).all()
+
+
+@pytest.mark.e2e
+def test_validation_samples_change_and_make_a_contact_sheet(tiny_qwen_image: Path, sample_data: Path,
+                                                             tmp_path: Path) -> None:
+    out = tmp_path / "val"
+    trainer = train(tiny_qwen_image, sample_data, out, "max_train_steps=10", "report_to=tensorboard",
+                    "learning_rate=5e-3", "validation.prompts=[a red circle,a blue square]",
+                    "validation.every_n_steps=5", "validation.width=64", "validation.height=48", "validation.steps=3")
+    steps = sorted(p.name for p in (out / "samples").glob("step-*"))
+    assert steps == ["step-000000", "step-000005", "step-000010"]
+    first = np.asarray(Image.open(out / "samples/step-000000/prompt-0.png"), dtype=float)
+    last = np.asarray(Image.open(out / "samples/step-000010/prompt-0.png"), dtype=float)
+    assert first.shape == (48, 64, 3) and np.abs(last - first).mean() > 0.5, "samples follow the training"
+    with Image.open(out / "samples/contact_sheet.png") as sheet:
+        assert sheet.size == (64 * 3, 48 * 2)
+    assert trainer.family.text_pipe is None, "prompts came from the cache: no text encoder kept"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((out / "logs").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    assert "validation/prompt-0" in events.Tags()["images"]
+
+
+def test_flymyai_sampling_keys_drive_validation(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    cfg = load_config(None, ["pretrained_model_name_or_path=x/y", f"data_config.img_dir={tmp_path / 'd'}",
+                             "disable_sampling=false", "sample_every=50", "sample_width=512", "sample_height=768",
+                             "sample_steps=12"])
+    v = cfg.validation
+    assert (v.every_n_steps, v.width, v.height, v.steps) == (50, 512, 768, 12)

@@ -64,6 +64,20 @@ class DataConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """Sample images rendered with the current weights during training."""
+
+    prompts: List[str] = field(default_factory=list)
+    every_n_steps: int = 0  # 0: off
+    seed: int = 0
+    steps: int = 20
+    width: int = 1024
+    height: int = 1024
+    guidance: Optional[float] = None  # distilled guidance (FLUX); None: the pipeline's default
+    reference_images: List[str] = field(default_factory=list)  # Edit: the references for every prompt
+
+
+@dataclass
 class CudaFeatures:
     """GPU feature switches of the user's CUDA 13 plan (applied by the platform layer)."""
 
@@ -168,7 +182,8 @@ class TrainConfig:
     checkpoints_total_limit: Optional[int] = None
     resume_from_checkpoint: Optional[str] = None  # "latest" or a checkpoint folder
 
-    # Sampling during training (FlyMyAI FLUX keys; the samples issue implements them)
+    # Validation samples during training (FlyMyAI's FLUX keys map onto `validation`)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     disable_sampling: bool = True
     sample_every: int = 250
     sample_width: int = 1024
@@ -231,10 +246,18 @@ def load_config(
         raise ConfigError(f"{source}: {_describe_type_error(exc)}") from None
     if cfg.family is None:
         cfg.family = default_family
+    _map_flymyai_sampling(cfg)
     problems = validate(cfg)
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
     return cfg
+
+
+def _map_flymyai_sampling(cfg: TrainConfig) -> None:
+    """FlyMyAI's ``disable_sampling: false`` + ``sample_*`` keys drive the validation section."""
+    v = cfg.validation
+    if not cfg.disable_sampling and v.every_n_steps == 0:
+        v.every_n_steps, v.width, v.height, v.steps = cfg.sample_every, cfg.sample_width, cfg.sample_height, cfg.sample_steps
 
 
 def config_to_yaml(cfg: TrainConfig) -> str:
@@ -395,6 +418,13 @@ def validate(cfg: TrainConfig) -> List[str]:
     if d.random_ratio and cfg.precompute_image_embeddings:
         p.append("key 'data_config.random_ratio': a random crop needs live image encoding; "
                  "set precompute_image_embeddings: false (a cached latent has one fixed crop)")
+    v = cfg.validation
+    need(v.every_n_steps >= 0, f"key 'validation.every_n_steps': value {v.every_n_steps} must be >= 0")
+    need(v.steps >= 2, f"key 'validation.steps': value {v.steps} must be >= 2")
+    for key in ("width", "height"):
+        need(getattr(v, key) >= 16, f"key 'validation.{key}': value {getattr(v, key)} must be >= 16")
+    for ref in v.reference_images:
+        need(Path(ref).is_file(), f"key 'validation.reference_images': file '{ref}' does not exist")
     p += _validate_quantization(cfg)
     p += _not_yet_supported(cfg)
     return p
@@ -418,9 +448,6 @@ def _validate_quantization(cfg: TrainConfig) -> List[str]:
 def _not_yet_supported(cfg: TrainConfig) -> List[str]:
     """Keys accepted for compatibility whose feature lands in a later issue: refuse, don't ignore."""
     p: List[str] = []
-    if not cfg.disable_sampling:
-        p.append("key 'disable_sampling': validation samples during training are not yet supported "
-                 "(set disable_sampling: true and render with inference.py)")
     if cfg.double_blocks is not None:
         p.append("key 'double_blocks': choosing FLUX blocks is not yet supported (set double_blocks: null)")
     return p

@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from accelerate import Accelerator
@@ -50,6 +50,7 @@ from trainer.families import get_family
 from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.reporting import plot_losses, read_metrics, write_summary
+from trainer.validation import ValidationRenderer, log_images
 from trainer.block_swap import BlockSwapper
 from trainer.platform import choose_attention, configure_device, maybe_fp8, prepare_environment
 from trainer.quantization import check_available, place, quantization_spec
@@ -57,6 +58,7 @@ from utils.attention import sdpa_context
 from utils.memory_monitor import MemoryMonitor
 
 ENCODE_BATCH = 8  # prompts / images per encoder call in the cache pass
+TextRequest = Tuple[str, Tuple[Path, ...]]  # a caption and the reference images it is encoded with
 METRICS_NAME = "metrics.jsonl"
 
 
@@ -178,13 +180,13 @@ class Trainer:
     def prepare_data(self) -> None:
         cfg, d = self.cfg, self.cfg.data_config
         self.samples = self._scan_samples()
+        self.validation = ValidationRenderer(cfg, self.family, self.output_dir, [s.caption for s in self.samples])
         groups = sorted({(s.size, s.reference_sizes) for s in self.samples})
         logger.info(f"{len(self.samples)} images in {d.img_dir}; sizes (target, references) {groups}")
         cache_dir = cfg.resolved_cache_dir if cfg.save_cache_on_disk else None
         self.text_cache = FeatureCache("text", cache_dir)
         self.latent_cache = FeatureCache("latents", cache_dir)
-        self.image_hashes = [s.content_hash() for s in self.samples]
-        self.reference_hashes = [tuple(file_hash(r) for r in s.references) for s in self.samples]
+        self.hashes: Dict[Path, str] = {}  # file contents, for cache keys
         with self.monitor.phase("cache_pass"):
             if cfg.precompute_text_embeddings:
                 self._cache_text(self._text_requests())
@@ -192,8 +194,8 @@ class Trainer:
                 self._cache_latents()
         if not cfg.precompute_text_embeddings and self.family.text_pipe is None:
             self.family.load_text_encoder(self.device, self.weight_dtype)
-        if not cfg.precompute_image_embeddings and self.family.vae is None:
-            self.family.load_vae(self.device, self.weight_dtype)
+        if (not cfg.precompute_image_embeddings or self.validation.enabled) and self.family.vae is None:
+            self.family.load_vae(self.device, self.weight_dtype)  # live encoding, or decoding samples
         self.sampler = SizeGroupedBatchSampler([s.group for s in self.samples], d.train_batch_size,
                                                shuffle=True, seed=cfg.seed or 0)
         dataset = ImageCaptionDataset(self.samples, load_pixels=not cfg.precompute_image_embeddings,
@@ -221,36 +223,40 @@ class Trainer:
         return add_trigger_word(samples, d.trigger_word)
 
     # A text condition depends on the caption and, for Edit, on the reference images it sees.
-    def _text_key(self, caption: str, index: int) -> str:
+    def _text_key(self, caption: str, references: Tuple[Path, ...] = ()) -> str:
         f = self.family
-        refs = self.reference_hashes[index] if f.uses_references else ()
+        refs = [self._file_hash(p) for p in references] if f.uses_references else []
         return cache_key(f.name, f.model_path, self.cfg.revision, "text", self.weight_dtype, caption, *refs)
 
-    def _text_requests(self) -> List[tuple]:
-        """(caption, sample index) pairs to encode: every caption, and the empty prompt for dropout
-        (once, or once per sample when references make each one different)."""
-        requests = [(s.caption, i) for i, s in enumerate(self.samples)]
-        if self.family.uses_references:
-            return requests + ([("", i) for i in range(len(self.samples))]
-                               if self.cfg.data_config.caption_dropout_rate > 0 else [])
-        return requests + [("", 0)]
+    def _file_hash(self, path: Path) -> str:
+        if path not in self.hashes:
+            self.hashes[path] = file_hash(path)
+        return self.hashes[path]
+
+    def _text_requests(self) -> List[TextRequest]:
+        """Every caption with its references, the empty prompt for caption dropout (once, or per
+        sample when references make each one different), and the validation prompts."""
+        refs = self.family.uses_references
+        requests = [(s.caption, s.references) for s in self.samples]
+        if self.cfg.data_config.caption_dropout_rate > 0 or not refs:
+            requests += [("", s.references) for s in self.samples] if refs else [("", ())]
+        return requests + self.validation.text_requests()
 
     def _latent_key(self, index: int, slot: Optional[int] = None) -> str:
         """Key of sample ``index``'s target latents, or of its reference number ``slot``."""
         f, s = self.family, self.samples[index]
-        content, size = (self.image_hashes[index], s.size) if slot is None else \
-            (self.reference_hashes[index][slot], s.reference_sizes[slot])
+        content, size = (self._file_hash(s.image_path), s.size) if slot is None else \
+            (self._file_hash(s.references[slot]), s.reference_sizes[slot])
         return cache_key(f.name, f.model_path, self.cfg.revision, "latents", self.weight_dtype, content, size)
 
-    def _encode_text(self, captions: List[str], indices: List[int]) -> List[Dict[str, torch.Tensor]]:
+    def _encode_text(self, requests: List[TextRequest]) -> List[Dict[str, torch.Tensor]]:
+        captions = [caption for caption, _ in requests]
         if not self.family.uses_references:
             return self.family.encode_prompts(captions)
-        refs = [[open_rgb(p) for p in self.samples[i].references] for i in indices]
-        return self.family.encode_prompts(captions, refs)
+        return self.family.encode_prompts(captions, [[open_rgb(p) for p in refs] for _, refs in requests])
 
-    def _cache_text(self, requests: List[tuple]) -> None:
-        todo = list({self._text_key(c, i): (c, i) for c, i in requests
-                     if self._text_key(c, i) not in self.text_cache}.values())
+    def _cache_text(self, requests: List[TextRequest]) -> None:
+        todo = list({self._text_key(*r): r for r in requests if self._text_key(*r) not in self.text_cache}.values())
         logger.info(f"text cache: {len(requests) - len(todo)} cached, {len(todo)} to encode")
         todo = self._my_share(todo)
         if not todo:
@@ -259,9 +265,9 @@ class Trainer:
         self.family.load_text_encoder(self.device, self.weight_dtype)
         for start in tqdm(range(0, len(todo), ENCODE_BATCH), desc="encoding captions",
                           disable=not self.is_main):
-            captions, indices = map(list, zip(*todo[start:start + ENCODE_BATCH]))
-            for caption, index, cond in zip(captions, indices, self._encode_text(captions, indices)):
-                self.text_cache.put(self._text_key(caption, index), cond)
+            chunk = todo[start:start + ENCODE_BATCH]
+            for request, cond in zip(chunk, self._encode_text(chunk)):
+                self.text_cache.put(self._text_key(*request), cond)
         self.accelerator.wait_for_everyone()
         if not self.policy.keep_encoders:
             self.family.unload_text_encoder()
@@ -362,6 +368,8 @@ class Trainer:
         self.transformer.train()
         start, first_step = time.perf_counter(), self.global_step
         with self.monitor.phase("train_loop", self.global_step), sdpa_context(self.attention), self.stop:
+            if self.validation.enabled and self.global_step == 0:
+                self._validate()  # the base model's samples, to compare against
             self._loop(progress)
         progress.close()
         steps = self.global_step - first_step
@@ -397,6 +405,8 @@ class Trainer:
                 self.batches_done_in_epoch = (micro + 1) // cfg.gradient_accumulation_steps
                 self._log_step(torch.stack(losses).mean().item(), grad_norm, progress)
                 losses, finite = [], True
+                if self.validation.due(self.global_step):
+                    self._validate()
                 if self._should_checkpoint():
                     self.save_checkpoint()
                 if self.global_step >= cfg.max_train_steps or self.stop.requested:
@@ -471,12 +481,22 @@ class Trainer:
                 for k in range(slots)]
 
     def _batch_text(self, captions: List[str], indices: List[int], drop: List[bool]) -> Dict[str, Any]:
-        captions = ["" if d else c for c, d in zip(captions, drop)]
+        requests = [("" if d else c, self.samples[i].references) for c, i, d in zip(captions, indices, drop)]
+        return self.family.collate_text(self._text_conds(requests), self.device, self.weight_dtype)
+
+    def _text_conds(self, requests: List[TextRequest]) -> List[Dict[str, torch.Tensor]]:
         if self.cfg.precompute_text_embeddings:
-            conds = [self.text_cache.get(self._text_key(c, i)) for c, i in zip(captions, indices)]
-        else:
-            conds = self._encode_text(captions, indices)
-        return self.family.collate_text(conds, self.device, self.weight_dtype)
+            return [self.text_cache.get(self._text_key(*r)) for r in requests]
+        return self._encode_text(requests)
+
+    def _validate(self) -> None:
+        """Render the validation prompts with the current weights (main process; the others wait)."""
+        if self.is_main:
+            conds = self._text_conds(self.validation.text_requests())
+            paths = self.validation.render(self.accelerator.unwrap_model(self.transformer), self.global_step,
+                                           conds, self.weight_dtype, self.accelerator.autocast)
+            log_images(self.accelerator.trackers, paths, self.global_step)
+        self.accelerator.wait_for_everyone()
 
     def _clip_gradients(self) -> Optional[float]:
         if not self.accelerator.sync_gradients or self.cfg.max_grad_norm <= 0:
@@ -525,10 +545,12 @@ class Trainer:
             model = self.accelerator.unwrap_model(self.transformer)
             final = self.weights.export(model, self.output_dir, self.family.model_path)
             logger.info(f"saved {final}")
+            sheet = self.validation.contact_sheet()
             records = read_metrics(self.output_dir / METRICS_NAME)
             curve = plot_losses(records, self.output_dir / "loss_curve.png")
             write_summary(self.output_dir, self.cfg, self.train_seconds, self.monitor.log_summary(),
-                          {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME})
+                          {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME,
+                           **({"contact_sheet": str(sheet)} if sheet else {})})
         self.accelerator.end_training()
         return final
 

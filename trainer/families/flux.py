@@ -53,6 +53,7 @@ class FluxFamily:
     pipeline_class: ClassVar[type] = FluxPipeline
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = FLUX_LORA_PRESETS
     uses_references: ClassVar[bool] = False
+    max_references: int = 0
 
     def __init__(self, cfg: TrainConfig):
         self.model_path = resolve_model_path(cfg.pretrained_model_name_or_path)
@@ -108,6 +109,10 @@ class FluxFamily:
         # Every T5 sequence is max_sequence_length long, so the batch stacks without a mask.
         return {key: torch.stack([c[key] for c in conds]).to(device, dtype)
                 for key in ("prompt_embeds", "pooled_prompt_embeds")}
+
+    def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
+        """A cached condition as the pipeline's ``prompt_embeds`` arguments."""
+        return {key: cond[key].to(device, dtype)[None] for key in ("prompt_embeds", "pooled_prompt_embeds")}
 
     # -- images -----------------------------------------------------------------------------------
     def load_vae(self, device: torch.device, dtype: torch.dtype) -> None:

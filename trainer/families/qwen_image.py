@@ -46,6 +46,7 @@ class QwenImageFamily:
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = QWEN_LORA_PRESETS
     max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
     uses_references: ClassVar[bool] = False
+    max_references: int = 0
 
     def __init__(self, cfg: TrainConfig):
         self.model_path = resolve_model_path(cfg.pretrained_model_name_or_path)
@@ -94,6 +95,12 @@ class QwenImageFamily:
             # All-ones mask: pass none, as the pipeline does, so fast unmasked attention can run.
             "prompt_embeds_mask": None if bool(mask.all()) else mask.to(device),
         }
+
+    def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
+        """A cached condition as the pipeline's ``prompt_embeds`` arguments."""
+        embeds = cond["prompt_embeds"].to(device, dtype)[None]
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": torch.ones(embeds.shape[:2], dtype=torch.long,
+                                                                          device=device)}
 
     # -- images -----------------------------------------------------------------------------------
     def load_vae(self, device: torch.device, dtype: torch.dtype) -> None:
