@@ -35,6 +35,7 @@ class Sample:
     size: Tuple[int, int]  # (width, height) fed to the VAE
     references: Tuple[Path, ...] = ()  # reference images (Edit), in control-folder order
     reference_sizes: Tuple[Tuple[int, int], ...] = ()
+    original_size: Tuple[int, int] = (0, 0)  # (width, height) of the file, EXIF rotation applied
 
     @property
     def group(self) -> Hashable:
@@ -126,7 +127,8 @@ def scan_image_folder(
         except (OSError, UnidentifiedImageError) as exc:
             problems.append(f"{path}: a reference image cannot be read ({exc.__class__.__name__})")
             continue
-        samples.append(Sample(key, path, caption, target_size(width, height, img_size, multiple), refs, ref_sizes))
+        samples.append(Sample(key, path, caption, target_size(width, height, img_size, multiple), refs, ref_sizes,
+                              (width, height)))
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -171,21 +173,24 @@ def open_rgb(path: Path) -> Image.Image:
         return ImageOps.exif_transpose(img).convert("RGB")
 
 
-def load_image(sample: Sample, rng: random.Random | None = None) -> torch.Tensor:
+def load_image(sample: Sample, rng: random.Random | None = None, random_crop: bool = False) -> torch.Tensor:
     """The sample's image as a ``(3, H, W)`` float tensor in [-1, 1] at ``sample.size``.
 
-    With ``rng`` a random aspect crop is applied first (FlyMyAI's ``random_ratio``).
+    With ``rng`` a random aspect crop is applied first (FlyMyAI's ``random_ratio``); with
+    ``random_crop`` the crop window is placed at random instead of centred.
     """
-    return pixels_at(open_rgb(sample.image_path), sample.size, rng)
+    return pixels_at(open_rgb(sample.image_path), sample.size, rng, random_crop)
 
 
-def pixels_at(img: Image.Image, size: Tuple[int, int], rng: random.Random | None = None) -> torch.Tensor:
-    """Cover-resize and centre-crop ``img`` to ``size``; a ``(3, H, W)`` tensor in [-1, 1]."""
+def pixels_at(img: Image.Image, size: Tuple[int, int], rng: random.Random | None = None,
+              random_crop: bool = False) -> torch.Tensor:
+    """Cover-resize and crop ``img`` to ``size``; a ``(3, H, W)`` tensor in [-1, 1]."""
     if rng is not None:
         ratio = rng.choice(RANDOM_RATIOS)
         if ratio is not None:
             size = _fit_ratio(size, ratio)
-    img = ImageOps.fit(img, size, method=Image.Resampling.BICUBIC)  # cover, then centre-crop
+    centering = (random.random(), random.random()) if random_crop else (0.5, 0.5)
+    img = ImageOps.fit(img, size, method=Image.Resampling.BICUBIC, centering=centering)  # cover, then crop
     array = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
@@ -210,11 +215,12 @@ def _grid(w: int, h: int) -> int:
 class ImageCaptionDataset(Dataset):
     """Index -> ``{"index", "caption"}`` plus ``"pixels"`` when images are encoded live."""
 
-    def __init__(self, samples: Sequence[Sample], load_pixels: bool, random_ratio: bool = False, seed: int = 0):
+    def __init__(self, samples: Sequence[Sample], load_pixels: bool, random_ratio: bool = False,
+                 random_crop: bool = False):
         self.samples = list(samples)
         self.load_pixels = load_pixels
         self.random_ratio = random_ratio
-        self.seed = seed
+        self.random_crop = random_crop
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -223,7 +229,7 @@ class ImageCaptionDataset(Dataset):
         item: Dict[str, object] = {"index": index, "caption": self.samples[index].caption}
         if self.load_pixels:
             rng = random.Random() if self.random_ratio else None
-            item["pixels"] = load_image(self.samples[index], rng)
+            item["pixels"] = load_image(self.samples[index], rng, self.random_crop)
         return item
 
 

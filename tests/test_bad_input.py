@@ -50,7 +50,7 @@ def test_missing_caption_and_unreadable_image(tiny_qwen_image: Path, sample_data
     result = run(f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={data}",
                  f"output_dir={tmp_path}/out2", "data_config.skip_bad_samples=true")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "skipping" in result.stderr and "4 images in" in result.stderr
+    assert "skipping" in result.stderr and "4 samples from" in result.stderr
 
 
 def test_typo_in_config_key(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:

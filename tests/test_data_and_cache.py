@@ -92,3 +92,36 @@ def test_changed_image_gets_a_new_content_hash(tmp_path: Path) -> None:
     before = sample.content_hash()
     Image.new("RGB", (64, 64), (1, 2, 3)).save(sample.image_path)
     assert sample.content_hash() != before
+
+
+def test_aspect_buckets_keep_the_area_and_the_grid() -> None:
+    from image_datasets.buckets import aspect_buckets, nearest_bucket
+
+    buckets = aspect_buckets(1024, 16)
+    assert (1024, 1024) in buckets
+    for w, h in buckets:
+        assert w % 16 == 0 and h % 16 == 0 and w * h <= 1024 * 1024 and max(w / h, h / w) <= 4
+        if max(w / h, h / w) <= 2:
+            assert w * h >= 0.95 * 1024 * 1024, (w, h)
+    wide = nearest_bucket(1920, 1080, buckets)
+    assert 1.7 < wide[0] / wide[1] < 1.85 and nearest_bucket(1080, 1920, buckets) == wide[::-1]
+
+
+def test_multi_resolution_expands_each_sample(tmp_path: Path) -> None:
+    from image_datasets.buckets import at_resolutions, bucket_report
+
+    make_sample_dataset(tmp_path, count=3)
+    samples = scan_image_folder(tmp_path, "txt", 64, 16)
+    multi = at_resolutions(samples, [32, 64], 16, "area")
+    assert len(multi) == 6 and {s.key for s in multi} == {f"img{i}@{r}" for i in (1, 2, 3) for r in (32, 64)}
+    assert {s.size for s in multi if s.key.endswith("@64") and s.key != "img2@64"} == {(64, 64)}
+    assert "64x64: 2" in bucket_report(multi)
+    assert at_resolutions(samples, [64], 16, "longest_side") == samples, "the default changes nothing"
+
+
+def test_random_crop_moves_the_window(tmp_path: Path) -> None:
+    make_sample_dataset(tmp_path, count=2)
+    wide = scan_image_folder(tmp_path, "txt", 32, 16)[1]  # 96x64 source, trained at 32x16 after resize
+    square = type(wide)(wide.key, wide.image_path, wide.caption, (32, 32))
+    crops = {load_image(square, random_crop=True).sum().item() for _ in range(8)}
+    assert len(crops) > 1 and load_image(square).shape == (3, 32, 32)

@@ -149,3 +149,16 @@ def test_flymyai_sampling_keys_drive_validation(tmp_path: Path) -> None:
                              "sample_steps=12"])
     v = cfg.validation
     assert (v.every_n_steps, v.width, v.height, v.steps) == (50, 512, 768, 12)
+
+
+@pytest.mark.e2e
+def test_area_buckets_multi_resolution_batches(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    trainer = train(tiny_qwen_image, sample_data, tmp_path / "b", "max_train_steps=6", "report_to=none",
+                    "data_config.bucket_mode=area", "data_config.resolutions=[32,64]", "data_config.train_batch_size=2")
+    assert len(trainer.samples) == 12
+    trainer.sampler.set_epoch(0)
+    batches = list(trainer.sampler)
+    assert sorted(i for b in batches for i in b) == list(range(12))
+    assert all(len({trainer.samples[i].size for i in b}) == 1 for b in batches), "one size per batch, no padding"
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses)

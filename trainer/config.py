@@ -51,6 +51,9 @@ class DataConfig:
     num_workers: int = 2
     caption_dropout_rate: float = 0.0
     random_ratio: bool = False  # random aspect crop (16:9, 4:3, 1:1); needs live image encoding
+    bucket_mode: str = "longest_side"  # longest_side (FlyMyAI) | area (aspect buckets at img_size^2)
+    resolutions: Optional[List[int]] = None  # multi-resolution training, e.g. [512, 768, 1024]
+    random_crop: bool = False  # crop window at random instead of centred (needs live image encoding)
     caption_type: str = "txt"  # caption file extension
     skip_bad_samples: bool = False  # train without unreadable images / bad captions (one warning each)
     trigger_word: Optional[str] = None  # put in front of every caption ("ohwx, a photo of ...")
@@ -392,6 +395,12 @@ def validate(cfg: TrainConfig) -> List[str]:
     need(0 < cfg.memory_fraction <= 1, f"key 'memory_fraction': value {cfg.memory_fraction} must be in (0, 1]")
     need(cfg.fastsafetensors_num_threads >= 1,
          f"key 'fastsafetensors_num_threads': value {cfg.fastsafetensors_num_threads} must be >= 1")
+    choice("data_config.bucket_mode", d.bucket_mode, ("longest_side", "area"))
+    for res in d.resolutions or []:
+        need(res >= 16, f"key 'data_config.resolutions': value {res} must be at least 16")
+    if d.random_crop and cfg.precompute_image_embeddings:
+        p.append("key 'data_config.random_crop': a random crop needs live image encoding; "
+                 "set precompute_image_embeddings: false (a cached latent has one fixed crop)")
     if d.random_ratio and d.train_batch_size > 1:
         p.append("key 'data_config.random_ratio': random aspect crops give each image its own size; "
                  "use train_batch_size: 1")

@@ -25,6 +25,7 @@ from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 from loguru import logger
 from tqdm.auto import tqdm
 
+from image_datasets.buckets import at_resolutions, bucket_report
 from image_datasets.cache import FeatureCache, cache_key
 from image_datasets.dataset import (
     ImageCaptionDataset,
@@ -182,7 +183,7 @@ class Trainer:
         self.samples = self._scan_samples()
         self.validation = ValidationRenderer(cfg, self.family, self.output_dir, [s.caption for s in self.samples])
         groups = sorted({(s.size, s.reference_sizes) for s in self.samples})
-        logger.info(f"{len(self.samples)} images in {d.img_dir}; sizes (target, references) {groups}")
+        logger.info(f"{len(self.samples)} samples from {d.img_dir}; sizes (target, references) {groups}")
         cache_dir = cfg.resolved_cache_dir if cfg.save_cache_on_disk else None
         self.text_cache = FeatureCache("text", cache_dir)
         self.latent_cache = FeatureCache("latents", cache_dir)
@@ -199,7 +200,7 @@ class Trainer:
         self.sampler = SizeGroupedBatchSampler([s.group for s in self.samples], d.train_batch_size,
                                                shuffle=True, seed=cfg.seed or 0)
         dataset = ImageCaptionDataset(self.samples, load_pixels=not cfg.precompute_image_embeddings,
-                                      random_ratio=d.random_ratio)
+                                      random_ratio=d.random_ratio, random_crop=d.random_crop)
         loader = torch.utils.data.DataLoader(
             dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=d.num_workers,
             pin_memory=self.policy.pin_memory, persistent_workers=d.num_workers > 0)
@@ -220,6 +221,8 @@ class Trainer:
                                      control_dirs, skip_bad=d.skip_bad_samples)
         samples = scan_image_folder(d.img_dir, d.caption_type, d.img_size, family.pixel_multiple, control_dirs,
                                     family.reference_size if family.uses_references else None, exclude=skip)
+        samples = at_resolutions(samples, d.resolutions or [d.img_size], family.pixel_multiple, d.bucket_mode)
+        logger.info(f"buckets ({d.bucket_mode}): {bucket_report(samples)}")
         return add_trigger_word(samples, d.trigger_word)
 
     # A text condition depends on the caption and, for Edit, on the reference images it sees.
