@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import trainer  # noqa: F401  (quiets optional backends' import-time warnings)
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PIPELINES = {"qwen_image": "QwenImagePipeline", "qwen_image_edit": "QwenImageEditPipeline",
              "qwen_image_edit_plus": "QwenImageEditPlusPipeline", "flux": "FluxPipeline"}

@@ -44,6 +44,8 @@ def test_reports_tensorboard_and_comfyui_export(tiny_qwen_image: Path, sample_da
     assert summary["peak_memory_gib"]["host_peak_rss_gib"] > 0.1
     with Image.open(out / "loss_curve.png") as png:
         assert png.size == (800, 400) and png.format == "PNG"
+    with Image.open(out / "timestep_density.png") as png:
+        assert png.size == (600, 300) and np.asarray(png.convert("L")).min() < 128, "bars were drawn"
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -162,3 +164,23 @@ def test_area_buckets_multi_resolution_batches(tiny_qwen_image: Path, sample_dat
     assert all(len({trainer.samples[i].size for i in b}) == 1 for b in batches), "one size per batch, no padding"
     losses = [json.loads(x)["loss"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
+
+
+@pytest.mark.e2e
+def test_ema_weights_are_saved_beside_and_resume(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ema"
+    args = ("report_to=none", "ema_decay=0.8", "learning_rate=5e-3", "checkpointing_steps=3",
+            "overwrite_output_dir=false")
+    train(tiny_qwen_image, sample_data, out, "max_train_steps=3", *args)
+    assert (out / "checkpoint-3" / "ema_weights.safetensors").is_file()
+    trainer = train(tiny_qwen_image, sample_data, out, "max_train_steps=6", "resume_from_checkpoint=latest", *args)
+    final = load_file(str(out / "pytorch_lora_weights.safetensors"))
+    ema = load_file(str(out / "ema" / "pytorch_lora_weights.safetensors"))
+    assert final.keys() == ema.keys()
+    # B matrices start at zero; those that trained (the last block's text side gets no gradient) differ.
+    trained = [k for k in final if "lora_B" in k and final[k].abs().sum() > 0]
+    assert len(trained) > 10
+    assert all(not torch.equal(final[k], ema[k]) for k in trained), "the average lags the last weights"
+    assert all(ema[k].abs().sum() > 0 for k in trained), "the average carried over the resume"
+    lora_keys_match(QwenImagePipeline.from_pretrained(tiny_qwen_image), out / "ema", "ema")
+    assert trainer.ema is not None

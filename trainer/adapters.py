@@ -104,6 +104,7 @@ class LoraWeights:
 
     def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str) -> Path:
         """The final LoRA file in ``output_dir`` (and the ComfyUI file when asked for)."""
+        output_dir.mkdir(parents=True, exist_ok=True)
         if "comfyui" in self.cfg.lora_export_formats:
             from trainer.lora_formats import save_comfyui_lora
 
@@ -148,6 +149,8 @@ class FullWeights:
         """``output_dir/final_model``: the base pipeline with the trained transformer, ready for
         ``from_pretrained``; written beside and renamed into place."""
         from trainer.checkpoint import replace_folder
+
+        output_dir.mkdir(parents=True, exist_ok=True)
 
         def write(tmp: Path) -> None:
             pipe = self.pipeline_class.from_pretrained(base_model, transformer=transformer)

@@ -179,6 +179,7 @@ class TrainConfig:
     use_dora: bool = False  # weight-decomposed LoRA (peft)
     use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(rank) (peft)
     lora_export_formats: List[str] = field(default_factory=lambda: ["diffusers"])  # + "comfyui"
+    ema_decay: Optional[float] = None  # EMA of the trained weights (e.g. 0.999); saved beside them
 
     # Checkpoints
     checkpointing_steps: int = 500
@@ -434,6 +435,8 @@ def validate(cfg: TrainConfig) -> List[str]:
         need(getattr(v, key) >= 16, f"key 'validation.{key}': value {getattr(v, key)} must be >= 16")
     for ref in v.reference_images:
         need(Path(ref).is_file(), f"key 'validation.reference_images': file '{ref}' does not exist")
+    if cfg.ema_decay is not None:
+        need(0 < cfg.ema_decay < 1, f"key 'ema_decay': value {cfg.ema_decay} must be in (0, 1) (or null: off)")
     p += _validate_quantization(cfg)
     p += _not_yet_supported(cfg)
     return p

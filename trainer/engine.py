@@ -22,7 +22,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+from diffusers.training_utils import EMAModel
 from loguru import logger
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from image_datasets.buckets import at_resolutions, bucket_report
@@ -50,7 +52,7 @@ from trainer.signals import GracefulStop
 from trainer.families import get_family
 from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
 from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.reporting import plot_losses, read_metrics, write_summary
+from trainer.reporting import plot_histogram, plot_losses, read_metrics, write_summary
 from trainer.validation import ValidationRenderer, log_images
 from trainer.block_swap import BlockSwapper
 from trainer.platform import choose_attention, configure_device, maybe_fp8, prepare_environment
@@ -58,6 +60,7 @@ from trainer.quantization import check_available, place, quantization_spec
 from utils.attention import sdpa_context
 from utils.memory_monitor import MemoryMonitor
 
+EMA_NAME = "ema_weights.safetensors"
 ENCODE_BATCH = 8  # prompts / images per encoder call in the cache pass
 TextRequest = Tuple[str, Tuple[Path, ...]]  # a caption and the reference images it is encoded with
 METRICS_NAME = "metrics.jsonl"
@@ -182,6 +185,8 @@ class Trainer:
         cfg, d = self.cfg, self.cfg.data_config
         self.samples = self._scan_samples()
         self.validation = ValidationRenderer(cfg, self.family, self.output_dir, [s.caption for s in self.samples])
+        if self.is_main:
+            self._plot_timestep_density()
         groups = sorted({(s.size, s.reference_sizes) for s in self.samples})
         logger.info(f"{len(self.samples)} samples from {d.img_dir}; sizes (target, references) {groups}")
         cache_dir = cfg.resolved_cache_dir if cfg.save_cache_on_disk else None
@@ -205,6 +210,17 @@ class Trainer:
             dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=d.num_workers,
             pin_memory=self.policy.pin_memory, persistent_workers=d.num_workers > 0)
         self.dataloader = self.accelerator.prepare(loader)  # shards batches across processes
+
+    def _plot_timestep_density(self) -> None:
+        """What the configured sampler and shift draw, at the most common training size."""
+        cfg, size = self.cfg, max({s.size for s in self.samples}, key=[s.size for s in self.samples].count)
+        latent = (size[1] * 2 // self.family.pixel_multiple, size[0] * 2 // self.family.pixel_multiple)
+        sigmas = sample_sigmas(20_000, cfg.timestep_sampling, torch.Generator().manual_seed(0), cfg.logit_mean,
+                               cfg.logit_std, cfg.mode_scale, cfg.sigmoid_scale)
+        sigmas = apply_shift(sigmas, cfg.timestep_shift, self.family.image_seq_len(latent),
+                             self.family.scheduler_config, cfg.shift)
+        plot_histogram(sigmas.tolist(), self.output_dir / "timestep_density.png",
+                       f"{cfg.timestep_sampling} + shift {cfg.timestep_shift} at {size[0]}x{size[1]}")
 
     def _scan_samples(self) -> List[Sample]:
         """The training samples, after the dataset checks (before any model loads)."""
@@ -339,6 +355,7 @@ class Trainer:
         # The transformer is already placed (swapped blocks must stay in host memory).
         self.transformer, self.optimizer, self.lr_scheduler = self.accelerator.prepare(
             transformer, optimizer, lr_scheduler, device_placement=[False, None, None])
+        self.ema = EMAModel(self.params, decay=cfg.ema_decay) if cfg.ema_decay else None
         self.accelerator.register_save_state_pre_hook(self._save_model_hook)
         self.accelerator.register_load_state_pre_hook(self._load_model_hook)
         if self.resume_from is not None:
@@ -348,10 +365,17 @@ class Trainer:
         """Save what trains (LoRA file, or the sharded transformer) instead of accelerate's default."""
         if self.is_main:
             self.weights.save(self.accelerator.unwrap_model(self.transformer), Path(output_dir))
+            if self.ema is not None:
+                save_file({f"{i}": t.contiguous() for i, t in enumerate(self.ema.shadow_params)},
+                          str(Path(output_dir) / EMA_NAME))
         weights.clear()
 
     def _load_model_hook(self, models: List[torch.nn.Module], input_dir: str) -> None:
         self.weights.load(self.accelerator.unwrap_model(self.transformer), Path(input_dir))
+        if self.ema is not None and (Path(input_dir) / EMA_NAME).is_file():
+            shadow = load_file(str(Path(input_dir) / EMA_NAME))
+            for i, param in enumerate(self.ema.shadow_params):
+                param.data.copy_(shadow[str(i)])
         models.clear()
 
     def _resume(self, path: Path) -> None:
@@ -422,6 +446,8 @@ class Trainer:
         if ok:
             self.optimizer.step()
             self.lr_scheduler.step()
+            if self.ema is not None:
+                self.ema.step(self.params)
             self.bad_steps = 0
         else:
             self.bad_steps += 1
@@ -528,6 +554,14 @@ class Trainer:
                 fh.write(json.dumps(record) + "\n")
 
     # -- checkpoints and output -------------------------------------------------------------------
+    def _export_ema(self, model: torch.nn.Module) -> None:
+        """The EMA weights, exported the same way into ``output_dir/ema/``."""
+        self.ema.store(self.params)
+        self.ema.copy_to(self.params)
+        path = self.weights.export(model, self.output_dir / "ema", self.family.model_path)
+        self.ema.restore(self.params)
+        logger.info(f"saved EMA weights to {path}")
+
     def save_checkpoint(self) -> Path:
         """LoRA file + optimizer/scheduler/RNG state + loop position, written atomically."""
         state = {"global_step": self.global_step, "epoch": self.epoch,
@@ -548,6 +582,8 @@ class Trainer:
             model = self.accelerator.unwrap_model(self.transformer)
             final = self.weights.export(model, self.output_dir, self.family.model_path)
             logger.info(f"saved {final}")
+            if self.ema is not None:
+                self._export_ema(model)
             sheet = self.validation.contact_sheet()
             records = read_metrics(self.output_dir / METRICS_NAME)
             curve = plot_losses(records, self.output_dir / "loss_curve.png")

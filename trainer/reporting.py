@@ -76,3 +76,22 @@ def write_summary(output_dir: Path, cfg: TrainConfig, seconds: float, memory: Di
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, path)
     return path
+
+
+def plot_histogram(values: List[float], path: Path, title: str, bins: int = 50, size: tuple = (600, 300)) -> Path:
+    """A histogram of values in [0, 1] (the sampled noise levels) as a PNG."""
+    width, height = size
+    counts = [0] * bins
+    for v in values:
+        counts[min(bins - 1, max(0, int(v * bins)))] += 1
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    top, bar = max(counts) or 1, (width - 40) / bins
+    for i, count in enumerate(counts):
+        x = 20 + i * bar
+        draw.rectangle([x, height - 30 - count / top * (height - 60), x + bar - 1, height - 30], fill=(40, 90, 170))
+    draw.text((20, 5), title, fill="black")
+    draw.text((20, height - 22), "sigma 0", fill="black")
+    draw.text((width - 60, height - 22), "sigma 1", fill="black")
+    image.save(path)
+    return path
