@@ -47,7 +47,7 @@ from image_datasets.validation import check_before_training
 from trainer import checkpoint as ckpt
 from trainer.adapters import trained_weights
 from trainer.config import TrainConfig, config_to_yaml
-from trainer.errors import ConfigError, DataError, TrainingDiverged, TrainingInterrupted, UserError
+from trainer.errors import ConfigError, DataError, TrainingDiverged, TrainingInterrupted
 from trainer.signals import GracefulStop
 from trainer.families import get_family
 from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target

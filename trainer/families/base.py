@@ -65,6 +65,41 @@ class ModelFamily(Protocol):
     #   check_references(count) -> None           raise ConfigError when the pipeline takes fewer
 
 
+class FamilyBase:
+    """What most families share: loading and freeing the VAE and transformer by class, freeing the
+    text pipeline, and the 2x2 patch packing's token count. A family sets ``vae_class`` and
+    ``transformer_class`` and writes the rest (text encoding, normalisation, ``predict``)."""
+
+    vae_class: ClassVar[type]
+    transformer_class: ClassVar[type]
+    model_path: str
+    revision: Optional[str]
+    text_pipe: Any = None
+    vae: Any = None
+
+    def unload_text_encoder(self) -> None:
+        self.text_pipe = None
+        release()
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.vae = from_pretrained(self.vae_class.from_pretrained, self.model_path, "vae",
+                                   revision=self.revision, dtype=dtype)
+        self.vae.requires_grad_(False).eval().to(device)
+
+    def unload_vae(self) -> None:
+        self.vae = None
+        release()
+
+    def load_transformer(self, dtype: torch.dtype) -> torch.nn.Module:
+        """On the CPU: the engine places it on the device block by block."""
+        return from_pretrained(self.transformer_class.from_pretrained, self.model_path, "transformer",
+                               revision=self.revision, dtype=dtype)
+
+    def image_seq_len(self, latent_shape: Sequence[int]) -> int:
+        """Image tokens after 2x2 patch packing."""
+        return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """A local diffusers folder as given, or a hub id (downloaded or read from the HF cache later).
 

@@ -12,7 +12,7 @@ from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokeniz
 
 from trainer.adapters import TargetSpec
 from trainer.config import TrainConfig
-from trainer.families.base import Tensors, from_pretrained, release, resolve_model_path, unpack_latents
+from trainer.families.base import FamilyBase, Tensors, from_pretrained, resolve_model_path, unpack_latents
 
 T5_MAX_LENGTH = 512  # FLUX.1-dev's T5 context: FluxPipeline's default and its upper limit
 
@@ -46,11 +46,13 @@ FLUX_LORA_PRESETS: Dict[str, TargetSpec] = {
 }
 
 
-class FluxFamily:
+class FluxFamily(FamilyBase):
     """FLUX.1-dev text-to-image (``black-forest-labs/FLUX.1-dev`` or a folder of the same layout)."""
 
     name: ClassVar[str] = "flux"
     pipeline_class: ClassVar[type] = FluxPipeline
+    vae_class: ClassVar[type] = AutoencoderKL
+    transformer_class: ClassVar[type] = FluxTransformer2DModel
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = FLUX_LORA_PRESETS
     uses_references: ClassVar[bool] = False
     max_references: int = 0
@@ -92,10 +94,6 @@ class FluxFamily:
             tokenizer_2=self.tokenizer_2,
         )
 
-    def unload_text_encoder(self) -> None:
-        self.text_pipe = None
-        release()
-
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], references: None = None) -> List[Tensors]:
         assert self.text_pipe is not None, "load_text_encoder() first"
@@ -115,15 +113,6 @@ class FluxFamily:
         return {key: cond[key].to(device, dtype)[None] for key in ("prompt_embeds", "pooled_prompt_embeds")}
 
     # -- images -----------------------------------------------------------------------------------
-    def load_vae(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.vae = from_pretrained(AutoencoderKL.from_pretrained, self.model_path, "vae",
-                                   revision=self.revision, dtype=dtype)
-        self.vae.requires_grad_(False).eval().to(device)
-
-    def unload_vae(self) -> None:
-        self.vae = None
-        release()
-
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         assert self.vae is not None, "load_vae() first"
@@ -139,16 +128,9 @@ class FluxFamily:
         return self.vae.decode(latents / self.vae_config["scaling_factor"] + self.vae_config["shift_factor"]).sample
 
     # -- transformer ------------------------------------------------------------------------------
-    def load_transformer(self, dtype: torch.dtype) -> torch.nn.Module:
-        return from_pretrained(FluxTransformer2DModel.from_pretrained, self.model_path, "transformer",
-                               revision=self.revision, dtype=dtype)
-
     def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
         """The double- then single-stream blocks (units of quantization, block swap, checkpointing)."""
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
-
-    def image_seq_len(self, latent_shape: Sequence[int]) -> int:
-        return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
 
     def predict(
         self,

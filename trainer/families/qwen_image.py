@@ -16,10 +16,10 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from trainer.adapters import TargetSpec
 from trainer.config import TrainConfig
 from trainer.families.base import (
+    FamilyBase,
     Tensors,
     from_pretrained,
     pad_sequences,
-    release,
     resolve_model_path,
     unpack_latents,
 )
@@ -38,11 +38,13 @@ QWEN_LORA_PRESETS: Dict[str, TargetSpec] = {
 }
 
 
-class QwenImageFamily:
+class QwenImageFamily(FamilyBase):
     """Qwen-Image text-to-image (``Qwen/Qwen-Image`` or a folder of the same layout)."""
 
     name: ClassVar[str] = "qwen_image"
     pipeline_class: ClassVar[type] = QwenImagePipeline
+    vae_class: ClassVar[type] = AutoencoderKLQwenImage
+    transformer_class: ClassVar[type] = QwenImageTransformer2DModel
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = QWEN_LORA_PRESETS
     max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
     uses_references: ClassVar[bool] = False
@@ -75,10 +77,6 @@ class QwenImageFamily:
                                   "text_encoder", revision=self.revision, dtype=dtype)
         return place(encoder.requires_grad_(False).eval(), device, self.encoder_quantization, what="text encoder")
 
-    def unload_text_encoder(self) -> None:
-        self.text_pipe = None
-        release()
-
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], references: None = None) -> List[Tensors]:
         assert self.text_pipe is not None, "load_text_encoder() first"
@@ -103,15 +101,6 @@ class QwenImageFamily:
                                                                           device=device)}
 
     # -- images -----------------------------------------------------------------------------------
-    def load_vae(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.vae = from_pretrained(AutoencoderKLQwenImage.from_pretrained, self.model_path, "vae",
-                                   revision=self.revision, dtype=dtype)
-        self.vae.requires_grad_(False).eval().to(device)
-
-    def unload_vae(self) -> None:
-        self.vae = None
-        release()
-
     def _latent_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (1, self.vae_config["z_dim"], 1, 1)
         mean = torch.tensor(self.vae_config["latents_mean"]).view(shape)
@@ -136,16 +125,9 @@ class QwenImageFamily:
         return self.vae.decode((latents * std + mean).unsqueeze(2)).sample[:, :, 0]
 
     # -- transformer ------------------------------------------------------------------------------
-    def load_transformer(self, dtype: torch.dtype) -> torch.nn.Module:
-        return from_pretrained(QwenImageTransformer2DModel.from_pretrained, self.model_path, "transformer",
-                               revision=self.revision, dtype=dtype)
-
     def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
         """The repeated blocks (units of quantization, block swap and checkpointing)."""
         return list(transformer.transformer_blocks)
-
-    def image_seq_len(self, latent_shape: Sequence[int]) -> int:
-        return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
 
     def predict(
         self,
