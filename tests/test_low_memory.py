@@ -11,12 +11,11 @@ from typing import List
 import numpy as np
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 from diffusers import QwenImagePipeline
 
-from conftest import lora_keys_match, run_entry
+from conftest import train_in_process, lora_keys_match, run_entry
 from trainer.block_swap import BlockSwapper
-from trainer.config import TrainConfig, load_config
+from trainer.config import TrainConfig
 from trainer.engine import Trainer
 from trainer.optim import build_optimizer
 from trainer.quantization import place, quantization_spec
@@ -29,11 +28,7 @@ def losses(out: Path) -> List[float]:
 
 
 def in_process(*args: str) -> Trainer:
-    AcceleratorState._reset_state(reset_partial_state=True)
-    trainer = Trainer(load_config(Path(QUICKSTART), list(args), default_family="qwen_image"))
-    trainer.run()
-    AcceleratorState._reset_state(reset_partial_state=True)
-    return trainer
+    return train_in_process(QUICKSTART, "qwen_image", *args)
 
 
 def base_args(model: Path, data: Path, out: Path) -> List[str]:
@@ -123,6 +118,7 @@ def test_block_swap_gives_the_same_losses(tiny_qwen_image: Path, sample_data: Pa
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
     # 4 steps x 1 swapped block x (forward + recomputation in backward, gradient checkpointing on)
     assert swapped.swapper.loads == 8 and plain.swapper.loads == 0
+    assert not swapped.swapper.ready, "recomputation in backward does not leave prefetched blocks behind"
 
 
 def test_block_swap_keeps_frozen_weights_on_the_host_between_uses() -> None:
@@ -139,6 +135,7 @@ def test_block_swap_keeps_frozen_weights_on_the_host_between_uses() -> None:
     y = blocks[2](blocks[1](blocks[0](x)))
     y.sum().backward()
     assert swapper.loads == 2 and blocks[2].weight.grad is not None
+    assert not swapper.ready, "nothing stays on the device after the step"
     swapper.remove()
     assert blocks[1](x).shape == (2, 4)
 
@@ -151,3 +148,17 @@ def test_place_quantizes_and_leaves_swapped_blocks_on_the_host() -> None:
     assert all(type(b[0]).__name__ == "QLinear" for b in blocks)
     assert type(model["embed"]).__name__ == "Linear", "only blocks are quantized"
     assert quantization_spec(TrainConfig(quantize=True, disable_quantization=True)) is None
+
+
+@pytest.mark.parametrize("script, profile, budget", [
+    ("train_4090.py", "train_lora_4090.yaml", "24GiB"),
+    ("train_4090.py", "train_lora_16gb.yaml", "16GiB"),
+    ("train.py", "train_lora.yaml", "24GiB"),
+])
+def test_plan_flag_says_whether_a_profile_fits(script: str, profile: str, budget: str) -> None:
+    """`--plan` on an entry script: no weights, no data needed, an itemised answer and an exit code."""
+    result = run_entry(script, f"train_configs/{profile}", ["--plan", "--gpu-memory", budget], launcher=False)
+    fits = profile != "train_lora.yaml"  # the bf16 80 GB profile must not claim to fit a 24 GB card
+    assert result.returncode == (0 if fits else 1), result.stderr[-2000:] + result.stdout[-2000:]
+    assert "training peak" in result.stdout and "GPU peak" in result.stdout
+    assert ("does NOT fit" in result.stdout) == (not fits)

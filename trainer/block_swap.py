@@ -26,6 +26,7 @@ class BlockSwapper:
         self.host: List[Dict[str, torch.Tensor]] = [self._host_copy(b) for b in self.blocks]
         self.ready: Dict[int, Optional[torch.cuda.Event]] = {}
         self.loads = 0  # how many times a block was brought in (tests and logs)
+        self.last = -1  # the block that ran last, to tell forward from backward recomputation
         self.handles = []
         for index, block in enumerate(self.blocks):
             self._release(index)
@@ -63,7 +64,20 @@ class BlockSwapper:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         self.loads += 1
-        self._fetch(index + 1)  # overlap the next block's copy with this block's compute
+        # Overlap the next block's copy with this block's compute. Gradient checkpointing recomputes
+        # the blocks in reverse during backward: then "next" is the one before.
+        step = 1 if index > self.last else -1
+        self.last = index
+        if 0 <= index + step < len(self.blocks):
+            self._fetch(index + step)
+        # Non-reentrant checkpointing may stop a recomputation before a block's forward hook runs.
+        for other in [i for i in self.ready if i not in (index, index + step)]:
+            self._release(other)
+
+    def release_all(self) -> None:
+        """After backward: every swapped block back to its host copy."""
+        for index in list(self.ready):
+            self._release(index)
 
     def _after(self, index: int) -> None:
         self._release(index)

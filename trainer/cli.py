@@ -17,6 +17,9 @@ def parse_args(description: str, argv: Optional[List[str]] = None) -> argparse.N
                "data_config.img_size=768",
     )
     parser.add_argument("--config", required=True, help="YAML profile in train_configs/")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the estimated peak GPU and host memory of this config and exit (loads no weights)")
+    parser.add_argument("--gpu-memory", metavar="SIZE", help="with --plan: the card's memory, e.g. 24GiB")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (dotted keys)")
     return parser.parse_args(argv)
 
@@ -27,9 +30,11 @@ def main(default_family: str, description: str, argv: Optional[List[str]] = None
 
     ``profile_defaults`` are the entry script's own defaults (e.g. the 24 GB policy); the YAML wins.
     """
+    args = parse_args(description, argv)
+    if args.plan:
+        return _plan(args, default_family, profile_defaults)
     from trainer.engine import Trainer  # heavy imports after argument parsing, so --help is instant
 
-    args = parse_args(description, argv)
     try:
         cfg = load_config(args.config, args.overrides, default_family=default_family,
                           profile_defaults=profile_defaults)
@@ -42,6 +47,17 @@ def main(default_family: str, description: str, argv: Optional[List[str]] = None
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _plan(args: argparse.Namespace, family: str, profile_defaults: Optional[Dict[str, Any]]) -> int:
+    from utils.memory_planner import load_plan_config, print_plan
+
+    try:
+        cfg = load_plan_config(args.config, args.overrides, family, profile_defaults)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return print_plan(cfg, args.gpu_memory)
 
 
 if __name__ == "__main__":

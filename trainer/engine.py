@@ -422,6 +422,7 @@ class Trainer:
                     finite = finite and bool(torch.isfinite(acc.gather(loss.detach())).all())
                     if finite:  # a non-finite loss must not reach the weights through backward
                         acc.backward(loss)
+                    self.swapper.release_all()
                     grad_norm = self._clip_gradients()
                     if acc.sync_gradients:
                         self._optimizer_step(finite and (grad_norm is None or math.isfinite(grad_norm)))
