@@ -14,14 +14,11 @@ import numpy as np
 import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard
-from accelerate.state import AcceleratorState
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
-from conftest import ROOT, lora_keys_match, run_entry
+from conftest import ROOT, lora_keys_match, run_entry, train_in_process
 from image_datasets.dataset import SizeGroupedBatchSampler
 from trainer import checkpoint as ckpt
-from trainer.config import load_config
-from trainer.engine import Trainer
 
 QUICKSTART = "train_configs/quickstart_tiny.yaml"
 
@@ -46,10 +43,13 @@ def torchrun(script: str, args: List[str]) -> subprocess.CompletedProcess:
 @pytest.mark.e2e
 def test_full_finetune_end_to_end(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "full"
+    source = tiny_qwen_image / "transformer" / "diffusion_pytorch_model.safetensors"
+    before = source.read_bytes()
     result = run_entry("train_full_qwen_image.py", QUICKSTART, base_args(tiny_qwen_image, sample_data, out) + [
         "max_train_steps=4", "checkpointing_steps=2", "learning_rate=1e-3", "max_shard_size=300KB"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "full fine-tuning:" in result.stderr
+    assert source.read_bytes() == before, "training the memory-mapped weights never writes the base model"
     saved = out / "checkpoint-4" / "transformer"
     assert (saved / "diffusion_pytorch_model.safetensors.index.json").is_file(), "sharded with an index"
     assert ckpt.is_complete(out / "checkpoint-4")
@@ -73,11 +73,9 @@ def test_full_finetune_overfits(tiny_qwen_image: Path, sample_data: Path, tmp_pa
     one.mkdir()
     for name in ("img1.png", "img1.txt"):
         shutil.copy(sample_data / name, one / name)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    Trainer(load_config(ROOT / QUICKSTART, base_args(tiny_qwen_image, one, tmp_path / "o") + [
-        "training_mode=full", f"optimizer={optimizer}", "max_train_steps=60", f"learning_rate={lr}",
-        "checkpointing_steps=1000", "data_config.caption_dropout_rate=0"], default_family="qwen_image")).run()
-    AcceleratorState._reset_state(reset_partial_state=True)
+    train_in_process(QUICKSTART, "qwen_image", *base_args(tiny_qwen_image, one, tmp_path / "o"),
+                     "training_mode=full", f"optimizer={optimizer}", "max_train_steps=60", f"learning_rate={lr}",
+                     "checkpointing_steps=1000", "data_config.caption_dropout_rate=0")
     values = losses(tmp_path / "o")
     assert np.mean(values[-15:]) < 0.7 * np.mean(values[:15]), f"{optimizer}: loss did not fall"
 
@@ -96,12 +94,9 @@ def test_full_finetune_resumes(tiny_qwen_image: Path, sample_data: Path, tmp_pat
 
 
 def test_trainable_modules_limit_what_trains(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
-    AcceleratorState._reset_state(reset_partial_state=True)
-    trainer = Trainer(load_config(ROOT / QUICKSTART, base_args(tiny_qwen_image, sample_data, tmp_path) + [
-        "training_mode=full", r"trainable_modules=[transformer_blocks\.1\.]", "max_train_steps=1"],
-        default_family="qwen_image"))
-    trainer.run()
-    AcceleratorState._reset_state(reset_partial_state=True)
+    trainer = train_in_process(QUICKSTART, "qwen_image", *base_args(tiny_qwen_image, sample_data, tmp_path),
+                               "training_mode=full", r"trainable_modules=[transformer_blocks\.1\.]",
+                               "max_train_steps=1")
     model = trainer.accelerator.unwrap_model(trainer.transformer)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.startswith("transformer_blocks.1.") for n in trainable)

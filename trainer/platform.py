@@ -60,9 +60,6 @@ def configure_device(cfg: TrainConfig, policy: RunPolicy) -> None:
         enable_tf32(cfg.cuda_features.enable_tf32_compute)
         if policy.unified_memory:
             apply_memory_fraction(cfg.memory_fraction)
-    if cfg.use_fastsafetensors:
-        logger.info("use_fastsafetensors: weights load through diffusers' from_pretrained (safetensors "
-                    "memory map) until the fast loader lands")
 
 
 def choose_attention(cfg: TrainConfig, transformer: torch.nn.Module) -> AttentionChoice:

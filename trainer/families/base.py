@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Protocol, Sequence
 
@@ -72,10 +73,14 @@ class FamilyBase:
 
     vae_class: ClassVar[type]
     transformer_class: ClassVar[type]
-    model_path: str
-    revision: Optional[str]
     text_pipe: Any = None
     vae: Any = None
+
+    def __init__(self, cfg: Any):
+        self.model_path = resolve_model_path(cfg.pretrained_model_name_or_path)
+        self.revision: Optional[str] = cfg.revision
+        self.loader = "auto" if cfg.use_fastsafetensors else "safetensors"
+        self.loader_threads = cfg.fastsafetensors_num_threads
 
     def unload_text_encoder(self) -> None:
         self.text_pipe = None
@@ -91,9 +96,13 @@ class FamilyBase:
         release()
 
     def load_transformer(self, dtype: torch.dtype) -> torch.nn.Module:
-        """On the CPU: the engine places it on the device block by block."""
-        return from_pretrained(self.transformer_class.from_pretrained, self.model_path, "transformer",
-                               revision=self.revision, dtype=dtype)
+        """On the CPU, streamed shard by shard (diffusers' from_pretrained as the fallback); the
+        engine then places it on the device block by block."""
+        from utils.fast_loading import load_transformer
+
+        return from_pretrained(partial(load_transformer, self.transformer_class), self.model_path, "transformer",
+                               revision=self.revision, dtype=dtype, device="cpu", loader=self.loader,
+                               num_threads=self.loader_threads)
 
     def image_seq_len(self, latent_shape: Sequence[int]) -> int:
         """Image tokens after 2x2 patch packing."""
@@ -121,10 +130,10 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
-def from_pretrained(loader: Callable[..., Any], model_path: str, subfolder: Optional[str], **kwargs: Any) -> Any:
-    """``loader(model_path, subfolder=...)`` with a clear error when the checkpoint is not available."""
+def from_pretrained(load: Callable[..., Any], model_path: str, subfolder: Optional[str], **kwargs: Any) -> Any:
+    """``load(model_path, subfolder=...)`` with a clear error when the checkpoint is not available."""
     try:
-        return loader(model_path, subfolder=subfolder, **kwargs)
+        return load(model_path, subfolder=subfolder, **kwargs)
     except (OSError, EnvironmentError) as exc:
         raise ModelNotFoundError(
             f"cannot load '{subfolder}' of '{model_path}': {str(exc).splitlines()[0]}\n"

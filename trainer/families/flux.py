@@ -12,7 +12,7 @@ from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokeniz
 
 from trainer.adapters import TargetSpec
 from trainer.config import TrainConfig
-from trainer.families.base import FamilyBase, Tensors, from_pretrained, resolve_model_path, unpack_latents
+from trainer.families.base import FamilyBase, Tensors, from_pretrained, unpack_latents
 
 T5_MAX_LENGTH = 512  # FLUX.1-dev's T5 context: FluxPipeline's default and its upper limit
 
@@ -58,8 +58,8 @@ class FluxFamily(FamilyBase):
     max_references: int = 0
 
     def __init__(self, cfg: TrainConfig):
-        self.model_path = resolve_model_path(cfg.pretrained_model_name_or_path)
-        self.revision = revision = cfg.revision
+        super().__init__(cfg)
+        revision = self.revision
         self.guidance = cfg.guidance_scale  # the distilled-guidance input; peers train dev at 1.0
         self.vae_config: Mapping[str, Any] = from_pretrained(
             AutoencoderKL.load_config, self.model_path, "vae", revision=revision)

@@ -20,7 +20,6 @@ from trainer.families.base import (
     Tensors,
     from_pretrained,
     pad_sequences,
-    resolve_model_path,
     unpack_latents,
 )
 from trainer.quantization import place, text_encoder_spec
@@ -51,8 +50,8 @@ class QwenImageFamily(FamilyBase):
     max_references: int = 0
 
     def __init__(self, cfg: TrainConfig):
-        self.model_path = resolve_model_path(cfg.pretrained_model_name_or_path)
-        self.revision = revision = cfg.revision
+        super().__init__(cfg)
+        revision = self.revision
         self.vae_config: Mapping[str, Any] = from_pretrained(
             AutoencoderKLQwenImage.load_config, self.model_path, "vae", revision=revision)
         self.scheduler_config: Mapping[str, Any] = from_pretrained(
