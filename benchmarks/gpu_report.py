@@ -1,0 +1,478 @@
+"""Measure the GPU claims and write them to ``docs/GPU_RESULTS.md``.
+
+    python benchmarks/gpu_report.py                      # all sections, on the GPU, full-size models
+    python benchmarks/gpu_report.py --sections steps     # one section (each section names its command)
+    OMP_NUM_THREADS=1 python benchmarks/gpu_report.py --dry-run   # tiny models on the CPU, temp file
+
+Sections: machine (GPU, driver, torch / CUDA / cuDNN), step time and MFU per family at 1024^2 with
+and without gradient checkpointing (with a torch.profiler top-kernels table where a target family is
+slower than the issue's H100 goal of 0.45 s/step), peak memory of the 24 GB / 16 GB profiles against
+their budgets and the memory planner, attention backends, fp8 training, and load time per loader.
+The models are full-size random-weight transformers built on the meta device and materialised on the
+GPU block by block (``tests/gpu/harness.py``); nothing is downloaded.
+
+``--dry-run`` runs every section on tiny models on the CPU and writes a temporary file (its path is
+printed), so the script itself is testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+for _path in (ROOT, ROOT / "tests" / "gpu"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import torch  # noqa: E402
+
+import harness  # noqa: E402
+
+TARGET_S_PER_STEP = 0.45  # issue 10: H100, 1024^2, batch 1, checkpointing on
+TARGET_FAMILIES = ("qwen_image", "flux")
+SECTIONS = ("machine", "steps", "memory", "attention", "fp8", "loading")
+DEFAULT_OUT = ROOT / "docs" / "GPU_RESULTS.md"
+FULL_QWEN_BYTES = 20.43e9 * 2  # the bf16 Qwen-Image transformer, for load-time extrapolation
+FAMILY_NAMES = {"qwen_image": "Qwen-Image", "qwen_image_edit": "Qwen-Image-Edit", "flux": "FLUX.1-dev"}
+
+
+@dataclass
+class Run:
+    """What this invocation measures and how."""
+
+    device: torch.device
+    scale: harness.Scale
+    resolution: int
+    steps: int
+    families: List[str]
+    dry_run: bool
+    load_layers: int
+    peak_tflops: Optional[float]
+    argv: List[str]
+
+    def command(self, section: str) -> str:
+        """The command that reproduces one section of this run (its flags, that section only)."""
+        args, i = [], 0
+        while i < len(self.argv):
+            arg = self.argv[i]
+            i += 1
+            if arg == "--sections":
+                while i < len(self.argv) and self.argv[i] in SECTIONS:
+                    i += 1
+            elif arg == "--out":
+                i += 1
+            elif not arg.startswith(("--out=", "--sections=")):
+                args.append(arg)
+        return shlex.join(["python", "benchmarks/gpu_report.py", *args, "--sections", section])
+
+    def guard(self, what: str, exc: Exception) -> str:
+        """A failed measurement becomes a line of the report on a GPU run (the others still run);
+        a dry run re-raises, so the script's own bugs surface."""
+        if self.dry_run:
+            raise exc
+        free_memory()
+        return f"failed ({what}): {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
+
+
+def fmt(value: Optional[float], spec: str = ".2f", none: str = "n/a") -> str:
+    return none if value is None else format(value, spec)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def section(title: str, run: Run, name: str, body: str) -> str:
+    return f"## {title}\n\nCommand: `{run.command(name)}`\n\n{body.rstrip()}\n"
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# =========================================================================== machine
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+        return out.stdout.strip() + (" (with uncommitted changes)" if dirty.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def machine_section(run: Run) -> str:
+    facts = harness.machine_facts()
+    peak = run.peak_tflops or harness.peak_bf16_tflops(facts["gpu"])
+    rows = [("GPU", f"{facts['gpu']}" + (f" x{facts.get('gpus')}" if facts.get("gpus", 1) > 1 else "")),
+            ("Compute capability", fmt(facts["capability"], "")), ("Memory (GiB)", fmt(facts["memory_gib"], "")),
+            ("Driver", fmt(facts["driver"], "")), ("torch", facts["torch"]), ("CUDA (torch build)", fmt(facts["cuda"], "")),
+            ("cuDNN", fmt(facts["cudnn"], "")), ("Dense bf16 peak used for MFU (TFLOP/s)", fmt(peak, ".1f")),
+            ("Commit", git_commit())]
+    return section("Machine", run, "machine", table(("", ""), rows))
+
+
+# =========================================================================== step time and MFU
+
+
+@dataclass
+class StepRow:
+    family: str
+    checkpointing: bool
+    report: Optional[harness.StepReport]
+    flops: Optional[harness.StepFlops]
+    error: Optional[str] = None
+    profile: Optional[harness.KernelProfile] = None
+
+
+def measure_steps(run: Run, family: str, checkpointing: bool, profile_if_slow: bool) -> StepRow:
+    """LoRA steps of one family; a torch.profiler pass when it misses the target (always in a dry run,
+    to exercise the path)."""
+    try:
+        with harness.rig_session(family, run.device, torch.bfloat16, scale=run.scale,
+                                 checkpointing=checkpointing) as rig:
+            report = harness.run_steps(rig, run.steps, run.resolution)
+            row = StepRow(family, checkpointing, report, harness.rig_flops(rig, report))
+            slow = report.median_step_s > TARGET_S_PER_STEP or run.dry_run
+            if profile_if_slow and slow:
+                row.profile = harness.profile_top_kernels(rig, run.resolution)
+            return row
+    except torch.cuda.OutOfMemoryError:
+        free_memory()
+        return StepRow(family, checkpointing, None, None, "out of memory")
+    except Exception as exc:
+        return StepRow(family, checkpointing, None, None, run.guard("steps", exc))
+
+
+def step_table(rows: List[StepRow], peak: Optional[float]) -> str:
+    body = []
+    for r in rows:
+        name, ckpt = FAMILY_NAMES[r.family], "on" if r.checkpointing else "off"
+        if r.report is None:
+            body.append((name, ckpt, r.error, "", "", "", "", "", ""))
+            continue
+        step = r.report.median_step_s
+        target = f"{'meets' if step <= TARGET_S_PER_STEP else 'misses'} {TARGET_S_PER_STEP}" \
+            if r.checkpointing and r.family in TARGET_FAMILIES else ""
+        body.append((name, ckpt, f"{step:.3f}", f"{1 / step:.2f}", f"{r.flops.training / 1e12:.4g}",
+                     f"{r.flops.training / step / 1e12:.4g}", fmt(harness.mfu(r.flops, step, peak), ".1%"),
+                     fmt(r.report.peak_gib), target))
+    return table(("Family", "Checkpointing", "s/step", "samples/s", "TFLOP/step", "TFLOP/s", "MFU",
+                  "Peak GiB", "Target"), body)
+
+
+FLOPS_NOTE = """\
+FLOPs per step (model FLOPs, written out in `harness.step_flops`): every linear layer with N weights seeing
+T tokens costs 2NT forward; backward costs 2NT for the input gradient and another 2NT for the weight
+gradient only where the weight trains. With a frozen base and LoRA that is **4 x N x T** for the base
+weights (not the 6 x N x T of full training) and 6 x N x T for the LoRA matrices; T is the image tokens
+for image-stream layers, the text tokens for text-stream layers, both for FLUX single-stream blocks and 1
+for modulation and embedders. Joint attention over S = image + text tokens adds 4 x S^2 x d forward and
+twice that backward (**12 x S^2 x d** per block, d = heads x head_dim). Gradient checkpointing recomputes
+the forward (another 2NT + 4S^2d) but MFU counts model FLOPs only, so a checkpointed run's MFU is the
+same work done in more time. MFU = FLOPs per step / (s/step x dense bf16 peak).
+"""
+
+
+def steps_section(run: Run) -> str:
+    rows = [measure_steps(run, family, ckpt, profile_if_slow=ckpt and family in TARGET_FAMILIES)
+            for family in run.families for ckpt in (True, False)]
+    peak = run.peak_tflops or harness.peak_bf16_tflops(harness.device_name(run.device))
+    tokens = ", ".join(f"{FAMILY_NAMES[r.family]} {r.report.image_tokens} image + {r.report.text_tokens} text"
+                       for r in rows if r.report is not None and r.checkpointing)
+    body = (f"LoRA (rank 16, the families' `attention` preset), AdamW, bf16 autocast, batch 1, "
+            f"{run.resolution}^2 ({tokens} tokens); {run.steps} steps, s/step is the median after the warm-up "
+            f"(the first two steps).\n\n"
+            f"{step_table(rows, peak)}\n\n{FLOPS_NOTE}")
+    profiles = [r for r in rows if r.profile is not None]
+    if profiles:
+        body += "\n" + "\n".join(profile_block(r) for r in profiles)
+    return section(f"Step time and MFU at {run.resolution}^2", run, "steps", body)
+
+
+# --------------------------------------------------------------------------- profiles
+
+
+def advice(prof: harness.KernelProfile) -> List[str]:
+    """What would close the gap, from where the time goes."""
+    shares, tips = prof.shares(), []
+    if shares["attention"] >= 0.25:
+        tips.append(f"Attention is {shares['attention']:.0%} of kernel time: FlashAttention-3 on Hopper "
+                    "(`attention_backend: flash3`, needs `flash_attn_interface`) or the cuDNN kernel "
+                    "(`cuda_features.enable_cudnn_sdp: true`); see the attention section for their times.")
+    if shares["gemm"] >= 0.5:
+        tips.append(f"GEMMs are {shares['gemm']:.0%}: the matmuls set the floor in bf16. fp8 training "
+                    "(`cuda_features.enable_fp8_training`) raises their throughput on sm_89+; with "
+                    "checkpointing on, about a third of them is the recomputed forward.")
+    if shares["other"] >= 0.2:
+        tips.append(f"Elementwise / norm / copy kernels are {shares['other']:.0%}: `torch.compile` of the "
+                    "transformer blocks would fuse modulation, norms, RoPE and activations.")
+    if shares["optimizer"] >= 0.03:
+        tips.append(f"Optimizer kernels are {shares['optimizer']:.0%}: a fused AdamW (`fused=True`).")
+    if prof.device == "cuda" and prof.busy_s < 0.9 * prof.wall_s:
+        tips.append(f"The GPU is idle {1 - prof.busy_s / prof.wall_s:.0%} of the step (launch overhead, host "
+                    "syncs): CUDA graphs (`torch.compile(mode='reduce-overhead')`) or fewer syncs per step.")
+    return tips or ["No single category dominates; compare the top kernels with the attention section."]
+
+
+def profile_block(row: StepRow) -> str:
+    prof = row.profile
+    unit = "device" if prof.device == "cuda" else "CPU"
+    rows = [(f"`{r.name[:90]}`", r.calls, f"{r.self_ms:.1f}", f"{r.share:.1%}", harness.kernel_category(r.name))
+            for r in prof.top(15)]
+    shares = ", ".join(f"{k} {v:.0%}" for k, v in prof.shares().items())
+    return (f"### Profile: {FAMILY_NAMES[row.family]}, checkpointing on ({row.report.median_step_s:.3f} s/step, "
+            f"target {TARGET_S_PER_STEP})\n\ntorch.profiler over {prof.steps} steps: {unit} busy "
+            f"{prof.busy_s:.3f} s of {prof.wall_s:.3f} s wall per step; {shares}.\n\n"
+            + table(("Kernel", "Calls", f"Self {unit} ms", "Share", "Category"), rows)
+            + "\n\nWhat would close the gap:\n\n" + "\n".join(f"- {tip}" for tip in advice(prof)) + "\n")
+
+
+# =========================================================================== memory profiles
+
+
+def memory_section(run: Run) -> str:
+    rows = []
+    for name, (yaml, budget) in harness.PROFILES.items():
+        try:
+            rep = harness.memory_profile(name, run.device, scale=run.scale, resolution=run.resolution, steps=3)
+        except Exception as exc:
+            rows.append((name, f"`{yaml}`", run.guard("memory", exc), "", "", "", f"{budget:.0f}", "", "", ""))
+            continue
+        within = {None: "n/a", True: "yes", False: "**no**"}[rep.within_budget]
+        rows.append((name, f"`{yaml}`", rep.blocks_to_swap, fmt(rep.load_peak_gib), fmt(rep.train_peak_gib),
+                     fmt(rep.device_peak_gib), f"{budget:.0f}", within, fmt(rep.planned_gib),
+                     fmt(rep.plan_error, "+.0%")))
+        free_memory()
+    body = (f"Qwen-Image LoRA at {run.resolution}^2 with each profile's YAML as the engine builds it: blocks "
+            "quantized to qfloat8 one at a time by `place`, `blocks_to_swap` blocks in host memory with "
+            "`BlockSwapper`, 8-bit AdamW, gradient checkpointing; 3 steps. *Load peak* and *train peak* are "
+            "`torch.cuda.max_memory_allocated`; *device peak* is `max_memory_reserved` plus the memory the "
+            "process holds outside torch's allocator (CUDA context), the figure compared with the budget "
+            "(together with the load peak) and with `utils.memory_planner` (goal: within +-15%).\n\n"
+            + table(("Profile", "YAML", "Swapped blocks", "Load peak", "Train peak", "Device peak", "Budget",
+                     "Within", "Planner", "Planner error"), rows))
+    return section("Peak memory per profile (GiB)", run, "memory", body)
+
+
+# =========================================================================== attention, fp8
+
+
+def attention_section(run: Run) -> str:
+    parts = []
+    for family in [f for f in run.families if f != "qwen_image_edit"] or run.families:
+        try:
+            rep = harness.compare_attention_backends(family, run.device, torch.bfloat16, run.resolution,
+                                                     scale=run.scale)
+        except Exception as exc:
+            parts.append(f"{FAMILY_NAMES[family]}: {run.guard('attention', exc)}")
+            continue
+        rows = [(r.name + (" (auto)" if r.name == rep.auto else ""), fmt(r.ms), fmt(r.out_error, ".1e"),
+                 fmt(r.grad_error, ".1e"), "yes" if r.ok(rep.tolerance) else f"**no** {r.error or ''}")
+                for r in rep.results]
+        verdict = "is" if rep.auto_is_fastest() else "is **not**"
+        parts.append(f"{FAMILY_NAMES[family]}: q, k, v of shape {rep.shape} (B, heads, tokens, head_dim), "
+                     f"{rep.dtype}. The engine's auto choice `{rep.auto}` {verdict} the fastest (within 10%); "
+                     f"fastest: `{rep.fastest}`.\n\n"
+                     + table(("Backend", "fwd+bwd ms", "out rel. error", "dQ rel. error",
+                              f"within {rep.tolerance:g}"), rows))
+        free_memory()
+    intro = ("Every SDPA backend available here, forced one at a time (no fallback), against the math kernel "
+             "in fp32 (relative L2 error of the output and of dQ).\n\n")
+    return section("Attention backends", run, "attention", intro + "\n\n".join(parts))
+
+
+def fp8_section(run: Run) -> str:
+    try:
+        rep = harness.fp8_smoke("qwen_image", steps=5, resolution=run.resolution, device=run.device, scale=run.scale)
+    except Exception as exc:
+        return section("fp8 training (Qwen-Image LoRA)", run, "fp8", run.guard("fp8", exc))
+    if not rep.ran:
+        body = f"Skipped: {rep.reason}."
+    else:
+        s = rep.steps
+        body = (f"{rep.reason}: {s.median_step_s:.3f} s/step, peak {fmt(s.peak_gib)} GiB, losses "
+                f"{', '.join(f'{x:.4f}' for x in s.losses)} ({'finite' if s.finite else '**NaN/inf**'}).")
+    return section("fp8 training (Qwen-Image LoRA)", run, "fp8", body)
+
+
+# =========================================================================== loading
+
+
+def write_checkpoint(run: Run, folder: Path) -> Tuple[type, int]:
+    """A random Qwen-Image transformer with ``load_layers`` blocks (full width) saved in the diffusers
+    layout; returns its class and size in bytes."""
+    scale = harness.Scale(f"load{run.load_layers}", layers=run.load_layers) if not run.dry_run else run.scale
+    model_dir = harness.model_folder("qwen_image", scale)
+    from trainer.families import get_family
+
+    fam = get_family(harness.train_config("qwen_image", model_dir))
+    model = harness.build_meta_transformer(model_dir)
+    harness.materialise(model, fam.blocks(model), run.device, torch.bfloat16, keep_on="cpu")
+    model.save_pretrained(str(folder / "transformer"), safe_serialization=True, max_shard_size="2GB")
+    cls = type(model)
+    del model
+    free_memory()
+    size = sum(f.stat().st_size for f in (folder / "transformer").glob("*.safetensors"))
+    return cls, size
+
+
+def drop_page_cache(folder: Path) -> None:
+    """Best effort: evict the files' clean pages so the next read comes from the disk."""
+    for path in folder.rglob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def loaders(cls: type, folder: Path, device: torch.device) -> Dict[str, Callable[[], object]]:
+    """Each way the project can load a transformer, onto ``device``."""
+    out: Dict[str, Callable[[], object]] = {
+        "diffusers from_pretrained": lambda: cls.from_pretrained(str(folder), subfolder="transformer",
+                                                                 torch_dtype=torch.bfloat16).to(device)}
+    try:
+        from utils import fast_loading
+    except ImportError:
+        return out
+    files = fast_loading.weight_files(folder / "transformer")
+    for loader in ("safetensors", "fastsafetensors", "auto"):
+        out[f"fast_loading.load_state_dict ({loader})"] = \
+            lambda loader=loader: fast_loading.load_state_dict(files, device=device, loader=loader)
+    out["fast_loading.load_model_streamed (auto)"] = lambda: fast_loading.load_model_streamed(
+        cls, folder, "transformer", dtype=torch.bfloat16, device=device)
+    return out
+
+
+def time_load(load: Callable[[], object], device: torch.device) -> float:
+    start = time.perf_counter()
+    result = load()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    del result
+    free_memory()
+    return seconds
+
+
+def loading_section(run: Run) -> str:
+    with tempfile.TemporaryDirectory(prefix="gpu-report-ckpt-") as tmp:
+        folder = Path(tmp)
+        cls, size = write_checkpoint(run, folder)
+        rows = []
+        for name, load in loaders(cls, folder, run.device).items():
+            try:
+                drop_page_cache(folder)
+                cold = time_load(load, run.device)
+                warm = time_load(load, run.device)
+            except Exception as exc:  # a reader that fails is a row, not a failed report
+                rows.append((name, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}", "", "", ""))
+                free_memory()
+                continue
+            rows.append((name, f"{cold:.2f}", f"{size / cold / 1e9:.2f}", f"{warm:.2f}",
+                         f"{FULL_QWEN_BYTES / (size / cold):.1f}"))
+    shape = "the tiny dry-run scale" if run.dry_run else f"{run.load_layers} of its 60 blocks at full width"
+    body = (f"A random-weight Qwen-Image transformer with {shape} ({size / 1e9:.3g} GB of bf16 safetensors "
+            f"in 2 GB shards) loaded onto "
+            f"`{run.device}`. *Cold*: after evicting the files from the page cache (`posix_fadvise`, best "
+            "effort); *warm*: read again at once. The last column scales the cold rate to the full 40.9 GB "
+            "transformer.\n\n" + table(("Loader", "Cold s", "Cold GB/s", "Warm s", "Full Qwen-Image est. s"), rows))
+    return section("Load time per loader", run, "loading", body)
+
+
+# =========================================================================== main
+
+
+BUILDERS = {"machine": machine_section, "steps": steps_section, "memory": memory_section,
+            "attention": attention_section, "fp8": fp8_section, "loading": loading_section}
+
+
+def header(run: Run) -> str:
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    kind = ("**Dry run**: tiny models on the CPU; these numbers say nothing about a GPU."
+            if run.dry_run else "Full-size random-weight transformers (no download) on the GPU.")
+    return (f"# GPU results\n\nWritten by `benchmarks/gpu_report.py` on {when} "
+            f"({harness.device_name(run.device)}). {kind} The pass/fail checks are `pytest -m gpu tests/gpu -v`; "
+            f"the issue's goal on an H100: Qwen-Image LoRA and FLUX.1-dev at 1024^2, batch 1, checkpointing on, "
+            f"<= {TARGET_S_PER_STEP} s/step.\n")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, written to a temp file")
+    parser.add_argument("--out", type=Path, default=None, help=f"markdown file (default {DEFAULT_OUT.relative_to(ROOT)})")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--families", nargs="+", choices=harness.FAMILIES, default=list(harness.FAMILIES))
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 10; dry run 3)")
+    parser.add_argument("--resolution", type=int, default=None, help="image side (default 1024; dry run 64)")
+    parser.add_argument("--load-layers", type=int, default=12,
+                        help="blocks of the checkpoint written for the load timing (full width)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="dense bf16 peak for MFU when the GPU is not in harness.PEAK_BF16_TFLOPS")
+    return parser.parse_args(argv)
+
+
+def make_run(args: argparse.Namespace, argv: List[str]) -> Run:
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit(f"{harness.no_cuda_reason()}\nUse --dry-run to exercise the script on the CPU.")
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())
+    return Run(device, harness.TINY if args.dry_run else harness.FULL,
+               args.resolution or (64 if args.dry_run else 1024), args.steps or (3 if args.dry_run else 10),
+               list(args.families), args.dry_run, args.load_layers, args.peak_tflops, argv)
+
+
+def output_path(args: argparse.Namespace) -> Path:
+    if args.out is not None:
+        return args.out
+    if args.dry_run:
+        fd, name = tempfile.mkstemp(prefix="GPU_RESULTS-dry-run-", suffix=".md")
+        os.close(fd)
+        return Path(name)
+    return DEFAULT_OUT
+
+
+def main(argv: Optional[List[str]] = None) -> Path:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    run = make_run(args, argv)
+    parts = [header(run)]
+    for name in SECTIONS:
+        if name in args.sections:
+            start = time.perf_counter()
+            parts.append(BUILDERS[name](run))
+            print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    out = output_path(args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(parts))
+    print(f"wrote {out}")
+    return out
+
+
+def quiet_logs() -> None:
+    """The engine logs every model build at INFO; the report keeps warnings only."""
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+
+
+if __name__ == "__main__":
+    quiet_logs()
+    main()

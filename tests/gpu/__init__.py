@@ -1,0 +1,1 @@
+"""GPU validation suite (a package, so its conftest does not shadow tests/conftest.py as ``conftest``)."""

@@ -1,0 +1,1129 @@
+"""GPU validation harness: full-size random-weight transformers, trained through the engine's own parts.
+
+Nothing is downloaded. A *model folder* holds only configs (``model_index.json``, the ``transformer/``
+and ``vae/`` configs, ``scheduler/scheduler_config.json``; FLUX adds its two small tokenizers, which its
+family reads at construction), so ``trainer.families.get_family`` builds the real family object. The transformer is
+built on the meta device from ``transformer/config.json`` and *materialised* block by block with
+random weights on the target device; then the engine's own pieces run on it in the engine's order:
+``place`` (quantization, host blocks) -> gradient checkpointing -> ``choose_attention`` ->
+``maybe_fp8`` -> ``add_lora`` -> ``BlockSwapper`` -> ``build_optimizer``, and each step is the
+engine's flow-matching step (``trainer.flow_matching`` + ``family.predict``).
+
+``Scale`` shrinks the architecture (fewer blocks, narrower heads) so that every function here runs
+in seconds on a CPU (``TINY``) and unchanged at full size on a GPU (``FULL``).
+
+    rep = lora_steps("qwen_image", steps=10, resolution=1024, dtype=torch.bfloat16,
+                     checkpointing=True, device="cuda")
+    print(rep.summary())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from trainer.adapters import add_lora
+from trainer.block_swap import BlockSwapper
+from trainer.config import TrainConfig, load_config
+from trainer.families import get_family
+from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
+from trainer.optim import build_optimizer
+from trainer.platform import choose_attention, maybe_fp8
+from trainer.quantization import QuantizationSpec, check_available, place, quantization_spec
+from utils.attention import (
+    AttentionChoice,
+    apply_attention_backend,
+    available_backends,
+    select_attention_backend,
+    sdpa_context,
+)
+from utils.cuda_utils import read_device_facts, supports_feature
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 2**30
+FAMILIES: Tuple[str, ...] = ("qwen_image", "qwen_image_edit", "flux")
+DEFAULT_CAPTION_TOKENS = 128  # Qwen caption tokens after the template drop (the planner's default)
+FLUX_T5_TOKENS = 512  # FLUX.1-dev pads T5 to 512 and attends to the padding
+VL_PIXELS_PER_TOKEN = 28  # Qwen2.5-VL: one merged vision token per 28x28 pixels (Edit's prompt)
+WEIGHT_STD = 0.02  # 1-D weights other than norms; matrices N(0, 1/fan_in) (0.018 at 3072 wide); norms 1, biases 0
+
+# Qwen/Qwen-Image transformer/config.json and black-forest-labs/FLUX.1-dev transformer/config.json.
+QWEN_IMAGE_TRANSFORMER: Dict[str, Any] = dict(
+    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=[16, 56, 56])
+FLUX_DEV_TRANSFORMER: Dict[str, Any] = dict(
+    patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
+    attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+    guidance_embeds=True, axes_dims_rope=[16, 56, 56])
+# black-forest-labs/FLUX.1-dev vae/config.json (Qwen-Image's VAE is AutoencoderKLQwenImage's defaults).
+FLUX_DEV_VAE: Dict[str, Any] = dict(
+    in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512], layers_per_block=2,
+    act_fn="silu", latent_channels=16, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
+    shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True)
+
+PIPELINES = {"qwen_image": "QwenImagePipeline", "qwen_image_edit": "QwenImageEditPipeline", "flux": "FluxPipeline"}
+TRANSFORMER_CLASSES = {"qwen_image": "QwenImageTransformer2DModel",
+                       "qwen_image_edit": "QwenImageTransformer2DModel", "flux": "FluxTransformer2DModel"}
+
+# Low-memory profiles of the issue: YAML and the budget their peak must stay below (GiB).
+PROFILES: Dict[str, Tuple[str, float]] = {
+    "24gb": ("train_configs/train_lora_4090.yaml", 22.0),
+    "16gb": ("train_configs/train_lora_16gb.yaml", 15.0),
+}
+
+
+# =========================================================================== scale and model folders
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How much of the real architecture to build; ``None`` keeps the real value."""
+
+    name: str = "full"
+    layers: Optional[int] = None  # Qwen blocks / FLUX double-stream blocks
+    single_layers: Optional[int] = None  # FLUX single-stream blocks
+    heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    text_dim: Optional[int] = None  # joint_attention_dim (the text encoder's width)
+    pooled_dim: Optional[int] = None  # FLUX pooled CLIP width
+
+
+FULL = Scale()
+TINY = Scale("tiny", layers=2, single_layers=2, heads=2, head_dim=16, text_dim=32, pooled_dim=32)
+SCALES = {"full": FULL, "tiny": TINY}
+
+
+def rope_axes(head_dim: int) -> List[int]:
+    """RoPE axes summing to ``head_dim`` in the real 1/8, 7/16, 7/16 split (each even)."""
+    first = max(2, head_dim // 16 * 2)
+    second = (head_dim - first) // 4 * 2
+    return [first, second, head_dim - first - second]
+
+
+def transformer_config(family: str, scale: Scale = FULL) -> Dict[str, Any]:
+    """The real transformer config of ``family``, shrunk as ``scale`` says."""
+    config = dict(FLUX_DEV_TRANSFORMER if family == "flux" else QWEN_IMAGE_TRANSFORMER)
+    changes = {"num_layers": scale.layers, "num_attention_heads": scale.heads,
+               "attention_head_dim": scale.head_dim, "joint_attention_dim": scale.text_dim}
+    if family == "flux":
+        changes.update(num_single_layers=scale.single_layers, pooled_projection_dim=scale.pooled_dim)
+    config.update({k: v for k, v in changes.items() if v is not None})
+    if scale.head_dim is not None:
+        config["axes_dims_rope"] = rope_axes(scale.head_dim)
+    return config
+
+
+def _write_json(path: Path, data: Dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _vae_config(family: str) -> Tuple[str, Dict[str, Any]]:
+    """The real VAE config: class defaults for Qwen-Image (they are its values), FLUX.1-dev's file."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage
+
+    with init_empty_weights():
+        vae = AutoencoderKL(**FLUX_DEV_VAE) if family == "flux" else AutoencoderKLQwenImage()
+    return type(vae).__name__, {k: v for k, v in dict(vae.config).items() if not k.startswith("_")}
+
+
+def _scheduler_config(family: str) -> Dict[str, Any]:
+    from utils.tiny_models.flux import FLUX_DEV_SCHEDULER_CONFIG
+    from utils.tiny_models.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG
+
+    return dict(FLUX_DEV_SCHEDULER_CONFIG if family == "flux" else QWEN_IMAGE_SCHEDULER_CONFIG)
+
+
+def write_model_folder(family: str, out: Path | str, scale: Scale = FULL) -> Path:
+    """A weightless diffusers folder for ``family``: enough for ``get_family`` and the planner."""
+    import diffusers
+
+    out = Path(out)
+    version = {"_diffusers_version": diffusers.__version__}
+    vae_class, vae = _vae_config(family)
+    index = {"_class_name": PIPELINES[family], **version,
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+             "transformer": ["diffusers", TRANSFORMER_CLASSES[family]], "vae": ["diffusers", vae_class]}
+    _write_json(out / "transformer" / "config.json",
+                {"_class_name": TRANSFORMER_CLASSES[family], **version, **transformer_config(family, scale)})
+    _write_json(out / "vae" / "config.json", {"_class_name": vae_class, **version, **vae})
+    _write_json(out / "scheduler" / "scheduler_config.json",
+                {"_class_name": "FlowMatchEulerDiscreteScheduler", **version, **_scheduler_config(family)})
+    if family == "flux":
+        _write_flux_tokenizers(out)
+        index.update(tokenizer=["transformers", "CLIPTokenizer"], tokenizer_2=["transformers", "T5TokenizerFast"])
+    _write_json(out / "model_index.json", index)
+    return out
+
+
+def _write_flux_tokenizers(out: Path) -> None:
+    """FluxFamily reads both tokenizers at construction (the T5 length); small offline ones do."""
+    from utils.tiny_models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
+
+    build_clip_tokenizer().save_pretrained(str(out / "tokenizer"))
+    build_t5_tokenizer(FLUX_T5_TOKENS).save_pretrained(str(out / "tokenizer_2"))
+
+
+_FOLDERS: Dict[Tuple[str, Scale], Path] = {}
+
+
+def model_folder(family: str, scale: Scale = FULL) -> Path:
+    """A model folder for (family, scale), written once per process into a temporary directory."""
+    key = (family, scale)
+    if key not in _FOLDERS or not (_FOLDERS[key] / "model_index.json").is_file():
+        root = Path(tempfile.mkdtemp(prefix=f"gpu-harness-{family}-{scale.name}-"))
+        _FOLDERS[key] = write_model_folder(family, root, scale)
+    return _FOLDERS[key]
+
+
+def train_config(family: str, model_dir: Path | str, overrides: Sequence[str] = (),
+                 profile: Optional[str] = None) -> TrainConfig:
+    """The engine's validated config for ``model_dir`` (``profile``: a YAML of ``train_configs/``)."""
+    base = [f"pretrained_model_name_or_path={model_dir}", f"data_config.img_dir={model_dir}", "report_to=none"]
+    path = str(ROOT / profile) if profile is not None else None
+    return load_config(path, base + list(overrides), default_family=family)
+
+
+# =========================================================================== meta build and materialisation
+
+
+def build_meta_transformer(model_dir: Path | str) -> torch.nn.Module:
+    """The transformer of ``model_dir/transformer/config.json`` with every parameter on the meta device."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    config = json.loads((Path(model_dir) / "transformer" / "config.json").read_text())
+    cls = getattr(diffusers, config["_class_name"])
+    with init_empty_weights():  # parameters only: RoPE tables and buffers stay real
+        return cls.from_config(config)
+
+
+def _random_values(name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                   seed: int) -> torch.Tensor:
+    """Deterministic in (name, seed): norms 1, biases 0, matrices N(0, 1/fan_in) (signals keep their
+    scale through the blocks at any width: ~0.018 at the real 3072, as trained weights)."""
+    if len(shape) == 1 and "norm" in name:
+        return torch.ones(shape, dtype=dtype, device=device)
+    if name.endswith("bias"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed((zlib.crc32(name.encode()) + 1_000_003 * seed) % 2**63)
+    std = shape[-1] ** -0.5 if len(shape) > 1 else WEIGHT_STD  # variance-preserving at any width
+    return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+
+
+def _fill(module: torch.nn.Module, prefix: str, device: torch.device, keep_on: torch.device,
+          dtype: torch.dtype, seed: int) -> None:
+    """Replace the meta parameters of ``module`` (recursively) with random ones on ``keep_on``."""
+    for mod_name, sub in module.named_modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            full = ".".join(p for p in (prefix, mod_name, name) if p)
+            values = _random_values(full, param.shape, dtype, device, seed).to(keep_on)
+            sub._parameters[name] = torch.nn.Parameter(values, requires_grad=param.requires_grad)
+    for sub in module.modules():
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None:
+                sub._buffers[name] = buf.to(keep_on)
+
+
+def materialise(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], device: torch.device | str,
+                dtype: torch.dtype, seed: int = 0, keep_on: Optional[torch.device | str] = None) -> torch.nn.Module:
+    """Give every meta parameter random values, one block at a time: generated on ``device``, kept
+    on ``keep_on`` (default: ``device``), so the generating device never holds more than one block
+    beyond what stays there."""
+    device = torch.device(device)
+    keep = torch.device(keep_on) if keep_on is not None else device
+    names = {id(m): n for n, m in model.named_modules()}
+    for block in blocks:
+        _fill(block, names[id(block)], device, keep, dtype, seed)
+    _fill(model, "", device, keep, dtype, seed)  # embedders, norms, output layer
+    return model
+
+
+def build_transformer(family: Any, model_dir: Path | str, device: torch.device | str, dtype: torch.dtype,
+                      spec: Optional[QuantizationSpec] = None, host_blocks: int = 0, seed: int = 0) -> torch.nn.Module:
+    """A random-weight transformer placed as the engine places it: straight onto ``device`` when
+    nothing is quantized or swapped, else materialised in host memory and handed to ``place``."""
+    model = build_meta_transformer(model_dir)
+    blocks = family.blocks(model)
+    device = torch.device(device)
+    if spec is None and host_blocks == 0:
+        materialise(model, blocks, device, dtype, seed)
+    else:
+        materialise(model, blocks, device, dtype, seed, keep_on="cpu")
+        place(model, device, spec, blocks, "transformer", host_blocks=host_blocks)
+    return model.requires_grad_(False)
+
+
+# =========================================================================== random conditions
+
+
+def text_tokens(family: str, resolution: int, caption_tokens: int = DEFAULT_CAPTION_TOKENS) -> int:
+    """Text tokens the transformer sees: Qwen the caption, Edit the caption plus the reference's
+    vision tokens (the reference at the training area), FLUX the padded T5 length."""
+    if family == "flux":
+        return FLUX_T5_TOKENS
+    if family == "qwen_image_edit":
+        return caption_tokens + (resolution // VL_PIXELS_PER_TOKEN) ** 2 + 2  # + vision start/end
+    return caption_tokens
+
+
+@dataclass
+class Batch:
+    """One training batch as the engine's cache gives it: normalised latents, text, references."""
+
+    latents: torch.Tensor  # (B, C, h, w) float32
+    text: Dict[str, Any]  # the family's collated conditions
+    references: List[torch.Tensor]
+    image_tokens: int  # per sample, references included
+    text_tokens: int
+
+
+def _text_cond(family_name: str, config: Dict[str, Any], tokens: int, gen: torch.Generator) -> Dict[str, torch.Tensor]:
+    cond = {"prompt_embeds": torch.randn(tokens, config["joint_attention_dim"], generator=gen)}
+    if family_name == "flux":
+        cond["pooled_prompt_embeds"] = torch.randn(config["pooled_projection_dim"], generator=gen)
+    return cond
+
+
+def random_batch(family: Any, config: Dict[str, Any], resolution: int, device: torch.device | str,
+                 dtype: torch.dtype, batch_size: int = 1, seed: int = 0,
+                 caption_tokens: int = DEFAULT_CAPTION_TOKENS) -> Batch:
+    """Random latents at ``resolution`` (1024^2 -> 16 x 128 x 128) and text conditions of the real
+    shapes, collated by the family itself. ``config`` is the transformer's config."""
+    gen = torch.Generator().manual_seed(seed)
+    side = resolution // (family.pixel_multiple // 2)  # the VAE's downsampling factor
+    channels = config["in_channels"] // 4  # 2x2 packing
+    latents = torch.randn(batch_size, channels, side, side, generator=gen)
+    tokens = text_tokens(family.name, resolution, caption_tokens)
+    conds = [_text_cond(family.name, config, tokens, gen) for _ in range(batch_size)]
+    refs = [torch.randn(latents.shape, generator=gen).to(device, dtype)] if family.uses_references else []
+    image = family.image_seq_len(latents.shape) * (1 + len(refs))
+    return Batch(latents.to(device), family.collate_text(conds, torch.device(device), dtype), refs, image, tokens)
+
+
+# =========================================================================== the rig: model + LoRA + optimizer
+
+
+@dataclass
+class Rig:
+    """A transformer with LoRA and its optimizer, built the engine's way; ``free()`` releases it."""
+
+    name: str
+    cfg: TrainConfig
+    family: Any
+    model_dir: Path
+    transformer: Optional[torch.nn.Module]
+    blocks: List[torch.nn.Module]
+    device: torch.device
+    dtype: torch.dtype
+    attention: AttentionChoice
+    params: List[torch.nn.Parameter]
+    optimizer: Optional[torch.optim.Optimizer]
+    swapper: Optional[BlockSwapper]
+    trainable: int
+    fp8: bool
+    build_seconds: float
+    load_peak_gib: Optional[float] = None
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        return dict(self.transformer.config)
+
+    def free(self) -> None:
+        """Drop the model, optimizer and swap hooks, and return the memory."""
+        if self.swapper is not None:
+            for handle in self.swapper.handles:
+                handle.remove()
+        self.transformer = self.optimizer = self.swapper = None
+        self.params, self.blocks = [], []
+        if self.device.type == "cuda":  # a full pass over the heap: worth it only for device memory
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def _precision_overrides(dtype: torch.dtype, checkpointing: bool) -> List[str]:
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "null")  # null: fp32 ("no")
+    return [f"mixed_precision={precision}", f"disable_gradient_checkpointing={str(not checkpointing).lower()}"]
+
+
+def build_rig(family: str, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16, *,
+              scale: Scale = FULL, model_dir: Optional[Path | str] = None, checkpointing: bool = True,
+              overrides: Sequence[str] = (), profile: Optional[str] = None, seed: int = 0) -> Rig:
+    """Build a random-weight ``family`` transformer and set it up for LoRA training in the engine's
+    order (``Trainer.setup_model``). ``model_dir`` defaults to a written config-only folder at ``scale``;
+    a tiny pipeline folder (``utils.tiny_models.build_tiny_pipeline``) works as well."""
+    device = torch.device(device)
+    model_dir = Path(model_dir) if model_dir is not None else model_folder(family, scale)
+    cfg = train_config(family, model_dir, _precision_overrides(dtype, checkpointing) + list(overrides), profile)
+    fam = get_family(cfg)
+    spec = quantization_spec(cfg)
+    if spec is not None:
+        check_available(spec)
+    _reset_peak(device)
+    start = time.perf_counter()
+    transformer = build_transformer(fam, model_dir, device, dtype, spec, cfg.blocks_to_swap, seed)
+    if checkpointing:
+        transformer.enable_gradient_checkpointing()
+    attention = choose_attention(cfg, transformer)
+    fp8 = maybe_fp8(cfg, transformer)
+    torch.manual_seed(seed)  # LoRA's A matrices draw from the global RNG
+    trainable = add_lora(transformer, cfg, fam.lora_presets)
+    for param in transformer.parameters():  # LoRA of host-resident blocks is created on the CPU
+        if param.requires_grad:
+            param.data = param.data.to(device)
+    blocks = fam.blocks(transformer)
+    swapper = BlockSwapper(blocks, cfg.blocks_to_swap, device) if cfg.blocks_to_swap else None
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg, params)
+    _sync(device)
+    load_peak = _peak_gib(device)
+    transformer.train()
+    return Rig(family, cfg, fam, model_dir, transformer, blocks, device, dtype, attention, params, optimizer,
+               swapper, trainable, fp8, time.perf_counter() - start, load_peak)
+
+
+@contextlib.contextmanager
+def rig_session(family: str, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                **kwargs: Any) -> Iterator[Rig]:
+    """``build_rig`` that frees the model on exit (one full-size model at a time fits a GPU)."""
+    rig = build_rig(family, device, dtype, **kwargs)
+    try:
+        yield rig
+    finally:
+        rig.free()
+
+
+# =========================================================================== the engine's step
+
+
+def autocast(rig: Rig) -> contextlib.AbstractContextManager:
+    """What ``Accelerator.autocast`` does for the run's mixed precision."""
+    if rig.dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast(rig.device.type, dtype=rig.dtype)
+    return contextlib.nullcontext()
+
+
+def draw_sigmas(rig: Rig, batch: Batch, gen: torch.Generator) -> torch.Tensor:
+    """The engine's noise levels: the configured sampler, then the configured shift."""
+    cfg = rig.cfg
+    sigmas = sample_sigmas(batch.latents.shape[0], cfg.timestep_sampling, gen, cfg.logit_mean, cfg.logit_std,
+                           cfg.mode_scale, cfg.sigmoid_scale)
+    sigmas = apply_shift(sigmas, cfg.timestep_shift, rig.family.image_seq_len(batch.latents.shape),
+                         rig.family.scheduler_config, cfg.shift)
+    return sigmas.to(rig.device)
+
+
+def step_loss(rig: Rig, batch: Batch, gen: torch.Generator, noise: Optional[torch.Tensor] = None,
+              sigmas: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``Trainer.training_step`` on a ready batch (fresh noise and sigmas unless given)."""
+    latents = batch.latents
+    if noise is None:
+        noise = torch.randn(latents.shape, generator=gen).to(rig.device)
+    if sigmas is None:
+        sigmas = draw_sigmas(rig, batch, gen)
+    noisy = add_noise(latents, noise, sigmas).to(rig.dtype)
+    with autocast(rig):
+        prediction = rig.family.predict(rig.transformer, noisy, sigmas, batch.text, batch.references)
+    return flow_matching_loss(prediction, velocity_target(latents, noise), sigmas, rig.cfg.loss_weighting)
+
+
+def optimizer_step(rig: Rig) -> None:
+    """Clip (as the engine, ``max_grad_norm``), step, zero the gradients."""
+    if rig.cfg.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(rig.params, rig.cfg.max_grad_norm)
+    rig.optimizer.step()
+    rig.optimizer.zero_grad(set_to_none=True)
+
+
+def train_step(rig: Rig, batch: Batch, gen: torch.Generator, noise: Optional[torch.Tensor] = None,
+               sigmas: Optional[torch.Tensor] = None) -> float:
+    """One optimizer step (forward, backward, clip, AdamW); returns the loss."""
+    with sdpa_context(rig.attention):
+        loss = step_loss(rig, batch, gen, noise, sigmas)
+        loss.backward()
+    optimizer_step(rig)
+    return float(loss.detach())
+
+
+# =========================================================================== measurements
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> Optional[float]:
+    """``torch.cuda.max_memory_allocated`` in GiB; None off CUDA (no device memory to read)."""
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+@dataclass
+class StepReport:
+    """What ``run_steps`` measured."""
+
+    family: str
+    device: str
+    dtype: str
+    resolution: int
+    batch_size: int
+    checkpointing: bool
+    attention: str
+    image_tokens: int
+    text_tokens: int
+    trainable_params: int
+    step_times: List[float]
+    losses: List[float]
+    peak_gib: Optional[float]  # torch.cuda.max_memory_allocated over the steps
+    reserved_gib: Optional[float]  # torch.cuda.max_memory_reserved over the steps
+    build_seconds: float = 0.0
+
+    @property
+    def steady_times(self) -> List[float]:
+        """Step times without the warm-up steps (the first two, or one when there are only two)."""
+        skip = min(2, len(self.step_times) - 1)
+        return self.step_times[skip:]
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.steady_times)
+
+    @property
+    def finite(self) -> bool:
+        return all(math.isfinite(x) for x in self.losses)
+
+    def summary(self) -> str:
+        peak = f"{self.peak_gib:.2f} GiB peak" if self.peak_gib is not None else "no device memory (CPU)"
+        return (f"{self.family} {self.resolution}^2 {self.dtype} ckpt={self.checkpointing} on {self.device} "
+                f"({self.attention}): {self.median_step_s:.3f} s/step over {len(self.steady_times)} steps, "
+                f"{peak}, loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}, "
+                f"{self.trainable_params / 1e6:.2f}M LoRA params, build {self.build_seconds:.1f} s")
+
+
+def run_steps(rig: Rig, steps: int, resolution: int, batch_size: int = 1, seed: int = 0,
+              fixed_sample: bool = False) -> StepReport:
+    """``steps`` optimizer steps on one random batch, timed one by one (device synchronised).
+    ``fixed_sample``: the same noise and noise level every step too (an overfitting target)."""
+    batch = random_batch(rig.family, rig.config, resolution, rig.device, rig.dtype, batch_size, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    noise = sigmas = None
+    if fixed_sample:
+        noise = torch.randn(batch.latents.shape, generator=gen).to(rig.device)
+        sigmas = draw_sigmas(rig, batch, gen)
+    _reset_peak(rig.device)
+    times, losses = [], []
+    for _ in range(steps):
+        _sync(rig.device)
+        start = time.perf_counter()
+        losses.append(train_step(rig, batch, gen, noise, sigmas))
+        _sync(rig.device)
+        times.append(time.perf_counter() - start)
+    reserved = torch.cuda.max_memory_reserved(rig.device) / GIB if rig.device.type == "cuda" else None
+    return StepReport(rig.name, device_name(rig.device), str(rig.dtype).removeprefix("torch."), resolution,
+                      batch_size, not rig.cfg.disable_gradient_checkpointing, rig.attention.name,
+                      batch.image_tokens, batch.text_tokens, rig.trainable, times, losses,
+                      _peak_gib(rig.device), reserved, rig.build_seconds)
+
+
+def lora_steps(family: str, steps: int = 10, resolution: int = 1024, dtype: torch.dtype = torch.bfloat16,
+               checkpointing: bool = True, device: torch.device | str = "cuda", *, scale: Scale = FULL,
+               model_dir: Optional[Path | str] = None, batch_size: int = 1, overrides: Sequence[str] = (),
+               seed: int = 0) -> StepReport:
+    """Build the model, attach LoRA (the family's preset), run ``steps`` AdamW steps, free it."""
+    with rig_session(family, device, dtype, scale=scale, model_dir=model_dir, checkpointing=checkpointing,
+                     overrides=overrides, seed=seed) as rig:
+        return run_steps(rig, steps, resolution, batch_size, seed)
+
+
+# --------------------------------------------------------------------------- gradient flow
+
+
+@dataclass
+class GradientReport:
+    """After a backward pass: which LoRA parameters lack a usable gradient, which base ones have one."""
+
+    lora_params: int
+    missing: List[str] = field(default_factory=list)  # LoRA parameter without a gradient
+    non_finite: List[str] = field(default_factory=list)
+    zero: List[str] = field(default_factory=list)
+    base_with_grad: List[str] = field(default_factory=list)  # frozen weights that got one (must be none)
+
+    @property
+    def ok(self) -> bool:
+        return self.lora_params > 0 and not (self.missing or self.non_finite or self.zero or self.base_with_grad)
+
+    def summary(self) -> str:
+        return (f"{self.lora_params} LoRA tensors: {len(self.missing)} without gradient, {len(self.non_finite)} "
+                f"non-finite, {len(self.zero)} all-zero; {len(self.base_with_grad)} base tensors with a gradient"
+                + ("" if self.ok else f"; first: {(self.missing + self.non_finite + self.zero + self.base_with_grad)[:3]}"))
+
+
+def inspect_gradients(transformer: torch.nn.Module) -> GradientReport:
+    """Check the gradients now held by ``transformer``'s parameters."""
+    report = GradientReport(0)
+    for name, param in transformer.named_parameters():
+        if "lora_" not in name:
+            if param.requires_grad or param.grad is not None:
+                report.base_with_grad.append(name)
+            continue
+        report.lora_params += 1
+        if param.grad is None:
+            report.missing.append(name)
+        elif not bool(torch.isfinite(param.grad).all()):
+            report.non_finite.append(name)
+        elif not bool(param.grad.abs().sum() > 0):
+            report.zero.append(name)
+    return report
+
+
+def gradient_flow(rig: Rig, resolution: int, seed: int = 0) -> GradientReport:
+    """One optimizer step first (LoRA's B starts at zero, so A's gradient is zero until B moves),
+    then a backward pass whose gradients are inspected (and cleared)."""
+    batch = random_batch(rig.family, rig.config, resolution, rig.device, rig.dtype, 1, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    train_step(rig, batch, gen)
+    with sdpa_context(rig.attention):
+        step_loss(rig, batch, gen).backward()
+    report = inspect_gradients(rig.transformer)
+    rig.optimizer.zero_grad(set_to_none=True)
+    return report
+
+
+# --------------------------------------------------------------------------- convergence
+
+
+# The fixed sample's loss starts near 2 (the variance of the velocity target) plus the random base's
+# output variance (~5.6 whatever the depth and width: the output layer follows a norm), i.e. ~7.6, and
+# LoRA must first cancel that output, then fit the target. On the CPU (fp32, 100 steps, lr 3e-4) the
+# fall grew with width and depth: 1.4x (4 blocks, 64 wide), 2.9x (4 x 256), 3.5x (16 x 128); the full
+# models are far wider and deeper. 3e-4 is the 24 GB profile's learning rate.
+CONVERGENCE_LR = 3e-4
+CONVERGENCE_FACTOR = 2.5  # first loss / mean of the last 10 losses must reach this
+
+
+@dataclass
+class ConvergenceReport:
+    family: str
+    losses: List[float]
+    factor: float  # the required fall
+
+    @property
+    def first(self) -> float:
+        return self.losses[0]
+
+    @property
+    def final(self) -> float:
+        return statistics.fmean(self.losses[-10:])
+
+    @property
+    def ratio(self) -> float:
+        return self.first / self.final if self.final > 0 else math.inf
+
+    @property
+    def ok(self) -> bool:
+        return all(math.isfinite(x) for x in self.losses) and self.ratio >= self.factor
+
+    def summary(self) -> str:
+        return (f"{self.family}: loss {self.first:.4f} -> {self.final:.4f} (mean of last 10) over "
+                f"{len(self.losses)} steps: fell {self.ratio:.1f}x (required {self.factor:.1f}x)")
+
+
+def convergence(family: str, steps: int = 100, resolution: int = 1024, dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str = "cuda", *, scale: Scale = FULL, model_dir: Optional[Path | str] = None,
+                lr: float = CONVERGENCE_LR, factor: float = CONVERGENCE_FACTOR, seed: int = 0) -> ConvergenceReport:
+    """Overfit one fixed sample (latents, text, noise and noise level all fixed) for ``steps`` steps
+    with a constant learning rate; the loss must fall by ``factor``."""
+    overrides = [f"learning_rate={lr}", "lr_scheduler=constant", "lr_warmup_steps=0"]
+    with rig_session(family, device, dtype, scale=scale, model_dir=model_dir, overrides=overrides,
+                     seed=seed) as rig:
+        report = run_steps(rig, steps, resolution, seed=seed, fixed_sample=True)
+    return ConvergenceReport(family, report.losses, factor)
+
+
+# --------------------------------------------------------------------------- attention backends
+
+
+@dataclass
+class BackendResult:
+    name: str
+    ms: Optional[float]  # forward + backward, median
+    out_error: Optional[float]  # relative L2 error of the output against fp32 math
+    grad_error: Optional[float]  # same for dQ
+    error: Optional[str] = None  # why it could not run
+
+    def ok(self, tol: float) -> bool:
+        return self.error is None and self.out_error <= tol and self.grad_error <= 2 * tol
+
+
+@dataclass
+class AttentionReport:
+    shape: Tuple[int, int, int, int]  # (B, heads, tokens, head_dim)
+    dtype: str
+    results: List[BackendResult]
+    auto: str  # what the engine's default config picks
+    tolerance: float
+
+    @property
+    def fastest(self) -> str:
+        ran = [r for r in self.results if r.ms is not None]
+        return min(ran, key=lambda r: r.ms).name
+
+    def time_of(self, name: str) -> Optional[float]:
+        return next((r.ms for r in self.results if r.name == name), None)
+
+    def auto_is_fastest(self, margin: float = 0.10) -> bool:
+        """The auto choice is the fastest backend, or within ``margin`` of it."""
+        auto, best = self.time_of(self.auto), self.time_of(self.fastest)
+        return auto is not None and auto <= best * (1 + margin)
+
+    def summary(self) -> str:
+        rows = ", ".join(f"{r.name} {r.ms:.2f} ms (err {r.out_error:.1e})" if r.error is None
+                         else f"{r.name} failed ({r.error})" for r in self.results)
+        return f"attention {self.shape} {self.dtype}: {rows}; auto={self.auto}, fastest={self.fastest}"
+
+
+def attention_shape(family: str, resolution: int, scale: Scale = FULL, batch_size: int = 1) -> Tuple[int, int, int, int]:
+    """(B, heads, joint tokens, head_dim) of the family's attention at ``resolution``."""
+    config = transformer_config(family, scale)
+    image = (resolution // 16) ** 2 * (2 if family == "qwen_image_edit" else 1)
+    return batch_size, config["num_attention_heads"], image + text_tokens(family, resolution), config["attention_head_dim"]
+
+
+def engine_auto_backend() -> str:
+    """The backend the engine picks with a default config (``choose_attention``'s exclusions)."""
+    cfg = TrainConfig()
+    excluded = set() if cfg.cuda_features.enable_flash_attention_3 else {"flash3"}
+    if not cfg.cuda_features.enable_cudnn_sdp:
+        excluded.add("cudnn")
+    return select_attention_backend("auto", exclude=excluded).name
+
+
+def _sdpa_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    out.backward(grad)
+    return out.detach(), q.grad
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def _time_backend(choice: AttentionChoice, inputs: Sequence[torch.Tensor], repeats: int) -> Tuple[float, Tuple]:
+    """Run SDPA with exactly ``choice``'s kernel (no fallback); median ms of forward + backward."""
+    from torch.nn.attention import sdpa_kernel
+
+    device = inputs[0].device
+    times = []
+    with sdpa_kernel([choice.sdpa_backends[0]]):
+        result = _sdpa_run(*inputs)
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            _sdpa_run(*inputs)
+            _sync(device)
+            times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times), result
+
+
+def compare_attention_backends(family: str, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                               resolution: int = 1024, *, scale: Scale = FULL, repeats: int = 10,
+                               tolerance: float = 1e-2, seed: int = 0) -> AttentionReport:
+    """Every available SDPA backend on the family's attention shape: output and dQ against the math
+    kernel in fp32, and the time of forward + backward."""
+    device = torch.device(device)
+    shape = attention_shape(family, resolution, scale)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k, v, grad = (torch.randn(shape, generator=gen, device=device, dtype=dtype) for _ in range(4))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):  # the reference: math kernel in fp32
+        ref_out, ref_dq = _sdpa_run(*(t.float() for t in (q, k, v, grad)))
+    results = []
+    for name in available_backends(read_device_facts()):
+        try:
+            choice = apply_attention_backend(None, select_attention_backend(name))
+            if choice.name != name:
+                raise RuntimeError(f"fell back to {choice.name}")
+            ms, (out, dq) = _time_backend(choice, (q, k, v, grad), repeats)
+            results.append(BackendResult(name, ms, _rel(out, ref_out), _rel(dq, ref_dq)))
+        except RuntimeError as exc:
+            results.append(BackendResult(name, None, None, None, str(exc).splitlines()[0][:120]))
+    auto = engine_auto_backend()
+    apply_attention_backend(None, select_attention_backend(auto))  # leave FA3 as the engine would
+    return AttentionReport(shape, str(dtype).removeprefix("torch."), results, auto, tolerance)
+
+
+# --------------------------------------------------------------------------- fp8
+
+
+@dataclass
+class Fp8Report:
+    ran: bool
+    reason: str
+    steps: Optional[StepReport] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.ran and self.steps is not None and self.steps.finite
+
+
+def fp8_smoke(family: str = "qwen_image", steps: int = 5, resolution: int = 1024,
+              device: torch.device | str = "cuda", *, scale: Scale = FULL) -> Fp8Report:
+    """A few LoRA steps with torchao float8 training of the block linears; skipped (``ran=False``)
+    unless ``supports_feature('fp8_training')``."""
+    if not supports_feature("fp8_training"):
+        return Fp8Report(False, "fp8 training is not supported here (needs an sm_89+ GPU, CUDA 12.1+, "
+                                "torch._scaled_mm and torchao)")
+    with rig_session(family, device, torch.bfloat16, scale=scale,
+                     overrides=["cuda_features.enable_fp8_training=true"]) as rig:
+        if not rig.fp8:
+            return Fp8Report(False, "maybe_fp8 did not convert the transformer")
+        report = run_steps(rig, steps, resolution)
+    return Fp8Report(True, "torchao float8 training of the block linears", report)
+
+
+# --------------------------------------------------------------------------- memory profiles
+
+
+@dataclass
+class MemoryReport:
+    profile: str
+    budget_gib: float
+    blocks_to_swap: int
+    load_peak_gib: Optional[float]  # max_memory_allocated while building (quantizing) the model
+    train_peak_gib: Optional[float]  # max_memory_allocated over the steps
+    device_peak_gib: Optional[float]  # max_memory_reserved + memory outside torch's allocator (context)
+    planned_gib: Optional[float]  # utils.memory_planner's training peak, when the planner exists
+    steps: Optional[StepReport] = None
+
+    @property
+    def measured_gib(self) -> Optional[float]:
+        """The figure compared with the budget and the plan: the device peak (context included)."""
+        return self.device_peak_gib
+
+    @property
+    def within_budget(self) -> Optional[bool]:
+        if self.measured_gib is None:
+            return None
+        return max(self.measured_gib, self.load_peak_gib or 0.0) <= self.budget_gib
+
+    @property
+    def plan_error(self) -> Optional[float]:
+        """(planned - measured) / measured; None when either is unknown."""
+        if self.measured_gib is None or self.planned_gib is None:
+            return None
+        return (self.planned_gib - self.measured_gib) / self.measured_gib
+
+    def summary(self) -> str:
+        fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
+        return (f"profile {self.profile} (swap {self.blocks_to_swap}): load peak {fmt(self.load_peak_gib)}, "
+                f"train peak {fmt(self.train_peak_gib)}, device peak {fmt(self.device_peak_gib)} GiB; budget "
+                f"{self.budget_gib:.1f}; planner {fmt(self.planned_gib)} GiB"
+                + (f" ({self.plan_error:+.0%})" if self.plan_error is not None else ""))
+
+
+def _outside_allocator_gib(device: torch.device) -> Optional[float]:
+    """Device memory this process uses outside torch's allocator (CUDA context, libraries), now."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0.0, (total - free - torch.cuda.memory_reserved(device)) / GIB)
+
+
+def scaled_swap(blocks_to_swap: int, family: str, scale: Scale) -> int:
+    """The profile's ``blocks_to_swap`` in proportion to a scaled model's blocks (unchanged at full size)."""
+    full, scaled = (transformer_config(family, s) for s in (FULL, scale))
+    count = lambda c: c["num_layers"] + c.get("num_single_layers", 0)  # noqa: E731
+    return blocks_to_swap if count(full) == count(scaled) else max(1, round(blocks_to_swap * count(scaled) / count(full)))
+
+
+def planned_training_gib(cfg: TrainConfig, text: int) -> Optional[float]:
+    """``utils.memory_planner.plan_memory``'s GPU training peak for ``cfg`` (also asked on a CPU
+    run, where nothing is measured to compare it with); None without the planner."""
+    try:
+        from utils.memory_planner import plan_memory
+    except ImportError:
+        return None
+    return plan_memory(cfg, None, text_tokens=text, device="cuda").training_gib
+
+
+def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: Scale = FULL,
+                   resolution: int = 1024, steps: int = 3, family: str = "qwen_image") -> MemoryReport:
+    """Train a few steps with a low-memory profile (quantized blocks, 8-bit AdamW, block swap) built
+    as the engine builds it, and measure its peak against the budget and the planner."""
+    yaml, budget = PROFILES[profile]
+    device = torch.device(device)
+    swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={ROOT}"], default_family=family).blocks_to_swap
+    swap = scaled_swap(swap, family, scale)
+    overrides = [f"blocks_to_swap={swap}", f"data_config.img_size={resolution}"]
+    with rig_session(family, device, torch.bfloat16, scale=scale, profile=yaml, overrides=overrides) as rig:
+        steps_report = run_steps(rig, steps, resolution)
+        outside = _outside_allocator_gib(device)
+        device_peak = None if outside is None else steps_report.reserved_gib + outside
+        planned = planned_training_gib(rig.cfg, steps_report.text_tokens)
+        return MemoryReport(profile, budget, swap, rig.load_peak_gib, steps_report.peak_gib, device_peak,
+                            planned, steps_report)
+
+
+# =========================================================================== FLOPs and MFU
+
+
+def token_class(name: str) -> str:
+    """Which tokens a linear layer of a Qwen-Image / FLUX transformer processes: ``sample`` (one
+    per sample: timestep / guidance / pooled embedders, modulation), ``text``, ``joint`` (FLUX
+    single-stream blocks: text + image) or ``image``."""
+    if any(key in name for key in ("time_text_embed", "timestep_embedder", "_mod", "norm")):
+        return "sample"
+    if name.startswith("single_transformer_blocks"):
+        return "joint"
+    if any(key in name for key in ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_", "context")):
+        return "text"
+    return "image"
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """Model FLOPs of one LoRA training step (see ``step_flops`` for the formula)."""
+
+    frozen_forward: float  # 2 * sum(N_l * T_l) over frozen linears
+    lora_forward: float  # the same over the LoRA A/B matrices
+    attention_forward: float  # 4 * S^2 * (heads * head_dim) per block
+
+    @property
+    def training(self) -> float:
+        """Forward + backward model FLOPs (no recomputation counted)."""
+        return 2 * self.frozen_forward + 3 * self.lora_forward + 3 * self.attention_forward
+
+    @property
+    def recompute(self) -> float:
+        """Extra FLOPs of gradient checkpointing (the forward again)."""
+        return self.frozen_forward + self.lora_forward + self.attention_forward
+
+
+def step_flops(transformer: torch.nn.Module, blocks: int, image_tokens: int, text_tokens: int,
+               batch_size: int = 1) -> StepFlops:
+    """FLOPs of one training step at ``image_tokens`` + ``text_tokens`` per sample.
+
+    Per linear layer with N weights seeing T tokens: forward 2NT; backward 2NT for the input
+    gradient, plus 2NT for the weight gradient only where the weight trains (LoRA). So a frozen base
+    costs 4NT (not the usual 6NT of full training) and LoRA 6NT. Joint attention over S = image + text
+    tokens costs 4 S^2 d forward (QK^T and PV, d = heads x head_dim) and twice that backward: 12 S^2 d
+    per block. Works on meta models (nothing is computed)."""
+    tokens = {"sample": 1, "text": text_tokens, "image": image_tokens, "joint": image_tokens + text_tokens}
+    frozen = lora = 0.0
+    for name, module in transformer.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        work = 2.0 * module.in_features * module.out_features * tokens[token_class(name)]
+        if "lora_" in name:
+            lora += work
+        else:
+            frozen += work
+    config = transformer.config
+    width = config.num_attention_heads * config.attention_head_dim
+    attention = blocks * 4.0 * (image_tokens + text_tokens) ** 2 * width
+    return StepFlops(frozen * batch_size, lora * batch_size, attention * batch_size)
+
+
+# Dense bf16 tensor-core peak (TFLOP/s, no sparsity) by GPU name, most specific first.
+PEAK_BF16_TFLOPS: Tuple[Tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4), ("H20", 148.0),
+    ("GH200", 989.4), ("B200", 2250.0), ("B100", 1750.0), ("A100", 312.0), ("A800", 312.0),
+    ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A6000", 154.8), ("A10", 125.0),
+    ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("RTX 5090", 209.5),
+)
+
+
+def peak_bf16_tflops(gpu_name: str) -> Optional[float]:
+    """The GPU's dense bf16 peak from ``PEAK_BF16_TFLOPS``; None when unknown (MFU not reported)."""
+    return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key.lower() in gpu_name.lower()), None)
+
+
+def mfu(flops: StepFlops, step_s: float, peak_tflops: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation: training FLOPs per second over the peak (None without a peak)."""
+    if not peak_tflops or step_s <= 0:
+        return None
+    return flops.training / step_s / (peak_tflops * 1e12)
+
+
+def rig_flops(rig: Rig, report: StepReport) -> StepFlops:
+    return step_flops(rig.transformer, len(rig.blocks), report.image_tokens, report.text_tokens, report.batch_size)
+
+
+def family_flops(family: str, resolution: int, scale: Scale = FULL, batch_size: int = 1) -> StepFlops:
+    """``step_flops`` of the family's meta transformer with its default LoRA (rank 16, attention preset)."""
+    model_dir = model_folder(family, scale)
+    cfg = train_config(family, model_dir)
+    fam = get_family(cfg)
+    model = build_meta_transformer(model_dir)
+    s = attention_shape(family, resolution, scale)[2]  # joint tokens per sample
+    text = text_tokens(family, resolution)
+    flops = step_flops(model, len(fam.blocks(model)), s - text, text, batch_size)
+    lora = _meta_lora_forward(model, cfg, fam, s - text, text) * batch_size
+    return StepFlops(flops.frozen_forward, lora, flops.attention_forward)
+
+
+def targeted(name: str, targets: Any) -> bool:
+    """peft's target rule: a regex string full-matches the module name; a list matches by suffix."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def _meta_lora_forward(model: torch.nn.Module, cfg: TrainConfig, fam: Any, image: int, text: int) -> float:
+    """Forward FLOPs of the LoRA matrices the preset would add (rank x (in + out) per target)."""
+    targets = fam.lora_presets[cfg.lora_target]
+    tokens = {"sample": 1, "text": text, "image": image, "joint": image + text}
+    return sum(2.0 * cfg.rank * (m.in_features + m.out_features) * tokens[token_class(name)]
+               for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and targeted(name, targets))
+
+
+# =========================================================================== profiler and machine facts
+
+
+@dataclass
+class KernelRow:
+    name: str
+    calls: int
+    self_ms: float  # total over the profiled steps
+    share: float  # of all self time
+
+
+# Kernel categories for the profile's advice, matched against kernel / op names (first match wins).
+KERNEL_CATEGORIES: Tuple[Tuple[str, str], ...] = (
+    ("attention", r"flash|fmha|attention|sdpa|attn"),
+    ("optimizer", r"adam|multi_tensor|foreach|optim"),
+    ("gemm", r"gemm|matmul|addmm|\bmm\b|aten::mm|cutlass|nvjet|xmma|sm90_|sm80_|cublas|linear"),
+)
+
+
+def kernel_category(name: str) -> str:
+    """``attention``, ``optimizer``, ``gemm`` or ``other`` (elementwise, norms, copies)."""
+    lowered = name.lower()
+    return next((cat for cat, pattern in KERNEL_CATEGORIES if re.search(pattern, lowered)), "other")
+
+
+@dataclass
+class KernelProfile:
+    """torch.profiler's kernels over ``steps`` training steps, heaviest first."""
+
+    rows: List[KernelRow]
+    steps: int
+    wall_s: float  # mean wall time per profiled step (profiler overhead included)
+    device: str  # "cuda": device kernels; "cpu": CPU ops
+
+    @property
+    def busy_s(self) -> float:
+        """Kernel time per step (device busy time on CUDA)."""
+        return sum(r.self_ms for r in self.rows) / 1000 / self.steps
+
+    def shares(self) -> Dict[str, float]:
+        """Share of kernel time per ``kernel_category``."""
+        out = {cat: 0.0 for cat, _ in KERNEL_CATEGORIES} | {"other": 0.0}
+        for row in self.rows:
+            out[kernel_category(row.name)] += row.share
+        return out
+
+    def top(self, count: int = 15) -> List[KernelRow]:
+        return self.rows[:count]
+
+
+def profile_top_kernels(rig: Rig, resolution: int, steps: int = 2) -> KernelProfile:
+    """torch.profiler over ``steps`` training steps (after one warm-up step): every kernel by self
+    device time (CUDA) or ops by self CPU time (CPU), and the mean wall time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = rig.device.type == "cuda"
+    batch = random_batch(rig.family, rig.config, resolution, rig.device, rig.dtype)
+    gen = torch.Generator().manual_seed(0)
+    train_step(rig, batch, gen)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(rig.device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            train_step(rig, batch, gen)
+        _sync(rig.device)
+    wall = (time.perf_counter() - start) / steps
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr) > 0 and (not cuda or _on_device(e))]
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    rows = [KernelRow(e.key, e.count, getattr(e, attr) / 1000, getattr(e, attr) / total) for e in events]
+    return KernelProfile(rows, steps, wall, "cuda" if cuda else "cpu")
+
+
+def _on_device(event: Any) -> bool:
+    """A kernel (device-side event), not the CPU op that launched it."""
+    kind = getattr(event, "device_type", None)
+    return kind is not None and getattr(kind, "name", str(kind)) != "CPU"
+
+
+def _nvidia_smi(query: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def no_cuda_reason() -> Optional[str]:
+    """Why the GPU suite cannot run here, in one line; None when it can."""
+    if torch.cuda.is_available():
+        return None
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    return (f"no CUDA GPU: torch {torch.__version__} ({build}) sees none; "
+            "run `pytest -m gpu tests/gpu -v` on a GPU machine")
+
+
+def machine_facts() -> Dict[str, Any]:
+    """GPU name, driver, torch / CUDA / cuDNN versions, memory, capability."""
+    facts: Dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                             "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
+    if not torch.cuda.is_available():
+        return {**facts, "gpu": "none (CPU)", "driver": None, "memory_gib": None, "capability": None}
+    props = torch.cuda.get_device_properties(0)
+    driver = _nvidia_smi("driver_version")
+    if driver is None and Path("/proc/driver/nvidia/version").is_file():
+        driver = Path("/proc/driver/nvidia/version").read_text().split("\n")[0]
+    return {**facts, "gpu": props.name, "driver": driver, "memory_gib": round(props.total_memory / GIB, 1),
+            "capability": f"sm_{props.major}{props.minor}", "gpus": torch.cuda.device_count()}
+
+
+__all__ = [
+    "FAMILIES", "FULL", "PROFILES", "SCALES", "TINY", "Batch", "KernelProfile", "Rig", "Scale",
+    "StepFlops",
+    "StepReport", "build_meta_transformer", "build_rig", "build_transformer", "compare_attention_backends",
+    "convergence", "family_flops", "fp8_smoke", "gradient_flow", "lora_steps", "machine_facts", "materialise",
+    "memory_profile", "mfu", "model_folder", "peak_bf16_tflops", "profile_top_kernels", "random_batch",
+    "rig_session", "run_steps", "step_flops", "train_config", "transformer_config", "write_model_folder",
+]

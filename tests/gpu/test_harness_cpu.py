@@ -1,0 +1,207 @@
+"""Every GPU-harness code path on the CPU at tiny scale (not marked ``gpu``: CI runs it), plus the
+full-size architectures on the meta device (configs, shapes, FLOPs: nothing is materialised)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import harness
+from trainer.families import get_family
+
+CPU = torch.device("cpu")
+TINY = harness.TINY
+RES = 64  # 64 px -> 8 x 8 latents -> 16 image tokens
+
+
+@pytest.fixture(autouse=True)
+def quiet_logs():
+    """The engine's INFO lines (attention choice, LoRA size) would flood the test output."""
+    from loguru import logger
+
+    logger.disable("trainer")
+    logger.disable("utils")
+    yield
+    logger.enable("trainer")
+    logger.enable("utils")
+
+
+# --------------------------------------------------------------------------- full size, meta device
+
+
+@pytest.mark.parametrize("family, params, blocks", [
+    ("qwen_image", 20.43e9, 60), ("qwen_image_edit", 20.43e9, 60), ("flux", 11.90e9, 19 + 38)])
+def test_full_size_folder_family_and_conditions(family: str, params: float, blocks: int) -> None:
+    """The config-only folder builds the real family; the meta transformer has the real size; the
+    random conditions have the real shapes at 1024^2."""
+    folder = harness.model_folder(family)
+    fam = get_family(harness.train_config(family, folder, ["mixed_precision=bf16"]))
+    model = harness.build_meta_transformer(folder)
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=1e-3)
+    assert len(fam.blocks(model)) == blocks
+    batch = harness.random_batch(fam, dict(model.config), 1024, CPU, torch.bfloat16)
+    assert batch.latents.shape == (1, 16, 128, 128)
+    width = 4096 if family == "flux" else 3584
+    assert batch.text["prompt_embeds"].shape == (1, batch.text_tokens, width)
+    if family == "flux":
+        assert batch.text["pooled_prompt_embeds"].shape == (1, 768) and batch.text_tokens == 512
+    assert batch.image_tokens == 4096 * (2 if family == "qwen_image_edit" else 1)
+    assert len(batch.references) == (1 if family == "qwen_image_edit" else 0)
+    flops = harness.step_flops(model, blocks, batch.image_tokens, batch.text_tokens)
+    assert flops.frozen_forward > 2 * 0.3 * params * batch.image_tokens  # at least the image stream
+
+
+def test_flops_formula_and_mfu() -> None:
+    """Qwen-Image at 1024^2: ~57 TFLOP forward through the frozen linears, ~155 TFLOP per LoRA step."""
+    flops = harness.family_flops("qwen_image", 1024)
+    assert flops.frozen_forward == pytest.approx(57.4e12, rel=0.02)
+    assert flops.training == pytest.approx(2 * flops.frozen_forward + 3 * flops.lora_forward
+                                           + 3 * flops.attention_forward)
+    assert 0 < flops.lora_forward < 0.01 * flops.frozen_forward
+    assert harness.peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert harness.peak_bf16_tflops("NVIDIA H100 PCIe") == 756.0
+    assert harness.peak_bf16_tflops("Some Unknown GPU") is None
+    assert harness.mfu(flops, 0.45, 989.4) == pytest.approx(flops.training / 0.45 / 989.4e12)
+    assert harness.mfu(flops, 0.45, None) is None
+
+
+def test_token_classes() -> None:
+    cls = harness.token_class
+    assert cls("transformer_blocks.3.attn.to_q") == "image"
+    assert cls("transformer_blocks.3.attn.add_k_proj") == "text"
+    assert cls("transformer_blocks.3.txt_mlp.net.2") == "text"
+    assert cls("transformer_blocks.3.img_mod.1") == "sample"
+    assert cls("single_transformer_blocks.0.proj_mlp") == "joint"
+    assert cls("single_transformer_blocks.0.norm.linear") == "sample"
+    assert cls("context_embedder") == "text" and cls("x_embedder") == "image"
+
+
+# --------------------------------------------------------------------------- tiny scale, real steps
+
+
+def test_materialise_is_block_wise_and_deterministic() -> None:
+    folder = harness.model_folder("qwen_image", TINY)
+    fam = get_family(harness.train_config("qwen_image", folder))
+    models = [harness.build_transformer(fam, folder, CPU, torch.float32, seed=3) for _ in range(2)]
+    assert not any(p.is_meta for p in models[0].parameters())
+    assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values(), strict=True))
+    norm = models[0].transformer_blocks[0].attn.norm_q.weight
+    assert torch.equal(norm, torch.ones_like(norm))
+
+
+@pytest.mark.parametrize("family", harness.FAMILIES)
+def test_lora_steps(family: str) -> None:
+    report = harness.lora_steps(family, steps=3, resolution=RES, dtype=torch.float32, device=CPU, scale=TINY)
+    assert len(report.step_times) == 3 and report.finite
+    assert report.trainable_params > 0 and report.peak_gib is None  # no device memory on the CPU
+    assert report.median_step_s > 0 and family in report.summary()
+
+
+def test_lora_steps_bf16_without_checkpointing() -> None:
+    report = harness.lora_steps("flux", steps=2, resolution=RES, dtype=torch.bfloat16, checkpointing=False,
+                                device=CPU, scale=TINY)
+    assert report.finite and report.dtype == "bfloat16" and not report.checkpointing
+
+
+def test_tiny_pipeline_folder(tiny_qwen_image: Path) -> None:
+    """A tiny pipeline folder (utils.tiny_models) works in place of the config-only folder."""
+    report = harness.lora_steps("qwen_image", steps=2, resolution=RES, dtype=torch.float32, device=CPU,
+                                model_dir=tiny_qwen_image)
+    assert report.finite and report.image_tokens == 16
+
+
+@pytest.mark.parametrize("family", harness.FAMILIES)
+def test_gradient_flow(family: str) -> None:
+    with harness.rig_session(family, CPU, torch.float32, scale=TINY) as rig:
+        report = harness.gradient_flow(rig, RES)
+    assert report.ok, report.summary()
+
+
+def test_gradient_check_catches_problems() -> None:
+    """The check itself: a frozen weight with a gradient, and a LoRA tensor without one, are reported."""
+    with harness.rig_session("qwen_image", CPU, torch.float32, scale=TINY) as rig:
+        named = dict(rig.transformer.named_parameters())
+        base = next(n for n in named if "lora_" not in n)
+        named[base].grad = torch.ones_like(named[base])
+        report = harness.inspect_gradients(rig.transformer)
+    assert not report.ok and report.base_with_grad == [base] and report.missing
+
+
+def test_convergence_runs_the_fixed_sample() -> None:
+    report = harness.convergence("qwen_image", steps=15, resolution=RES, dtype=torch.float32, device=CPU,
+                                 scale=TINY, lr=1e-2, factor=1.05)
+    assert len(report.losses) == 15 and report.ok, report.summary()
+
+
+def test_attention_backends_on_cpu() -> None:
+    report = harness.compare_attention_backends("flux", CPU, torch.bfloat16, RES, scale=TINY, repeats=2)
+    names = [r.name for r in report.results]
+    assert names[-1] == "math" and "flash" in names  # torch's CPU flash kernel and the math kernel
+    assert all(r.ok(report.tolerance) for r in report.results), report.summary()
+    assert report.auto == "flash" and report.fastest in names
+    assert report.shape == (1, 2, 16 + 512, 16)
+
+
+def test_fp8_smoke_skips_without_support() -> None:
+    report = harness.fp8_smoke("qwen_image", device=CPU, scale=TINY)
+    assert not report.ran and not report.ok and "fp8" in report.reason
+
+
+def test_memory_profile_16gb_tiny() -> None:
+    """The 16 GB profile as the engine builds it: qfloat8 blocks via ``place``, block swap, 8-bit
+    AdamW (or its fallback); no device memory to measure on the CPU, the planner still answers."""
+    report = harness.memory_profile("16gb", CPU, scale=TINY, resolution=RES, steps=2)
+    assert report.blocks_to_swap == 1 and report.steps.finite
+    assert report.measured_gib is None and report.within_budget is None
+    assert report.planned_gib is None or report.planned_gib > 0
+    assert "16gb" in report.summary()
+
+
+def test_profile_top_kernels() -> None:
+    with harness.rig_session("qwen_image", CPU, torch.float32, scale=TINY) as rig:
+        prof = harness.profile_top_kernels(rig, RES, steps=1)
+    top = prof.top(5)
+    assert len(top) == 5 and prof.wall_s > 0 and prof.busy_s > 0 and prof.device == "cpu"
+    assert top[0].self_ms >= top[-1].self_ms and sum(r.share for r in prof.rows) == pytest.approx(1.0)
+    shares = prof.shares()
+    assert shares["attention"] > 0 and shares["gemm"] > 0 and sum(shares.values()) == pytest.approx(1.0)
+    assert harness.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert harness.kernel_category("flash_bwd_kernel") == "attention"
+    assert harness.kernel_category("multi_tensor_apply_kernel") == "optimizer"
+    assert harness.kernel_category("vectorized_elementwise_kernel") == "other"
+
+
+def test_machine_facts_and_scales() -> None:
+    facts = harness.machine_facts()
+    assert facts["torch"] == torch.__version__ and "gpu" in facts
+    assert harness.rope_axes(128) == [16, 56, 56] and sum(harness.rope_axes(16)) == 16
+    assert harness.transformer_config("flux", TINY)["num_single_layers"] == 2
+    assert harness.scaled_swap(20, "qwen_image", harness.FULL) == 20
+    assert math.isclose(harness.PROFILES["24gb"][1], 22.0)
+
+
+def test_gpu_tests_skip_with_one_line_reason() -> None:
+    reason = harness.no_cuda_reason()
+    if torch.cuda.is_available():
+        assert reason is None
+    else:
+        assert reason.startswith("no CUDA GPU") and "\n" not in reason
+
+
+def test_gpu_report_dry_run(tmp_path: Path) -> None:
+    """benchmarks/gpu_report.py end to end on tiny CPU models (the lighter sections)."""
+    from benchmarks import gpu_report
+
+    argv = ["--dry-run", "--sections", "machine", "steps", "attention", "fp8", "--families", "qwen_image",
+            "--steps", "2", "--out", str(tmp_path / "report.md")]
+    out = gpu_report.main(argv)
+    text = out.read_text()
+    for title in ("## Machine", "## Step time and MFU at 64^2", "### Profile: Qwen-Image", "## Attention backends",
+                  "## fp8 training"):
+        assert title in text
+    assert "`python benchmarks/gpu_report.py --dry-run --families qwen_image --steps 2 --sections steps`" in text
+    assert "| Qwen-Image | on |" in text and "| Qwen-Image | off |" in text
