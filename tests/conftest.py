@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +28,18 @@ def tiny_qwen_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_flux(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random FLUX.1-dev-like pipeline folder (guidance embedding, CLIP + T5)."""
     return build_tiny_pipeline("flux", tmp_path_factory.mktemp("models") / "tiny-flux", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_kandinsky5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Kandinsky 5 T2I pipeline folder (Qwen2.5-VL + CLIP, text and visual blocks)."""
+    return build_tiny_pipeline("kandinsky5", tmp_path_factory.mktemp("models") / "tiny-kandinsky5", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_z_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Z-Image pipeline folder (Qwen3 text encoder, single-stream DiT)."""
+    return build_tiny_pipeline("z_image", tmp_path_factory.mktemp("models") / "tiny-z-image", seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +70,28 @@ def edit_data_two_refs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sample_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Six 64-pixel image/caption pairs (png, jpg, webp; one landscape)."""
     return make_sample_dataset(tmp_path_factory.mktemp("data") / "sample", size=64, count=6)
+
+
+def train_in_process(config: str | Path, family: str, *overrides: str):
+    """The real engine in this process (to inspect or count what it does); accelerate's global
+    state is reset around it so runs don't leak into each other."""
+    from accelerate.state import AcceleratorState
+
+    from trainer.config import load_config
+    from trainer.engine import Trainer
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        trainer = Trainer(load_config(ROOT / config, list(overrides), default_family=family))
+        trainer.run()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return trainer
+
+
+def read_losses(out: Path) -> List[float]:
+    """The per-step losses an engine run logged."""
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def lora_keys_match(pipe, lora_dir: Path, adapter: str) -> None:

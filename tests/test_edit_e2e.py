@@ -11,12 +11,10 @@ from typing import List
 import numpy as np
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from PIL import Image
 
-from conftest import lora_keys_match, run_entry
-from trainer.config import load_config
+from conftest import train_in_process, lora_keys_match, run_entry
 from trainer.engine import Trainer
 from utils.qwen_processor import load_qwen_vl_processor
 
@@ -41,11 +39,7 @@ def render(pipe, references: list) -> np.ndarray:
 
 
 def in_process(*args: str) -> Trainer:
-    AcceleratorState._reset_state(reset_partial_state=True)
-    trainer = Trainer(load_config(Path(CONFIG), list(args), default_family="qwen_image_edit"))
-    trainer.run()
-    AcceleratorState._reset_state(reset_partial_state=True)
-    return trainer
+    return train_in_process(CONFIG, "qwen_image_edit", *args)
 
 
 def test_edit_single_reference_end_to_end(tiny_qwen_image_edit: Path, edit_data: Path, tmp_path: Path) -> None:

@@ -12,12 +12,10 @@ from typing import Dict, List
 import numpy as np
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 from diffusers import FluxPipeline
 from safetensors import safe_open
 
-from conftest import lora_keys_match, run_entry
-from trainer.config import load_config
+from conftest import train_in_process, lora_keys_match, run_entry
 from trainer.engine import Trainer
 from trainer.families.flux import FluxFamily
 
@@ -35,12 +33,7 @@ def metrics(out: Path) -> List[Dict]:
 
 
 def run_in_process(*override_list: str) -> Trainer:
-    """The engine without a subprocess (for counting calls); accelerate's state reset around it."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    trainer = Trainer(load_config(Path(QUICKSTART), list(override_list), default_family="flux"))
-    trainer.run()
-    AcceleratorState._reset_state(reset_partial_state=True)
-    return trainer
+    return train_in_process(QUICKSTART, "flux", *override_list)
 
 
 def render(pipe: FluxPipeline) -> np.ndarray:

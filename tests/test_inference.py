@@ -10,12 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from accelerate.state import AcceleratorState
 from PIL import Image
 
-from conftest import ROOT
-from trainer.config import load_config
-from trainer.engine import Trainer
+from conftest import ROOT, train_in_process
 
 pytestmark = pytest.mark.e2e
 
@@ -37,12 +34,9 @@ def rendered(result: subprocess.CompletedProcess, out: Path, pipeline: str) -> n
 @pytest.fixture(scope="module")
 def qwen_lora(tiny_qwen_image: Path, sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("lora")
-    AcceleratorState._reset_state(reset_partial_state=True)
-    Trainer(load_config(ROOT / "train_configs/quickstart_tiny.yaml", [
-        f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
-        f"output_dir={out}", "max_train_steps=10", "learning_rate=5e-3", "report_to=none"],
-        default_family="qwen_image")).run()
-    AcceleratorState._reset_state(reset_partial_state=True)
+    train_in_process("train_configs/quickstart_tiny.yaml", "qwen_image", f"pretrained_model_name_or_path={tiny_qwen_image}",
+                     f"data_config.img_dir={sample_data}", f"output_dir={out}", "max_train_steps=10",
+                     "learning_rate=5e-3", "report_to=none")
     return out / "pytorch_lora_weights.safetensors"
 
 

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 from loguru import logger
 
-from trainer.config import TrainConfig, load_config
-from trainer.engine import Trainer
+from conftest import train_in_process
+from trainer.config import TrainConfig
 from trainer.platform import choose_attention, maybe_fp8, prepare_environment, requested_features
 
 
@@ -72,14 +71,10 @@ def test_fp8_without_support_says_so(logs: list) -> None:
 
 def test_engine_honours_offload_and_checkpointing_switches(tiny_qwen_image: Path, sample_data: Path,
                                                            tmp_path: Path) -> None:
-    AcceleratorState._reset_state(reset_partial_state=True)
-    cfg = load_config(Path("train_configs/quickstart_tiny.yaml"), [
-        f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
-        f"output_dir={tmp_path}", "max_train_steps=1", "report_to=none", "disable_cpu_offload=true",
-        "disable_gradient_checkpointing=true", "attention_backend=math"], default_family="qwen_image")
-    trainer = Trainer(cfg)
-    trainer.run()
-    AcceleratorState._reset_state(reset_partial_state=True)
+    trainer = train_in_process(
+        "train_configs/quickstart_tiny.yaml", "qwen_image", f"pretrained_model_name_or_path={tiny_qwen_image}",
+        f"data_config.img_dir={sample_data}", f"output_dir={tmp_path}", "max_train_steps=1", "report_to=none",
+        "disable_cpu_offload=true", "disable_gradient_checkpointing=true", "attention_backend=math")
     assert trainer.family.text_pipe is not None and trainer.family.vae is not None, "encoders kept resident"
     assert not trainer.accelerator.unwrap_model(trainer.transformer).is_gradient_checkpointing
     assert trainer.attention.name == "math"

@@ -7,7 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import FluxPipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
+from diffusers import (
+    FluxPipeline,
+    Kandinsky5T2IPipeline,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
+    QwenImagePipeline,
+    ZImagePipeline,
+)
 from PIL import Image
 from transformers import Qwen2VLProcessor
 
@@ -26,6 +33,8 @@ PIPELINES = {
     "qwen_image_edit": QwenImageEditPipeline,
     "qwen_image_edit_plus": QwenImageEditPlusPipeline,
     "flux": FluxPipeline,
+    "kandinsky5": Kandinsky5T2IPipeline,
+    "z_image": ZImagePipeline,
 }
 QWEN_FAMILIES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
 
@@ -37,10 +46,15 @@ def built(tmp_path_factory) -> dict[str, Path]:
 
 
 def load(family: str, folder: Path):
-    """Load as a user would; the Edit pipelines need the processor passed in without torchvision."""
+    """Load as a user would; the Edit pipelines need the processor passed in without torchvision, and so
+    does Kandinsky 5 (its `tokenizer/` is a Qwen2-VL processor)."""
     extra = {"processor": load_qwen_vl_processor(folder)} if "edit" in family else {}
+    if family == "kandinsky5":
+        extra = {"tokenizer": load_qwen_vl_processor(folder, "tokenizer")}
     pipe = PIPELINES[family].from_pretrained(folder, **extra)
     pipe.set_progress_bar_config(disable=True)
+    if family == "kandinsky5":
+        pipe.resolutions = [(64, 64)]  # it snaps other sizes to its ~1 Mpx list
     return pipe
 
 
@@ -56,7 +70,8 @@ def render(family: str, pipe, height: int = 64, width: int = 64) -> np.ndarray:
         kwargs.update(guidance_scale=3.5, max_sequence_length=32)
     if "edit" in family:
         kwargs["image"] = reference_image()
-    return pipe(prompt="a red cat", **kwargs).images
+    output = pipe(prompt="a red cat", **kwargs)
+    return output.image if family == "kandinsky5" else output.images
 
 
 def assert_image(images: np.ndarray, height: int, width: int) -> None:
@@ -106,7 +121,7 @@ def weights(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))}
 
 
-@pytest.mark.parametrize("family", ["qwen_image", "flux"])
+@pytest.mark.parametrize("family", ["qwen_image", "flux", "kandinsky5", "z_image"])
 def test_same_seed_same_bytes_other_seed_differs(built, tmp_path, family):
     rng_state = torch.get_rng_state()
     again = weights(build_tiny_pipeline(family, tmp_path / "again", seed=0))

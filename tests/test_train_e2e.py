@@ -11,12 +11,10 @@ from typing import Dict, List
 import numpy as np
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 from diffusers import QwenImagePipeline
 from safetensors import safe_open
 
-from conftest import run_entry
-from trainer.config import load_config
+from conftest import train_in_process, run_entry
 from trainer.engine import Trainer
 
 pytestmark = pytest.mark.e2e
@@ -39,12 +37,7 @@ def render(pipe: QwenImagePipeline, seed: int = 0) -> np.ndarray:
 
 
 def run_in_process(*override_list: str) -> Trainer:
-    """The engine without a subprocess (for counting calls); accelerate's state reset around it."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    trainer = Trainer(load_config(Path(QUICKSTART), list(override_list), default_family="qwen_image"))
-    trainer.run()
-    AcceleratorState._reset_state(reset_partial_state=True)
-    return trainer
+    return train_in_process(QUICKSTART, "qwen_image", *override_list)
 
 
 def test_train_py_end_to_end_lora_loads_in_diffusers(tiny_qwen_image: Path, sample_data: Path,

@@ -9,13 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 from diffusers import QwenImagePipeline
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import lora_keys_match
+from conftest import lora_keys_match, train_in_process
 from image_datasets.dataset import shuffle_tags
 from trainer.config import load_config
 from trainer.engine import Trainer
@@ -26,12 +25,8 @@ QUICKSTART = Path("train_configs/quickstart_tiny.yaml")
 
 
 def train(model: Path, data: Path, out: Path, *extra: str) -> Trainer:
-    AcceleratorState._reset_state(reset_partial_state=True)
-    trainer = Trainer(load_config(QUICKSTART, [f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}",
-                                               f"output_dir={out}", *extra], default_family="qwen_image"))
-    trainer.run()
-    AcceleratorState._reset_state(reset_partial_state=True)
-    return trainer
+    return train_in_process(QUICKSTART, "qwen_image", f"pretrained_model_name_or_path={model}",
+                            f"data_config.img_dir={data}", f"output_dir={out}", *extra)
 
 
 @pytest.mark.e2e

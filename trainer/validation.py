@@ -58,7 +58,7 @@ class ValidationRenderer:
                 refs = [Image.open(p).convert("RGB") for p in self.references]
                 kwargs["image"] = refs if len(refs) > 1 or self.family.max_references > 1 else refs[0]
             with autocast():
-                image = pipe(**kwargs).images[0]
+                image = pipe(**kwargs, return_dict=False)[0][0]  # (images,): Kandinsky 5 names it .image
             paths.append(folder / f"prompt-{index}.png")
             image.save(paths[-1])
         transformer.train(was_training)

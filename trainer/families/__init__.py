@@ -8,13 +8,17 @@ from trainer.config import TrainConfig
 from trainer.errors import ConfigError
 from trainer.families.base import ModelFamily
 from trainer.families.flux import FluxFamily
+from trainer.families.kandinsky5 import Kandinsky5Family
 from trainer.families.qwen_image import QwenImageFamily
 from trainer.families.qwen_image_edit import QwenImageEditFamily
+from trainer.families.z_image import ZImageFamily
 
 FAMILIES: Dict[str, type] = {
     QwenImageFamily.name: QwenImageFamily,
     QwenImageEditFamily.name: QwenImageEditFamily,
     FluxFamily.name: FluxFamily,
+    Kandinsky5Family.name: Kandinsky5Family,
+    ZImageFamily.name: ZImageFamily,
 }
 
 

@@ -1,4 +1,5 @@
-"""Tiny, randomly initialised Qwen-Image / Qwen-Image-Edit(-Plus) / FLUX.1-dev pipelines for tests.
+"""Tiny, randomly initialised Qwen-Image / Qwen-Image-Edit(-Plus) / FLUX.1-dev / Kandinsky 5 / Z-Image
+pipelines for tests.
 
 Each builder uses the real diffusers/transformers classes, builds offline (tokenizers included), is
 deterministic in `seed` (same seed -> byte-identical weights) and saves the normal diffusers folder
@@ -13,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .flux import build_tiny_flux
+from .kandinsky5 import build_tiny_kandinsky5
 from .qwen_image import build_tiny_qwen_image
 from .qwen_image_edit import build_tiny_qwen_image_edit
+from .z_image import build_tiny_z_image
 from utils.qwen_processor import load_qwen_vl_processor, record_standard_processor, save_qwen_vl_processor
 
 _BUILDERS: dict[str, Callable[[Path, int], Path]] = {
@@ -22,6 +25,8 @@ _BUILDERS: dict[str, Callable[[Path, int], Path]] = {
     "qwen_image_edit": lambda out, seed: build_tiny_qwen_image_edit(out, seed, plus=False),
     "qwen_image_edit_plus": lambda out, seed: build_tiny_qwen_image_edit(out, seed, plus=True),
     "flux": build_tiny_flux,
+    "kandinsky5": build_tiny_kandinsky5,
+    "z_image": build_tiny_z_image,
 }
 FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
 
@@ -36,9 +41,11 @@ def build_tiny_pipeline(family: str, out_dir: str | Path, seed: int = 0) -> Path
 __all__ = [
     "FAMILIES",
     "build_tiny_flux",
+    "build_tiny_kandinsky5",
     "build_tiny_pipeline",
     "build_tiny_qwen_image",
     "build_tiny_qwen_image_edit",
+    "build_tiny_z_image",
     "load_qwen_vl_processor",
     "record_standard_processor",
     "save_qwen_vl_processor",

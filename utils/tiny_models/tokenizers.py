@@ -118,9 +118,11 @@ def train_byte_level_bpe(corpus: list[str]) -> tuple[dict[str, int], list[tuple[
     return vocab, [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
 
 
-def build_qwen_tokenizer() -> Qwen2Tokenizer:
-    """A Qwen2Tokenizer whose template prefixes encode to exactly the pipelines' drop lengths."""
-    corpus = [template for template, _ in QWEN_TEMPLATES.values()] + [QWEN_EDIT_PLUS_IMAGE_TEMPLATE, *_EXTRA_CORPUS]
+def build_qwen_tokenizer(templates: dict[str, tuple[str, int]] | None = None) -> Qwen2Tokenizer:
+    """A Qwen2Tokenizer whose template prefixes encode to exactly the pipelines' drop lengths
+    (`templates`: name -> (template, drop); default the Qwen-Image pipelines' `QWEN_TEMPLATES`)."""
+    templates = templates or QWEN_TEMPLATES
+    corpus = [template for template, _ in templates.values()] + [QWEN_EDIT_PLUS_IMAGE_TEMPLATE, *_EXTRA_CORPUS]
     vocab, merges = train_byte_level_bpe(corpus)
     # Specials go at the end of the vocabulary in the real order, then get registered as special below.
     vocab.update({token: len(vocab) + i for i, token in enumerate(QWEN_SPECIAL_TOKENS)})
@@ -133,7 +135,7 @@ def build_qwen_tokenizer() -> Qwen2Tokenizer:
         chat_template=QWEN_VL_CHAT_TEMPLATE,
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS)})
-    check_qwen_template_drops(tokenizer)
+    check_qwen_template_drops(tokenizer, templates)
     return tokenizer
 
 

@@ -1,0 +1,160 @@
+"""Kandinsky 5 image (``Kandinsky5T2IPipeline``): Qwen2.5-VL (last hidden state, template dropped) and CLIP
+(pooled) text encoders, the FLUX VAE scaled but not shifted, a DiT of text blocks then visual blocks that
+patches channel-last ``(B, 1, h, w, C)`` latents itself and takes ``t = 1000 * sigma``."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    Kandinsky5T2IPipeline,
+    Kandinsky5Transformer3DModel,
+)
+from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
+
+from trainer.adapters import TargetSpec
+from trainer.config import TrainConfig
+from trainer.errors import ConfigError
+from trainer.families.base import FamilyBase, Tensors, from_pretrained, pad_sequences
+from trainer.quantization import place, text_encoder_spec
+from utils.qwen_processor import load_qwen_vl_processor
+
+_PROJ = r"(to_query|to_key|to_value|out_layer)"
+_VISUAL_ATTN = rf"visual_transformer_blocks\.\d+\.(self_attention|cross_attention)\.{_PROJ}"
+_TEXT_ATTN = rf"text_transformer_blocks\.\d+\.self_attention\.{_PROJ}"
+_MLP = r"(text|visual)_transformer_blocks\.\d+\.feed_forward\.(in_layer|out_layer)"
+_OUTER = r"(time|text|pooled_text|visual)_embeddings\.in_layer|time_embeddings\.out_layer|out_layer\.out_layer"
+# Regexes (peft full-matches them): `out_layer` names attention, MLP, modulation and final layers alike.
+# Modulation (text_modulation, visual_modulation, out_layer.modulation) is never a target.
+KANDINSKY5_LORA_PRESETS: Dict[str, TargetSpec] = {
+    "attention": _VISUAL_ATTN,  # the image stream: the visual blocks' self- and cross-attention
+    "attention_mlp": f"{_VISUAL_ATTN}|{_TEXT_ATTN}|{_MLP}",
+    "all_linear": f"{_VISUAL_ATTN}|{_TEXT_ATTN}|{_MLP}|{_OUTER}",
+}
+
+
+class Kandinsky5Family(FamilyBase):
+    """Kandinsky 5 text-to-image (``kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers`` or the same layout)."""
+
+    name: ClassVar[str] = "kandinsky5"
+    pipeline_class: ClassVar[type] = Kandinsky5T2IPipeline
+    vae_class: ClassVar[type] = AutoencoderKL
+    transformer_class: ClassVar[type] = Kandinsky5Transformer3DModel
+    lora_presets: ClassVar[Mapping[str, TargetSpec]] = KANDINSKY5_LORA_PRESETS
+    max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
+    uses_references: ClassVar[bool] = False
+    max_references: int = 0
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__(cfg)
+        revision = self.revision
+        if (cfg.validation.guidance or 1.0) > 1.0:
+            raise ConfigError("key 'validation.guidance': Kandinsky 5 samples render without classifier-free "
+                              "guidance (the negative prompt is not cached); leave it unset")
+        self.vae_config: Mapping[str, Any] = from_pretrained(
+            AutoencoderKL.load_config, self.model_path, "vae", revision=revision)
+        self.scheduler_config: Mapping[str, Any] = from_pretrained(
+            FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=revision)
+        vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # 8, as the pipeline fixes it
+        self.pixel_multiple = vae_scale_factor * 2  # the transformer patches 2x2 latents
+        self.encoder_quantization = text_encoder_spec(cfg)
+        self.text_pipe: Optional[Kandinsky5T2IPipeline] = None
+        self.vae: Optional[AutoencoderKL] = None
+
+    # -- text -------------------------------------------------------------------------------------
+    def _load(self, cls: Any, subfolder: str, **kwargs: Any) -> Any:
+        return from_pretrained(cls, self.model_path, subfolder, revision=self.revision, **kwargs)
+
+    def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
+        qwen = self._load(Qwen2_5_VLForConditionalGeneration.from_pretrained, "text_encoder", dtype=dtype)
+        clip = self._load(CLIPTextModel.from_pretrained, "text_encoder_2", dtype=dtype)
+        # The pipeline's own encode_prompt holds the template, the token drop and CLIP pooling.
+        self.text_pipe = Kandinsky5T2IPipeline(
+            transformer=None, vae=None, scheduler=None,
+            text_encoder=place(qwen.requires_grad_(False).eval(), device, self.encoder_quantization,
+                               what="text encoder"),
+            tokenizer=self._load(load_qwen_vl_processor, "tokenizer"),  # a Qwen2-VL processor
+            text_encoder_2=clip.requires_grad_(False).eval().to(device),
+            tokenizer_2=self._load(CLIPTokenizer.from_pretrained, "tokenizer_2"),
+        )
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str], references: None = None) -> List[Tensors]:
+        assert self.text_pipe is not None, "load_text_encoder() first"
+        out = []
+        # One at a time, as the pipeline renders: it pads a batch and gives neither encoder the mask.
+        for prompt in prompts:
+            qwen, clip, cu_seqlens = self.text_pipe.encode_prompt(
+                [prompt], max_sequence_length=self.max_sequence_length, device=self.text_pipe.text_encoder.device)
+            out.append({"prompt_embeds_qwen": qwen[0, : int(cu_seqlens[1])], "prompt_embeds_clip": clip[0]})
+        return out
+
+    def collate_text(self, conds: Sequence[Tensors], device: torch.device, dtype: torch.dtype) -> Tensors:
+        qwen, mask = pad_sequences([c["prompt_embeds_qwen"] for c in conds])
+        return {
+            "prompt_embeds_qwen": qwen.to(device, dtype),
+            "prompt_embeds_clip": torch.stack([c["prompt_embeds_clip"] for c in conds]).to(device, dtype),
+            # The transformer takes no text mask: unequal lengths run one sample at a time in predict.
+            "lengths": None if bool(mask.all()) else mask.sum(dim=1),
+        }
+
+    def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
+        """A cached condition as the pipeline's ``prompt_embeds`` arguments (no CFG: no negative cached)."""
+        qwen = cond["prompt_embeds_qwen"].to(device, dtype)[None]
+        return {"prompt_embeds_qwen": qwen, "prompt_embeds_clip": cond["prompt_embeds_clip"].to(device, dtype)[None],
+                "prompt_cu_seqlens": torch.tensor([0, qwen.shape[1]], dtype=torch.int32, device=device),
+                "guidance_scale": 1.0}
+
+    # -- images -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        assert self.vae is not None, "load_vae() first"
+        # The mode, so a cached latent is the same on every run. Kandinsky scales and does not shift.
+        latents = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist.mode()
+        return latents * self.vae_config["scaling_factor"]
+
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents -> images in [-1, 1] (used by tests and previews)."""
+        assert self.vae is not None, "load_vae() first"
+        return self.vae.decode(latents.to(self.vae.device, self.vae.dtype) / self.vae_config["scaling_factor"]).sample
+
+    # -- transformer ------------------------------------------------------------------------------
+    def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
+        """The text blocks, then the visual blocks (units of quantization, block swap, checkpointing)."""
+        return [*transformer.text_transformer_blocks, *transformer.visual_transformer_blocks]
+
+    def predict(
+        self,
+        transformer: torch.nn.Module,
+        noisy_latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        text: Tensors,
+        references: Sequence[torch.Tensor] = (),
+    ) -> torch.Tensor:
+        if len(references):
+            raise ValueError("Kandinsky 5 text-to-image takes no reference latents")
+        _, _, h, w = noisy_latents.shape
+        device, dtype = noisy_latents.device, noisy_latents.dtype
+        latents = noisy_latents.permute(0, 2, 3, 1).unsqueeze(1)  # (B, 1, h, w, C): one frame, channels last
+        # The pipeline passes the scheduler's timestep (1000 * sigma) in the transformer's dtype.
+        timesteps = (sigmas * self.scheduler_config.get("num_train_timesteps", 1000)).to(device, dtype)
+        visual_rope_pos = [torch.arange(size, device=device) for size in (1, h // 2, w // 2)]  # frame, 2x2 grid
+        qwen, clip, lengths = text["prompt_embeds_qwen"], text["prompt_embeds_clip"], text["lengths"]
+        spans = [(slice(None), qwen.shape[1])] if lengths is None else \
+            [(slice(i, i + 1), int(n)) for i, n in enumerate(lengths)]
+        out = torch.cat([transformer(
+            hidden_states=latents[rows],
+            encoder_hidden_states=qwen[rows, :n],
+            pooled_projections=clip[rows],
+            timestep=timesteps[rows],
+            visual_rope_pos=visual_rope_pos,
+            text_rope_pos=torch.arange(n, device=device),
+            scale_factor=[1.0, 1.0, 1.0],
+            sparse_params=None,
+            return_dict=False,  # returns the tensor itself
+        ) for rows, n in spans])
+        return out[:, 0].permute(0, 3, 1, 2)

@@ -1,0 +1,129 @@
+"""Z-Image (``ZImagePipeline``): Qwen3 text encoder (second-to-last hidden state, padding dropped), the FLUX
+VAE (shift and scale), a single-stream DiT that takes lists of ``(C, 1, h, w)`` latents and of
+variable-length captions. Its clock runs the other way, ``t = 1 - sigma``, and it predicts
+``x0 - noise``: the pipeline negates the output before the scheduler step, and so does ``predict``."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+from transformers import AutoModel, AutoTokenizer
+
+from trainer.adapters import TargetSpec
+from trainer.config import TrainConfig
+from trainer.errors import ConfigError
+from trainer.families.base import FamilyBase, Tensors, from_pretrained, pad_sequences
+from trainer.quantization import place, text_encoder_spec
+
+_ATTN = r"attention\.(to_q|to_k|to_v|to_out\.0)"
+_MLP = r"feed_forward\.(w1|w2|w3)"
+# noise_refiner: image tokens only; context_refiner: caption tokens only; layers: both, jointly.
+_OUTER = r"all_x_embedder\.[^.]+|all_final_layer\.[^.]+\.linear|cap_embedder\.1|t_embedder\.mlp\.[02]"
+# adaLN_modulation (blocks and final layer) is never a target.
+Z_IMAGE_LORA_PRESETS: Dict[str, TargetSpec] = {
+    # Attention that sees the image: the joint layers and the image refiner (as FLUX's preset).
+    "attention": rf"(layers|noise_refiner)\.\d+\.{_ATTN}",
+    "attention_mlp": rf"(layers|noise_refiner|context_refiner)\.\d+\.({_ATTN}|{_MLP})",
+    "all_linear": rf"(layers|noise_refiner|context_refiner)\.\d+\.({_ATTN}|{_MLP})|{_OUTER}",
+}
+
+
+class ZImageFamily(FamilyBase):
+    """Z-Image text-to-image (``Tongyi-MAI/Z-Image-Turbo`` or a folder of the same layout)."""
+
+    name: ClassVar[str] = "z_image"
+    pipeline_class: ClassVar[type] = ZImagePipeline
+    vae_class: ClassVar[type] = AutoencoderKL
+    transformer_class: ClassVar[type] = ZImageTransformer2DModel
+    lora_presets: ClassVar[Mapping[str, TargetSpec]] = Z_IMAGE_LORA_PRESETS
+    max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
+    uses_references: ClassVar[bool] = False
+    max_references: int = 0
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__(cfg)
+        revision = self.revision
+        if cfg.validation.guidance:
+            raise ConfigError("key 'validation.guidance': Z-Image samples render without classifier-free "
+                              "guidance (the negative prompt is not cached); leave it unset")
+        self.vae_config: Mapping[str, Any] = from_pretrained(
+            AutoencoderKL.load_config, self.model_path, "vae", revision=revision)
+        self.scheduler_config: Mapping[str, Any] = from_pretrained(
+            FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=revision)
+        vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # as ZImagePipeline
+        self.pixel_multiple = vae_scale_factor * 2  # the transformer patches 2x2 latents
+        self.encoder_quantization = text_encoder_spec(cfg)
+        self.text_pipe: Optional[ZImagePipeline] = None
+        self.vae: Optional[AutoencoderKL] = None
+
+    # -- text -------------------------------------------------------------------------------------
+    def _load(self, cls: Any, subfolder: str, **kwargs: Any) -> Any:
+        return from_pretrained(cls, self.model_path, subfolder, revision=self.revision, **kwargs)
+
+    def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
+        # AutoModel: the bare Qwen3 model whichever head the checkpoint names (no LM head to hold).
+        encoder = self._load(AutoModel.from_pretrained, "text_encoder", dtype=dtype)
+        # The pipeline's own encode_prompt holds the chat template and the hidden-state choice.
+        self.text_pipe = ZImagePipeline(
+            scheduler=None, vae=None, transformer=None,
+            text_encoder=place(encoder.requires_grad_(False).eval(), device, self.encoder_quantization,
+                               what="text encoder"),
+            tokenizer=self._load(AutoTokenizer.from_pretrained, "tokenizer"))
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str], references: None = None) -> List[Tensors]:
+        assert self.text_pipe is not None, "load_text_encoder() first"
+        # Already per prompt and unpadded (the pipeline keeps the masked tokens only).
+        embeds, _ = self.text_pipe.encode_prompt(
+            list(prompts), device=self.text_pipe.text_encoder.device, do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length)
+        return [{"prompt_embeds": e} for e in embeds]
+
+    def collate_text(self, conds: Sequence[Tensors], device: torch.device, dtype: torch.dtype) -> Tensors:
+        embeds, mask = pad_sequences([c["prompt_embeds"] for c in conds])
+        return {"prompt_embeds": embeds.to(device, dtype), "lengths": mask.sum(dim=1)}
+
+    def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
+        """A cached condition as the pipeline's ``prompt_embeds`` (a list; no CFG: no negative cached)."""
+        return {"prompt_embeds": [cond["prompt_embeds"].to(device, dtype)], "guidance_scale": 0.0}
+
+    # -- images -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        assert self.vae is not None, "load_vae() first"
+        # The distribution's mode, not a sample: a cached latent must be the same on every run.
+        latents = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist.mode()
+        return (latents - self.vae_config["shift_factor"]) * self.vae_config["scaling_factor"]
+
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents -> images in [-1, 1] (used by tests and previews)."""
+        assert self.vae is not None, "load_vae() first"
+        latents = latents.to(self.vae.device, self.vae.dtype)
+        return self.vae.decode(latents / self.vae_config["scaling_factor"] + self.vae_config["shift_factor"]).sample
+
+    # -- transformer ------------------------------------------------------------------------------
+    def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
+        """Image refiner, caption refiner, joint layers: in execution order."""
+        return [*transformer.noise_refiner, *transformer.context_refiner, *transformer.layers]
+
+    def predict(
+        self,
+        transformer: torch.nn.Module,
+        noisy_latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        text: Tensors,
+        references: Sequence[torch.Tensor] = (),
+    ) -> torch.Tensor:
+        if len(references):
+            raise ValueError("Z-Image text-to-image takes no reference latents")
+        captions = [e[:n] for e, n in zip(text["prompt_embeds"], text["lengths"].tolist())]
+        out = transformer(
+            list(noisy_latents.unsqueeze(2).unbind(0)),  # one (C, 1, h, w) per sample
+            (1 - sigmas).to(noisy_latents.device, torch.float32),  # the pipeline's (1000 - t) / 1000
+            captions,
+            return_dict=False,
+        )[0]
+        return -torch.stack(out).squeeze(2)  # x0 - noise -> the velocity noise - x0
