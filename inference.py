@@ -22,7 +22,8 @@ import trainer  # noqa: F401  (quiets optional backends' import-time warnings)
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PIPELINES = {"qwen_image": "QwenImagePipeline", "qwen_image_edit": "QwenImageEditPipeline",
-             "qwen_image_edit_plus": "QwenImageEditPlusPipeline", "flux": "FluxPipeline"}
+             "qwen_image_edit_plus": "QwenImageEditPlusPipeline", "flux": "FluxPipeline",
+             "kandinsky5": "Kandinsky5T2IPipeline", "z_image": "ZImagePipeline"}
 EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
 
 
@@ -61,6 +62,10 @@ def load_pipeline(model: str, family: Optional[str], dtype_name: Optional[str]):
             from utils.qwen_processor import load_qwen_vl_processor
 
             extra["processor"] = load_qwen_vl_processor(model)  # works without torchvision too
+        if name == "Kandinsky5T2IPipeline":  # its "tokenizer" is a Qwen2-VL processor
+            from utils.qwen_processor import load_qwen_vl_processor
+
+            extra["tokenizer"] = load_qwen_vl_processor(model, "tokenizer")
         pipe = getattr(diffusers, name).from_pretrained(model, dtype=dtype, **extra)
     except OSError as exc:
         raise SystemExit(f"error: cannot load '{model}': {str(exc).splitlines()[0]}\n"
@@ -117,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.lora:
         add_lora(pipe, args.lora, args.lora_scale)
     start = time.perf_counter()
-    image = pipe(**call_kwargs(pipe, args)).images[0]
+    image = pipe(**call_kwargs(pipe, args), return_dict=False)[0][0]  # every pipeline: first output, first image
     args.out.parent.mkdir(parents=True, exist_ok=True)
     image.save(args.out)
     print(json.dumps({"out": str(args.out), "pipeline": type(pipe).__name__, "device": device,

@@ -76,3 +76,15 @@ def test_bad_inputs_are_one_line_errors(tiny_qwen_image: Path, tmp_path: Path) -
     result = infer("--model", str(tiny_qwen_image), "--prompt", "x", "--image", str(tmp_path / "r.png"),
                    "--out", str(tmp_path / "x.png"))
     assert result.returncode != 0 and "--image is for Qwen-Image-Edit" in result.stderr
+
+
+@pytest.mark.parametrize("fixture, pipeline", [("tiny_z_image", "ZImagePipeline"),
+                                               ("tiny_kandinsky5", "Kandinsky5T2IPipeline")])
+def test_newer_families_render(fixture: str, pipeline: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    model = request.getfixturevalue(fixture)
+    out = tmp_path / "x.png"
+    result = infer("--model", str(model), "--prompt", "a red circle", "--width", "64", "--height", "64",
+                   "--steps", "2", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["pipeline"] == pipeline
+    assert np.asarray(Image.open(out), dtype=np.float64).std() > 1.0
