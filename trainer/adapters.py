@@ -66,7 +66,10 @@ def add_lora(transformer: torch.nn.Module, cfg: TrainConfig, presets: Mapping[st
 
 def lora_state_dict(transformer: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The adapter weights in peft's naming (what diffusers' ``save_lora_weights`` expects)."""
-    return get_peft_model_state_dict(transformer)
+    # Hand peft only the adapter tensors: model.state_dict() would make quantized layers unpack
+    # every weight at once (a whole-model spike at each save with qint4).
+    adapter = {name: param for name, param in transformer.named_parameters() if "lora_" in name}
+    return get_peft_model_state_dict(transformer, state_dict=adapter)
 
 
 def lora_metadata(transformer: torch.nn.Module) -> Dict[str, Any]:

@@ -250,6 +250,8 @@ def load_config(
         raise ConfigError(f"{source}: {_describe_type_error(exc)}") from None
     if cfg.family is None:
         cfg.family = default_family
+    if cfg.mixed_precision in ("False", "false"):  # YAML 1.1 reads a bare `no` as false
+        cfg.mixed_precision = "no"
     _map_flymyai_sampling(cfg)
     problems = validate(cfg)
     if problems:
