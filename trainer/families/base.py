@@ -76,11 +76,21 @@ class FamilyBase:
     text_pipe: Any = None
     vae: Any = None
 
+    uses_references: ClassVar[bool] = False
+    max_references: int = 0
+
     def __init__(self, cfg: Any):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
         self.model_path = resolve_model_path(cfg.pretrained_model_name_or_path)
         self.revision: Optional[str] = cfg.revision
         self.loader = "auto" if cfg.use_fastsafetensors else "safetensors"
         self.loader_threads = cfg.fastsafetensors_num_threads
+        # Configs only (no weights): sizes, latent normalisation and the timestep shift.
+        self.vae_config: Mapping[str, Any] = from_pretrained(
+            self.vae_class.load_config, self.model_path, "vae", revision=self.revision)
+        self.scheduler_config: Mapping[str, Any] = from_pretrained(
+            FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=self.revision)
 
     def unload_text_encoder(self) -> None:
         self.text_pipe = None

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from accelerate.utils import extract_model_from_parallel
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from trainer.adapters import TargetSpec
@@ -54,26 +54,19 @@ class FluxFamily(FamilyBase):
     vae_class: ClassVar[type] = AutoencoderKL
     transformer_class: ClassVar[type] = FluxTransformer2DModel
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = FLUX_LORA_PRESETS
-    uses_references: ClassVar[bool] = False
-    max_references: int = 0
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        revision = self.revision
         self.guidance = cfg.guidance_scale  # the distilled-guidance input; peers train dev at 1.0
-        self.vae_config: Mapping[str, Any] = from_pretrained(
-            AutoencoderKL.load_config, self.model_path, "vae", revision=revision)
-        self.scheduler_config: Mapping[str, Any] = from_pretrained(
-            FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=revision)
         vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # as FluxPipeline
         self.pixel_multiple = vae_scale_factor * 2  # the transformer packs 2x2 latent patches
         # Tokenizers are small and fix the T5 length, which must equal the render-time length: the
         # pipeline pads T5 input to it and FLUX attends to the padding (no mask), so it shapes the
         # conditioning. 512 for FLUX.1-dev; less only where the checkpoint's tokenizer says so.
         self.tokenizer: CLIPTokenizer = from_pretrained(
-            CLIPTokenizer.from_pretrained, self.model_path, "tokenizer", revision=revision)
+            CLIPTokenizer.from_pretrained, self.model_path, "tokenizer", revision=self.revision)
         self.tokenizer_2: T5TokenizerFast = from_pretrained(
-            T5TokenizerFast.from_pretrained, self.model_path, "tokenizer_2", revision=revision)
+            T5TokenizerFast.from_pretrained, self.model_path, "tokenizer_2", revision=self.revision)
         self.max_sequence_length: int = min(T5_MAX_LENGTH, self.tokenizer_2.model_max_length)
         self.text_pipe: Optional[FluxPipeline] = None
         self.vae: Optional[AutoencoderKL] = None

@@ -9,7 +9,6 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
 import torch
 from diffusers import (
     AutoencoderKL,
-    FlowMatchEulerDiscreteScheduler,
     Kandinsky5T2IPipeline,
     Kandinsky5Transformer3DModel,
 )
@@ -45,19 +44,12 @@ class Kandinsky5Family(FamilyBase):
     transformer_class: ClassVar[type] = Kandinsky5Transformer3DModel
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = KANDINSKY5_LORA_PRESETS
     max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
-    uses_references: ClassVar[bool] = False
-    max_references: int = 0
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        revision = self.revision
         if (cfg.validation.guidance or 1.0) > 1.0:
             raise ConfigError("key 'validation.guidance': Kandinsky 5 samples render without classifier-free "
                               "guidance (the negative prompt is not cached); leave it unset")
-        self.vae_config: Mapping[str, Any] = from_pretrained(
-            AutoencoderKL.load_config, self.model_path, "vae", revision=revision)
-        self.scheduler_config: Mapping[str, Any] = from_pretrained(
-            FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=revision)
         vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # 8, as the pipeline fixes it
         self.pixel_multiple = vae_scale_factor * 2  # the transformer patches 2x2 latents
         self.encoder_quantization = text_encoder_spec(cfg)

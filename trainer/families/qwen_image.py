@@ -7,7 +7,6 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
 import torch
 from diffusers import (
     AutoencoderKLQwenImage,
-    FlowMatchEulerDiscreteScheduler,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
@@ -46,16 +45,9 @@ class QwenImageFamily(FamilyBase):
     transformer_class: ClassVar[type] = QwenImageTransformer2DModel
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = QWEN_LORA_PRESETS
     max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
-    uses_references: ClassVar[bool] = False
-    max_references: int = 0
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        revision = self.revision
-        self.vae_config: Mapping[str, Any] = from_pretrained(
-            AutoencoderKLQwenImage.load_config, self.model_path, "vae", revision=revision)
-        self.scheduler_config: Mapping[str, Any] = from_pretrained(
-            FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=revision)
         self.vae_scale_factor = 2 ** len(self.vae_config["temperal_downsample"])
         self.pixel_multiple = self.vae_scale_factor * 2  # the transformer packs 2x2 latent patches
         self.encoder_quantization = text_encoder_spec(cfg)

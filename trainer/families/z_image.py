@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+from diffusers import AutoencoderKL, ZImagePipeline, ZImageTransformer2DModel
 from transformers import AutoModel, AutoTokenizer
 
 from trainer.adapters import TargetSpec
@@ -39,19 +39,12 @@ class ZImageFamily(FamilyBase):
     transformer_class: ClassVar[type] = ZImageTransformer2DModel
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = Z_IMAGE_LORA_PRESETS
     max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
-    uses_references: ClassVar[bool] = False
-    max_references: int = 0
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        revision = self.revision
         if cfg.validation.guidance:
             raise ConfigError("key 'validation.guidance': Z-Image samples render without classifier-free "
                               "guidance (the negative prompt is not cached); leave it unset")
-        self.vae_config: Mapping[str, Any] = from_pretrained(
-            AutoencoderKL.load_config, self.model_path, "vae", revision=revision)
-        self.scheduler_config: Mapping[str, Any] = from_pretrained(
-            FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=revision)
         vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # as ZImagePipeline
         self.pixel_multiple = vae_scale_factor * 2  # the transformer patches 2x2 latents
         self.encoder_quantization = text_encoder_spec(cfg)
