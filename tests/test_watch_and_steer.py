@@ -179,3 +179,28 @@ def test_ema_weights_are_saved_beside_and_resume(tiny_qwen_image: Path, sample_d
     assert all(ema[k].abs().sum() > 0 for k in trained), "the average carried over the resume"
     lora_keys_match(QwenImagePipeline.from_pretrained(tiny_qwen_image), out / "ema", "ema")
     assert trainer.ema is not None
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("adapter", ["lokr", "loha"])
+def test_lokr_and_loha_train_and_reload_through_peft(adapter: str, tiny_qwen_image: Path, sample_data: Path,
+                                                     tmp_path: Path) -> None:
+    from diffusers import QwenImageTransformer2DModel
+    from peft import PeftConfig
+    from peft.utils import set_peft_model_state_dict
+
+    out = tmp_path / adapter
+    trainer = train(tiny_qwen_image, sample_data, out, "max_train_steps=4", "report_to=none", f"adapter_type={adapter}",
+                    "rank=4", "learning_rate=5e-3")
+    trained = trainer.accelerator.unwrap_model(trainer.transformer).eval()
+    config = PeftConfig.from_pretrained(str(out))
+    assert config.peft_type.value.lower() == adapter and config.r == 4
+    fresh = QwenImageTransformer2DModel.from_pretrained(tiny_qwen_image, subfolder="transformer").eval()
+    fresh.add_adapter(config)
+    result = set_peft_model_state_dict(fresh, load_file(str(out / "adapter_model.safetensors")))
+    assert not result.unexpected_keys
+    args = dict(hidden_states=torch.randn(1, 16, 16), timestep=torch.tensor([0.5]),
+                encoder_hidden_states=torch.randn(1, 5, 16), encoder_hidden_states_mask=None,
+                img_shapes=[[(1, 4, 4)]], return_dict=False)
+    with torch.no_grad():
+        assert torch.allclose(fresh(**args)[0], trained(**args)[0], atol=1e-5), "the reloaded adapter is the trained one"

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping
 
 import torch
 from loguru import logger
-from peft import LoraConfig
+from peft import LoHaConfig, LoKrConfig, LoraConfig, PeftConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from trainer.config import TrainConfig
@@ -33,11 +33,16 @@ def resolve_lora_targets(cfg: TrainConfig, presets: Mapping[str, TargetSpec]) ->
     return presets[cfg.lora_target]
 
 
-def lora_config(cfg: TrainConfig, targets: TargetSpec) -> LoraConfig:
+def lora_config(cfg: TrainConfig, targets: TargetSpec) -> PeftConfig:
     """The peft config from the training config; alpha defaults to the rank (scale 1)."""
+    alpha = cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank
+    if cfg.adapter_type == "lokr":
+        return LoKrConfig(r=cfg.rank, alpha=alpha, rank_dropout=cfg.lora_dropout, target_modules=targets)
+    if cfg.adapter_type == "loha":
+        return LoHaConfig(r=cfg.rank, alpha=alpha, rank_dropout=cfg.lora_dropout, target_modules=targets)
     return LoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank,
+        lora_alpha=alpha,
         lora_dropout=cfg.lora_dropout,
         init_lora_weights="gaussian" if cfg.lora_init == "gaussian" else True,
         target_modules=targets,
@@ -59,7 +64,7 @@ def add_lora(transformer: torch.nn.Module, cfg: TrainConfig, presets: Mapping[st
         # fp32 master copy of the small LoRA weights, even when the base is bf16/fp16.
         param.data = param.data.float()
     count = sum(p.numel() for p in trainable)
-    logger.info(f"LoRA rank {cfg.rank}, alpha {transformer.peft_config['default'].lora_alpha}: "
+    logger.info(f"{cfg.adapter_type} rank {cfg.rank}, alpha {cfg.lora_alpha or cfg.rank}: "
                 f"{count / 1e6:.3f}M trainable parameters")
     return count
 
@@ -68,7 +73,7 @@ def lora_state_dict(transformer: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The adapter weights in peft's naming (what diffusers' ``save_lora_weights`` expects)."""
     # Hand peft only the adapter tensors: model.state_dict() would make quantized layers unpack
     # every weight at once (a whole-model spike at each save with qint4).
-    adapter = {name: param for name, param in transformer.named_parameters() if "lora_" in name}
+    adapter = {name: param for name, param in transformer.named_parameters() if param.requires_grad}
     return get_peft_model_state_dict(transformer, state_dict=adapter)
 
 
@@ -78,6 +83,7 @@ def lora_metadata(transformer: torch.nn.Module) -> Dict[str, Any]:
 
 
 COMFYUI_NAME = "pytorch_lora_weights_comfyui.safetensors"
+PEFT_WEIGHTS_NAME = "adapter_model.safetensors"  # LoKr / LoHa, with adapter_config.json beside
 
 
 class LoraWeights:
@@ -87,6 +93,9 @@ class LoraWeights:
 
     def __init__(self, cfg: TrainConfig, presets: Mapping[str, TargetSpec], pipeline_class: type):
         self.cfg, self.presets, self.pipeline_class = cfg, presets, pipeline_class
+        # diffusers' load_lora_weights reads LoRA only: LoKr/LoHa are saved the way peft loads them.
+        self.peft_format = cfg.adapter_type != "lora"
+        self.final_name = PEFT_WEIGHTS_NAME if self.peft_format else "pytorch_lora_weights.safetensors"
 
     def attach(self, transformer: torch.nn.Module) -> int:
         return add_lora(transformer, self.cfg, self.presets)
@@ -94,7 +103,19 @@ class LoraWeights:
     def save(self, transformer: torch.nn.Module, folder: Path) -> Path:
         from trainer.checkpoint import save_lora_file
 
+        if self.peft_format:
+            return self._save_peft(transformer, folder)
         return save_lora_file(folder, self.pipeline_class, lora_state_dict(transformer), lora_metadata(transformer))
+
+    def _save_peft(self, transformer: torch.nn.Module, folder: Path) -> Path:
+        import json
+
+        from utils.fast_loading import save_file_atomic
+
+        folder.mkdir(parents=True, exist_ok=True)
+        config = transformer.peft_config["default"]
+        (folder / "adapter_config.json").write_text(json.dumps(config.to_dict(), indent=2, default=list))
+        return save_file_atomic(lora_state_dict(transformer), folder / PEFT_WEIGHTS_NAME)
 
     def load(self, transformer: torch.nn.Module, folder: Path) -> None:
         from safetensors.torch import load_file

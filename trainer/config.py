@@ -170,6 +170,7 @@ class TrainConfig:
     guidance_scale: float = 1.0  # distilled-guidance input of guidance-embedding models (FLUX.1-dev)
 
     # LoRA
+    adapter_type: str = "lora"  # lora | lokr | loha (peft); LoKr/LoHa save in peft's own format
     rank: int = 16
     lora_alpha: Optional[float] = None  # default: rank (scale 1.0)
     lora_dropout: float = 0.0
@@ -381,6 +382,10 @@ def validate(cfg: TrainConfig) -> List[str]:
         need(cfg.lora_alpha > 0, f"key 'lora_alpha': value {cfg.lora_alpha} must be > 0")
     need(0 <= cfg.lora_dropout < 1, f"key 'lora_dropout': value {cfg.lora_dropout} must be in [0, 1)")
     choice("lora_init", cfg.lora_init, LORA_INIT_CHOICES)
+    choice("adapter_type", cfg.adapter_type, ("lora", "lokr", "loha"))
+    if cfg.adapter_type != "lora" and (cfg.use_dora or cfg.use_rslora or "comfyui" in cfg.lora_export_formats):
+        p.append(f"key 'adapter_type': {cfg.adapter_type} takes no use_dora / use_rslora / comfyui export "
+                 "(those are LoRA options)")
     choice("lora_target", cfg.lora_target, LORA_TARGET_PRESETS)
     if cfg.lora_target_modules is not None:
         need(len(cfg.lora_target_modules) > 0, "key 'lora_target_modules': the list is empty")

@@ -130,7 +130,7 @@ class Trainer:
         cfg, out = self.cfg, self.output_dir
         out.mkdir(parents=True, exist_ok=True)
         checkpoints = ckpt.list_checkpoints(out)
-        final = out / ("final_model" if cfg.training_mode == "full" else ckpt.LORA_WEIGHTS_NAME)
+        final = out / trained_weights(cfg, {}, object).final_name
         if cfg.resume_from_checkpoint and cfg.resume_from_checkpoint != "latest":
             path = Path(cfg.resume_from_checkpoint)
             if not (path / ckpt.STATE_NAME).is_file():
