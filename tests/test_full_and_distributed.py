@@ -147,3 +147,42 @@ def test_every_accelerate_config_parses() -> None:
         config = load_config_from_file(str(path))
         assert path.read_text().startswith("#") and "accelerate launch --config_file" in path.read_text()
         assert config.mixed_precision == "bf16"
+
+
+@pytest.mark.e2e
+def test_fused_backward_matches_the_plain_step_and_frees_gradients(tiny_qwen_image: Path, sample_data: Path,
+                                                                   tmp_path: Path) -> None:
+    """Stepping each weight inside backward gives the same weights as one optimizer step after it,
+    and no gradient outlives its own weight's update."""
+    runs = {}
+    for fused in (False, True):
+        runs[fused] = train_in_process(QUICKSTART, "qwen_image", *base_args(tiny_qwen_image, sample_data,
+                                       tmp_path / str(fused)), "training_mode=full", "max_train_steps=3",
+                                       "max_grad_norm=0", f"fused_backward={str(fused).lower()}",
+                                       "checkpointing_steps=1000")
+    plain, fused = (dict(runs[f].accelerator.unwrap_model(runs[f].transformer).named_parameters()) for f in (False, True))
+    assert all(torch.allclose(plain[n], fused[n], atol=1e-6) for n in plain)
+    assert any(not torch.equal(p, dict(QwenImageTransformer2DModel.from_pretrained(
+        tiny_qwen_image, subfolder="transformer").named_parameters())[n]) for n, p in fused.items())
+
+
+def test_fused_backward_steps_inside_backward() -> None:
+    from trainer.config import TrainConfig
+    from trainer.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    twin = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    twin.load_state_dict(model.state_dict())
+    cfg = dict(training_mode="full", max_grad_norm=0.0, learning_rate=1e-2)
+    fused = build_optimizer(TrainConfig(fused_backward=True, **cfg), model.parameters())
+    plain = build_optimizer(TrainConfig(**cfg), twin.parameters())
+    x = torch.randn(4, 8)
+    model(x).pow(2).sum().backward()
+    assert all(p.grad is None for p in model.parameters()), "each gradient is freed once its weight stepped"
+    twin(x).pow(2).sum().backward()
+    plain.step()
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(model.parameters(), twin.parameters()))
+    restored = build_optimizer(TrainConfig(fused_backward=True, **cfg), model.parameters())
+    restored.load_state_dict(fused.state_dict())
+    assert restored.state_dict()["per_parameter"][0]["state"][0]["step"] == 1

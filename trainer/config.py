@@ -109,6 +109,7 @@ class TrainConfig:
     training_mode: str = "lora"  # lora | full (train_full_qwen_image.py)
     trainable_modules: Optional[List[str]] = None  # full mode: regexes of parameter names to train
     max_shard_size: str = "5GB"  # full mode: shard size of saved transformer weights
+    fused_backward: bool = False  # full mode: step each weight in backward and free its gradient
 
     # Data and caching
     data_config: DataConfig = field(default_factory=DataConfig)
@@ -361,6 +362,10 @@ def validate(cfg: TrainConfig) -> List[str]:
     choice("training_mode", cfg.training_mode, TRAINING_MODES)
     if cfg.training_mode == "full" and (cfg.quantize and not cfg.disable_quantization):
         p.append("key 'quantize': a quantized transformer cannot be fully fine-tuned (use LoRA, or quantize: false)")
+    if cfg.fused_backward and (cfg.training_mode != "full" or cfg.gradient_accumulation_steps != 1
+                               or cfg.max_grad_norm != 0):
+        p.append("key 'fused_backward': needs training_mode: full, gradient_accumulation_steps: 1 and "
+                 "max_grad_norm: 0 (each weight steps before the others' gradients exist)")
     if cfg.training_mode == "full" and cfg.blocks_to_swap:
         p.append("key 'blocks_to_swap': block swap moves frozen weights only; full fine-tuning has none")
     need(0 <= cfg.adam_beta1 < 1, f"key 'adam_beta1': value {cfg.adam_beta1} must be in [0, 1)")
