@@ -119,6 +119,27 @@ class FamilyBase:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
 
 
+class ShiftScaleLatents:
+    """Latent normalisation of FLUX-style VAEs: ``(z - shift_factor) * scaling_factor``."""
+
+    vae: Any
+    vae_config: Mapping[str, Any]
+
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        assert self.vae is not None, "load_vae() first"
+        # The distribution's mode, not a sample: a cached latent must be the same on every run.
+        latents = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist.mode()
+        return (latents - self.vae_config["shift_factor"]) * self.vae_config["scaling_factor"]
+
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents -> images in [-1, 1] (used by tests and previews)."""
+        assert self.vae is not None, "load_vae() first"
+        latents = latents.to(self.vae.device, self.vae.dtype)
+        return self.vae.decode(latents / self.vae_config["scaling_factor"] + self.vae_config["shift_factor"]).sample
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """A local diffusers folder as given, or a hub id (downloaded or read from the HF cache later).
 

@@ -12,7 +12,7 @@ from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokeniz
 
 from trainer.adapters import TargetSpec
 from trainer.config import TrainConfig
-from trainer.families.base import FamilyBase, Tensors, from_pretrained, unpack_latents
+from trainer.families.base import FamilyBase, ShiftScaleLatents, Tensors, from_pretrained, unpack_latents
 
 T5_MAX_LENGTH = 512  # FLUX.1-dev's T5 context: FluxPipeline's default and its upper limit
 
@@ -46,7 +46,7 @@ FLUX_LORA_PRESETS: Dict[str, TargetSpec] = {
 }
 
 
-class FluxFamily(FamilyBase):
+class FluxFamily(ShiftScaleLatents, FamilyBase):
     """FLUX.1-dev text-to-image (``black-forest-labs/FLUX.1-dev`` or a folder of the same layout)."""
 
     name: ClassVar[str] = "flux"
@@ -106,20 +106,6 @@ class FluxFamily(FamilyBase):
         return {key: cond[key].to(device, dtype)[None] for key in ("prompt_embeds", "pooled_prompt_embeds")}
 
     # -- images -----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        assert self.vae is not None, "load_vae() first"
-        # The distribution's mode, not a sample: a cached latent must be the same on every run.
-        latents = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist.mode()
-        return (latents - self.vae_config["shift_factor"]) * self.vae_config["scaling_factor"]
-
-    @torch.no_grad()
-    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised latents -> images in [-1, 1] (used by tests and previews)."""
-        assert self.vae is not None, "load_vae() first"
-        latents = latents.to(self.vae.device, self.vae.dtype)
-        return self.vae.decode(latents / self.vae_config["scaling_factor"] + self.vae_config["shift_factor"]).sample
-
     # -- transformer ------------------------------------------------------------------------------
     def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
         """The double- then single-stream blocks (units of quantization, block swap, checkpointing)."""

@@ -14,7 +14,7 @@ from transformers import AutoModel, AutoTokenizer
 from trainer.adapters import TargetSpec
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
-from trainer.families.base import FamilyBase, Tensors, from_pretrained, pad_sequences
+from trainer.families.base import FamilyBase, ShiftScaleLatents, Tensors, from_pretrained, pad_sequences
 from trainer.quantization import place, text_encoder_spec
 
 _ATTN = r"attention\.(to_q|to_k|to_v|to_out\.0)"
@@ -30,7 +30,7 @@ Z_IMAGE_LORA_PRESETS: Dict[str, TargetSpec] = {
 }
 
 
-class ZImageFamily(FamilyBase):
+class ZImageFamily(ShiftScaleLatents, FamilyBase):
     """Z-Image text-to-image (``Tongyi-MAI/Z-Image-Turbo`` or a folder of the same layout)."""
 
     name: ClassVar[str] = "z_image"
@@ -83,20 +83,6 @@ class ZImageFamily(FamilyBase):
         return {"prompt_embeds": [cond["prompt_embeds"].to(device, dtype)], "guidance_scale": 0.0}
 
     # -- images -----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        assert self.vae is not None, "load_vae() first"
-        # The distribution's mode, not a sample: a cached latent must be the same on every run.
-        latents = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist.mode()
-        return (latents - self.vae_config["shift_factor"]) * self.vae_config["scaling_factor"]
-
-    @torch.no_grad()
-    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised latents -> images in [-1, 1] (used by tests and previews)."""
-        assert self.vae is not None, "load_vae() first"
-        latents = latents.to(self.vae.device, self.vae.dtype)
-        return self.vae.decode(latents / self.vae_config["scaling_factor"] + self.vae_config["shift_factor"]).sample
-
     # -- transformer ------------------------------------------------------------------------------
     def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
         """Image refiner, caption refiner, joint layers: in execution order."""
