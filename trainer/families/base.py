@@ -92,6 +92,10 @@ class FamilyBase:
         self.scheduler_config: Mapping[str, Any] = from_pretrained(
             FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=self.revision)
 
+    def _load(self, load: Callable[..., Any], subfolder: str, **kwargs: Any) -> Any:
+        """A component of this checkpoint (``load`` is its class's ``from_pretrained``)."""
+        return from_pretrained(load, self.model_path, subfolder, revision=self.revision, **kwargs)
+
     def unload_text_encoder(self) -> None:
         self.text_pipe = None
         release()

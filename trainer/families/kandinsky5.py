@@ -17,7 +17,7 @@ from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalG
 from trainer.adapters import TargetSpec
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
-from trainer.families.base import FamilyBase, Tensors, from_pretrained, pad_sequences
+from trainer.families.base import FamilyBase, Tensors, pad_sequences
 from trainer.quantization import place, text_encoder_spec
 from utils.qwen_processor import load_qwen_vl_processor
 
@@ -57,9 +57,6 @@ class Kandinsky5Family(FamilyBase):
         self.vae: Optional[AutoencoderKL] = None
 
     # -- text -------------------------------------------------------------------------------------
-    def _load(self, cls: Any, subfolder: str, **kwargs: Any) -> Any:
-        return from_pretrained(cls, self.model_path, subfolder, revision=self.revision, **kwargs)
-
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
         qwen = self._load(Qwen2_5_VLForConditionalGeneration.from_pretrained, "text_encoder", dtype=dtype)
         clip = self._load(CLIPTextModel.from_pretrained, "text_encoder_2", dtype=dtype)

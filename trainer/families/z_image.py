@@ -14,7 +14,7 @@ from transformers import AutoModel, AutoTokenizer
 from trainer.adapters import TargetSpec
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
-from trainer.families.base import FamilyBase, ShiftScaleLatents, Tensors, from_pretrained, pad_sequences
+from trainer.families.base import FamilyBase, ShiftScaleLatents, Tensors, pad_sequences
 from trainer.quantization import place, text_encoder_spec
 
 _ATTN = r"attention\.(to_q|to_k|to_v|to_out\.0)"
@@ -52,9 +52,6 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
         self.vae: Optional[AutoencoderKL] = None
 
     # -- text -------------------------------------------------------------------------------------
-    def _load(self, cls: Any, subfolder: str, **kwargs: Any) -> Any:
-        return from_pretrained(cls, self.model_path, subfolder, revision=self.revision, **kwargs)
-
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
         # AutoModel: the bare Qwen3 model whichever head the checkpoint names (no LM head to hold).
         encoder = self._load(AutoModel.from_pretrained, "text_encoder", dtype=dtype)
