@@ -77,6 +77,11 @@ class ValidationConfig:
     width: int = 1024
     height: int = 1024
     guidance: Optional[float] = None  # distilled guidance (FLUX); None: the pipeline's default
+    # Classifier-free guidance with negative_prompt, in the pipeline's own convention
+    # (true_cfg_scale of Qwen-Image/FLUX, guidance_scale of Kandinsky 5/Z-Image); None: the
+    # family's default (Qwen-Image 4.0, Kandinsky 5 3.5, FLUX.1-dev and Z-Image-Turbo off).
+    cfg_scale: Optional[float] = None
+    negative_prompt: str = ""  # "" reuses the caption-dropout embedding
     reference_images: List[str] = field(default_factory=list)  # Edit: the references for every prompt
 
 
@@ -443,6 +448,7 @@ def validate(cfg: TrainConfig) -> List[str]:
     v = cfg.validation
     need(v.every_n_steps >= 0, f"key 'validation.every_n_steps': value {v.every_n_steps} must be >= 0")
     need(v.steps >= 2, f"key 'validation.steps': value {v.steps} must be >= 2")
+    need(v.cfg_scale is None or v.cfg_scale >= 0, f"key 'validation.cfg_scale': value {v.cfg_scale} must be >= 0")
     for key in ("width", "height"):
         need(getattr(v, key) >= 16, f"key 'validation.{key}': value {getattr(v, key)} must be >= 16")
     for ref in v.reference_images:

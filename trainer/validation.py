@@ -13,6 +13,7 @@ from loguru import logger
 from PIL import Image
 
 from trainer.config import TrainConfig
+from trainer.errors import ConfigError
 
 TextRequest = Tuple[str, Tuple[Path, ...]]
 
@@ -29,10 +30,19 @@ class ValidationRenderer:
         self.references = tuple(Path(p) for p in v.reference_images)
         self.folder = output_dir / "samples"
         self.rendered: Dict[int, List[Path]] = {}
+        if v.guidance is not None and not family.distilled_guidance:
+            raise ConfigError(f"key 'validation.guidance': {family.name} has no distilled-guidance input; "
+                              "classifier-free guidance is 'validation.cfg_scale'")
+        self.cfg_scale = v.cfg_scale if v.cfg_scale is not None else family.default_cfg_scale
+        self.use_cfg = self.cfg_scale > family.cfg_off_value
 
     def text_requests(self) -> List[TextRequest]:
-        """The prompts to encode in the cache pass (with the Edit references)."""
-        return [(p, self.references) for p in self.prompts] if self.enabled else []
+        """The prompts to encode in the cache pass (with the Edit references), then the negative
+        prompt when classifier-free guidance is on."""
+        if not self.enabled:
+            return []
+        negative = [(self.cfg.validation.negative_prompt, self.references)] if self.use_cfg else []
+        return [(p, self.references) for p in self.prompts] + negative
 
     def due(self, step: int) -> bool:
         return self.enabled and step % self.cfg.validation.every_n_steps == 0
@@ -40,8 +50,11 @@ class ValidationRenderer:
     @torch.no_grad()
     def render(self, transformer: torch.nn.Module, step: int, conds: List[Dict[str, torch.Tensor]],
                dtype: torch.dtype, autocast: Callable[[], Any]) -> List[Path]:
-        """One PNG per prompt under ``samples/step-N/``; returns their paths."""
+        """One PNG per prompt under ``samples/step-N/``; returns their paths. ``conds`` are the
+        cached conditions of ``text_requests()``, in its order."""
         v = self.cfg.validation
+        negative = conds[-1] if self.use_cfg else None
+        conds = conds[:-1] if self.use_cfg else conds
         was_training = transformer.training
         transformer.eval()
         pipe = self._pipeline(transformer)
@@ -49,11 +62,9 @@ class ValidationRenderer:
         folder.mkdir(parents=True, exist_ok=True)
         paths = []
         for index, cond in enumerate(conds):
-            kwargs = self.family.render_kwargs(cond, dtype, transformer.device)
-            kwargs.update(width=v.width, height=v.height, num_inference_steps=v.steps,
-                          generator=torch.Generator("cpu").manual_seed(v.seed))
-            if v.guidance is not None:
-                kwargs["guidance_scale"] = v.guidance
+            kwargs = self._guidance_kwargs(negative, dtype, transformer.device)
+            kwargs.update(self.family.render_kwargs(cond, dtype, transformer.device), width=v.width, height=v.height,
+                          num_inference_steps=v.steps, generator=torch.Generator("cpu").manual_seed(v.seed))
             if self.references:
                 refs = [Image.open(p).convert("RGB") for p in self.references]
                 kwargs["image"] = refs if len(refs) > 1 or self.family.max_references > 1 else refs[0]
@@ -66,6 +77,17 @@ class ValidationRenderer:
         logger.info(f"validation samples at step {step}: {folder}")
         return paths
 
+    def _guidance_kwargs(self, negative: Dict[str, torch.Tensor] | None, dtype: torch.dtype,
+                         device: torch.device) -> Dict[str, Any]:
+        """The CFG scale (with the negative prompt's embeddings when on) and distilled guidance."""
+        kwargs: Dict[str, Any] = {self.family.cfg_argument: self.family.cfg_off_value}
+        if negative is not None:
+            kwargs[self.family.cfg_argument] = self.cfg_scale
+            kwargs.update({f"negative_{k}": t for k, t in self.family.render_kwargs(negative, dtype, device).items()})
+        if self.cfg.validation.guidance is not None:
+            kwargs["guidance_scale"] = self.cfg.validation.guidance
+        return kwargs
+
     def _pipeline(self, transformer: torch.nn.Module):
         """The family's pipeline around the live transformer and VAE; encoders left out."""
         cls = self.family.pipeline_class
@@ -74,6 +96,8 @@ class ValidationRenderer:
         pipe = cls.from_pretrained(self.family.model_path, transformer=transformer, vae=self.family.vae,
                                    revision=self.cfg.revision, **absent)
         pipe.set_progress_bar_config(disable=True)
+        if hasattr(pipe, "resolutions"):  # Kandinsky 5 snaps any other size to its list: render as asked
+            pipe.resolutions = [(self.cfg.validation.width, self.cfg.validation.height)]
         return pipe
 
     def contact_sheet(self) -> Path | None:

@@ -61,6 +61,15 @@ class ModelFamily(Protocol):
         """The transformer's velocity prediction in the latents' own ``(B, C, H, W)`` layout;
         ``references`` are clean reference latents, one ``(B, C, h, w)`` tensor per reference slot."""
 
+    # Validation renders through ``pipeline_class`` from cached conditions.
+    cfg_argument: ClassVar[str]  # the pipeline's classifier-free-guidance scale argument
+    cfg_off_value: ClassVar[float]  # CFG runs when the scale is above this (1.0; Z-Image: 0.0)
+    default_cfg_scale: ClassVar[float]  # validation's scale when the config leaves it unset
+    distilled_guidance: ClassVar[bool]  # a guidance-embedding input (FLUX.1-dev's guidance_scale)
+    def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
+        """A cached condition as the pipeline's prompt-embedding arguments; each name with
+        ``negative_`` in front is the argument for the negative prompt."""
+
     # Families with ``uses_references`` also provide:
     #   reference_size(width, height) -> (w, h)   the VAE size of a reference image
     #   check_references(count) -> None           raise ConfigError when the pipeline takes fewer
@@ -78,6 +87,11 @@ class FamilyBase:
 
     uses_references: ClassVar[bool] = False
     max_references: int = 0
+
+    cfg_argument: ClassVar[str] = "true_cfg_scale"
+    cfg_off_value: ClassVar[float] = 1.0
+    default_cfg_scale: ClassVar[float] = 1.0  # off
+    distilled_guidance: ClassVar[bool] = False
 
     def __init__(self, cfg: Any):
         from diffusers import FlowMatchEulerDiscreteScheduler

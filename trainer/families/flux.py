@@ -51,6 +51,7 @@ class FluxFamily(ShiftScaleLatents, FamilyBase):
 
     name: ClassVar[str] = "flux"
     pipeline_class: ClassVar[type] = FluxPipeline
+    distilled_guidance: ClassVar[bool] = True  # validation.guidance is FLUX.1-dev's guidance_scale
     vae_class: ClassVar[type] = AutoencoderKL
     transformer_class: ClassVar[type] = FluxTransformer2DModel
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = FLUX_LORA_PRESETS

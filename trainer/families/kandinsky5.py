@@ -16,7 +16,6 @@ from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalG
 
 from trainer.adapters import TargetSpec
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
 from trainer.families.base import FamilyBase, Tensors, pad_sequences
 from trainer.quantization import place, text_encoder_spec
 from utils.qwen_processor import load_qwen_vl_processor
@@ -40,6 +39,8 @@ class Kandinsky5Family(FamilyBase):
 
     name: ClassVar[str] = "kandinsky5"
     pipeline_class: ClassVar[type] = Kandinsky5T2IPipeline
+    cfg_argument: ClassVar[str] = "guidance_scale"
+    default_cfg_scale: ClassVar[float] = 3.5  # the pipeline's default
     vae_class: ClassVar[type] = AutoencoderKL
     transformer_class: ClassVar[type] = Kandinsky5Transformer3DModel
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = KANDINSKY5_LORA_PRESETS
@@ -47,9 +48,6 @@ class Kandinsky5Family(FamilyBase):
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        if (cfg.validation.guidance or 1.0) > 1.0:
-            raise ConfigError("key 'validation.guidance': Kandinsky 5 samples render without classifier-free "
-                              "guidance (the negative prompt is not cached); leave it unset")
         vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # 8, as the pipeline fixes it
         self.pixel_multiple = vae_scale_factor * 2  # the transformer patches 2x2 latents
         self.encoder_quantization = text_encoder_spec(cfg)
@@ -91,11 +89,10 @@ class Kandinsky5Family(FamilyBase):
         }
 
     def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
-        """A cached condition as the pipeline's ``prompt_embeds`` arguments (no CFG: no negative cached)."""
+        """A cached condition as the pipeline's ``prompt_embeds`` arguments."""
         qwen = cond["prompt_embeds_qwen"].to(device, dtype)[None]
         return {"prompt_embeds_qwen": qwen, "prompt_embeds_clip": cond["prompt_embeds_clip"].to(device, dtype)[None],
-                "prompt_cu_seqlens": torch.tensor([0, qwen.shape[1]], dtype=torch.int32, device=device),
-                "guidance_scale": 1.0}
+                "prompt_cu_seqlens": torch.tensor([0, qwen.shape[1]], dtype=torch.int32, device=device)}
 
     # -- images -----------------------------------------------------------------------------------
     @torch.no_grad()

@@ -41,6 +41,7 @@ class QwenImageFamily(FamilyBase):
 
     name: ClassVar[str] = "qwen_image"
     pipeline_class: ClassVar[type] = QwenImagePipeline
+    default_cfg_scale: ClassVar[float] = 4.0  # QwenImagePipeline's true_cfg_scale
     vae_class: ClassVar[type] = AutoencoderKLQwenImage
     transformer_class: ClassVar[type] = QwenImageTransformer2DModel
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = QWEN_LORA_PRESETS

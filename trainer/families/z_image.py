@@ -13,7 +13,6 @@ from transformers import AutoModel, AutoTokenizer
 
 from trainer.adapters import TargetSpec
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
 from trainer.families.base import FamilyBase, ShiftScaleLatents, Tensors, pad_sequences
 from trainer.quantization import place, text_encoder_spec
 
@@ -35,6 +34,11 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
 
     name: ClassVar[str] = "z_image"
     pipeline_class: ClassVar[type] = ZImagePipeline
+    # Z-Image adds scale * (cond - uncond) to cond: 0 is off. Off by default as Z-Image-Turbo
+    # renders; set validation.cfg_scale for the undistilled base model.
+    cfg_argument: ClassVar[str] = "guidance_scale"
+    cfg_off_value: ClassVar[float] = 0.0
+    default_cfg_scale: ClassVar[float] = 0.0
     vae_class: ClassVar[type] = AutoencoderKL
     transformer_class: ClassVar[type] = ZImageTransformer2DModel
     lora_presets: ClassVar[Mapping[str, TargetSpec]] = Z_IMAGE_LORA_PRESETS
@@ -42,9 +46,6 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        if cfg.validation.guidance:
-            raise ConfigError("key 'validation.guidance': Z-Image samples render without classifier-free "
-                              "guidance (the negative prompt is not cached); leave it unset")
         vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # as ZImagePipeline
         self.pixel_multiple = vae_scale_factor * 2  # the transformer patches 2x2 latents
         self.encoder_quantization = text_encoder_spec(cfg)
@@ -76,8 +77,8 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
         return {"prompt_embeds": embeds.to(device, dtype), "lengths": mask.sum(dim=1)}
 
     def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
-        """A cached condition as the pipeline's ``prompt_embeds`` (a list; no CFG: no negative cached)."""
-        return {"prompt_embeds": [cond["prompt_embeds"].to(device, dtype)], "guidance_scale": 0.0}
+        """A cached condition as the pipeline's ``prompt_embeds`` (a list, one per prompt)."""
+        return {"prompt_embeds": [cond["prompt_embeds"].to(device, dtype)]}
 
     # -- images -----------------------------------------------------------------------------------
     # -- transformer ------------------------------------------------------------------------------
