@@ -16,7 +16,7 @@ from diffusers import QwenImagePipeline
 from conftest import train_in_process, lora_keys_match, run_entry
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
-from trainer.engine import Trainer
+from trainer.engine import Trainer, transformer_load_device
 from trainer.optim import build_optimizer
 from trainer.quantization import place, quantization_spec
 
@@ -150,6 +150,28 @@ def test_place_quantizes_and_leaves_swapped_blocks_on_the_host() -> None:
     assert quantization_spec(TrainConfig(quantize=True, disable_quantization=True)) is None
 
 
+def test_place_moves_the_rest_before_the_blocks() -> None:
+    """The non-block tensors share checkpoint shards with the first and last blocks; moved first,
+    those shards' memory maps are released as their blocks go (see place)."""
+    moved: List[str] = []
+
+    class Spy(torch.nn.Linear):
+        def _apply(self, fn, recurse=True):  # how Module.to moves a module's tensors
+            moved.append(self.name)
+            return super()._apply(fn, recurse)
+
+    def spy(name: str) -> Spy:
+        layer = Spy(8, 8)
+        layer.name = name
+        return layer
+
+    blocks = [spy(f"block{i}") for i in range(3)]
+    model = torch.nn.ModuleDict({"blocks": torch.nn.ModuleList(blocks), "out": spy("out")})
+    place(model, torch.device("meta"), None, blocks)
+    assert moved == ["out", "block0", "block1", "block2"]
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
 @pytest.mark.parametrize("script, profile, budget", [
     ("train_4090.py", "train_lora_4090.yaml", "24GiB"),
     ("train_4090.py", "train_lora_16gb.yaml", "16GiB"),
@@ -162,3 +184,16 @@ def test_plan_flag_says_whether_a_profile_fits(script: str, profile: str, budget
     assert result.returncode == (0 if fits else 1), result.stderr[-2000:] + result.stdout[-2000:]
     assert "training peak" in result.stdout and "GPU peak" in result.stdout
     assert ("does NOT fit" in result.stdout) == (not fits)
+
+
+@pytest.mark.parametrize("settings, direct", [
+    ({}, True),
+    ({"quantize": True}, False),
+    ({"quantize": True, "disable_quantization": True}, True),  # the DGX Spark switch wins
+    ({"blocks_to_swap": 2}, False),
+])
+def test_transformer_loads_straight_to_the_gpu_only_when_nothing_is_done_per_block(settings: dict,
+                                                                                  direct: bool) -> None:
+    cfg = TrainConfig(**settings)
+    gpu = torch.device("cuda", 0)  # a device object only: nothing is allocated
+    assert transformer_load_device(cfg, gpu) == (gpu if direct else torch.device("cpu"))

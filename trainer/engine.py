@@ -336,7 +336,7 @@ class Trainer:
         # round away most updates of a small learning rate.
         master_dtype = torch.float32 if cfg.training_mode == "full" else self.weight_dtype
         with self.monitor.phase("load_transformer"):
-            transformer = self.family.load_transformer(master_dtype)
+            transformer = self.family.load_transformer(master_dtype, transformer_load_device(cfg, self.device))
             blocks = self.family.blocks(transformer)
             if cfg.blocks_to_swap > len(blocks):
                 raise ConfigError(f"key 'blocks_to_swap': value {cfg.blocks_to_swap} is more than the "
@@ -608,6 +608,14 @@ def step_seed(seed: int, epoch: int, micro_step: int, rank: int) -> int:
     """A 63-bit seed unique to (seed, epoch, micro-batch, process)."""
     digest = hashlib.sha256(f"{seed}/{epoch}/{micro_step}/{rank}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def transformer_load_device(cfg: TrainConfig, device: torch.device) -> torch.device:
+    """Where the transformer's weights are read to: straight onto ``device`` when nothing happens
+    block by block on the way (fastsafetensors' fast path to a GPU), else the host, from which
+    ``place`` quantizes block by block or leaves the swapped blocks."""
+    direct = quantization_spec(cfg) is None and cfg.blocks_to_swap == 0
+    return device if direct else torch.device("cpu")
 
 
 def _trainable_to(model: torch.nn.Module, device: torch.device) -> None:

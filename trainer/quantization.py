@@ -78,6 +78,13 @@ def place(module: torch.nn.Module, device: torch.device, spec: Optional[Quantiza
     """
     blocks = list(blocks) if blocks is not None else largest_module_list(module)
     stays = len(blocks) - host_blocks
+    # The rest (embedders, norms, output layer) first: they are small, and they share checkpoint
+    # shards with the first and last blocks, whose memory maps stay resident while any tensor
+    # still views them. Moved first, the host holds about one shard at a time, not two.
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    for sub in module.modules():
+        if id(sub) not in in_blocks:
+            sub._apply(lambda t: t.to(device), recurse=False)  # its own tensors, as Module.to moves them
     label = f"quantizing {what} ({spec.backend} {spec.weights})" if spec else f"placing {what}"
     for index, block in enumerate(tqdm(blocks, desc=label, leave=False)):
         block.to(device)
@@ -85,10 +92,6 @@ def place(module: torch.nn.Module, device: torch.device, spec: Optional[Quantiza
             quantize_module(block, spec)
         if index >= stays:
             block.to("cpu")
-    in_blocks = {id(p) for b in blocks for p in b.parameters()} | {id(t) for b in blocks for t in b.buffers()}
-    for tensor in [*module.parameters(), *module.buffers()]:  # the rest: embedders, norms, output layer
-        if id(tensor) not in in_blocks:
-            tensor.data = tensor.data.to(device)
     if spec is not None:
         logger.info(f"{what}: {len(blocks)} blocks quantized to {spec.weights} with {spec.backend}")
     return module

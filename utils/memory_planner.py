@@ -642,7 +642,7 @@ def _token_counts(cfg, spec: ModelSpec, family: str, side: int, text_tokens: Opt
 
 def resolve_settings(cfg, spec: ModelSpec, *, blocks_to_swap: Optional[int] = None,
                      quantization: Optional[str] = None, text_tokens: Optional[int] = None,
-                     device: str = "cuda", streamed_loading: bool = False,
+                     device: str = "cuda", streamed_loading: bool = True,
                      text_encoder_quantization: Optional[str] = None) -> Settings:
     """The plan's inputs: the config's keys, with the arguments (when given) winning."""
     family = cfg.family or "qwen_image"
@@ -980,14 +980,15 @@ def _total(items: Sequence[MemoryItem]) -> float:
 
 def plan_memory(cfg, gpu_memory_gib: float | None = None, blocks_to_swap: int | None = None,
                 quantization: str | None = None, *, text_tokens: int | None = None, device: str = "cuda",
-                streamed_loading: bool = False, text_encoder_quantization: str | None = None,
+                streamed_loading: bool = True, text_encoder_quantization: str | None = None,
                 spec: ModelSpec | None = None) -> MemoryPlan:
     """Itemised peak GPU and host memory of training ``cfg`` (a ``TrainConfig``), from configs only.
 
     ``blocks_to_swap`` and ``quantization`` (``"qfloat8"``, ..., ``"none"``) override the config's
     ``blocks_to_swap`` and ``quantize``/``quantization.weights`` when given. ``device="cpu"`` plans a
-    CPU run (everything in host memory). ``streamed_loading`` assumes a loader that never holds the
-    whole transformer in host memory (one shard at a time).
+    CPU run (everything in host memory). ``streamed_loading`` (the engine's loader) holds about one
+    checkpoint shard on the host at a time; False plans diffusers' ``from_pretrained`` fallback,
+    which materialises the whole transformer on the host first.
     """
     spec = spec or model_spec(cfg.pretrained_model_name_or_path, cfg.revision)
     s = resolve_settings(cfg, spec, blocks_to_swap=blocks_to_swap, quantization=quantization,
@@ -1271,6 +1272,9 @@ def _notes(spec: ModelSpec, s: Settings) -> List[str]:
         notes.append("first run: the encoders load for the cache pass (a later run that finds the disk cache skips it)")
     if s.device == "cuda":
         notes.append("GPU constants (CUDA context, workspace, fragmentation) are assumptions, not measured on a GPU")
+        if s.streamed_loading:
+            notes.append("host: the checkpoint is stored in the training dtype (a converted load holds the "
+                         "converted transformer on the host; --whole-model-loading plans that)")
     if s.num_images is None and not s.cache_on_disk:
         notes.append("dataset folder not found: in-memory cache not counted")
     if s.unified_memory:
@@ -1405,7 +1409,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quantization", help="override the transformer quantization (qfloat8, qint4, none, ...)")
     parser.add_argument("--text-tokens", type=int, help=f"caption tokens per sample (default {DEFAULT_TEXT_TOKENS})")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="plan a GPU run or a CPU run")
-    parser.add_argument("--streamed-loading", action="store_true", help="the loader holds one shard at a time")
+    parser.add_argument("--whole-model-loading", action="store_true",
+                        help="plan the from_pretrained fallback (whole transformer on the host) instead of "
+                             "the streamed loader (one shard at a time)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     from trainer.errors import UserError
@@ -1416,7 +1422,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return print_plan(cfg, args.gpu_memory, blocks_to_swap=args.blocks_to_swap, quantization=args.quantization,
-                      text_tokens=args.text_tokens, device=args.device, streamed_loading=args.streamed_loading)
+                      text_tokens=args.text_tokens, device=args.device,
+                      streamed_loading=not args.whole_model_loading)
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ class ModelFamily(Protocol):
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """``(B, 3, H, W)`` in [-1, 1] -> normalised latents ``(B, C, H/f, W/f)``."""
 
-    def load_transformer(self, dtype: torch.dtype) -> torch.nn.Module:
-        """The transformer on the CPU (the engine places it, block by block)."""
+    def load_transformer(self, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
+        """The transformer on ``device``: the CPU when the engine places it block by block
+        (quantization, block swap), the GPU straight away otherwise."""
     def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
         """The repeated blocks, in execution order (units of quantization and block swap)."""
     def image_seq_len(self, latent_shape: Sequence[int]) -> int:
@@ -123,13 +124,13 @@ class FamilyBase:
         self.vae = None
         release()
 
-    def load_transformer(self, dtype: torch.dtype) -> torch.nn.Module:
-        """On the CPU, streamed shard by shard (diffusers' from_pretrained as the fallback); the
-        engine then places it on the device block by block."""
+    def load_transformer(self, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
+        """Streamed shard by shard onto ``device`` (fastsafetensors on a GPU, a memory map on the
+        CPU; diffusers' from_pretrained as the fallback)."""
         from utils.fast_loading import load_transformer
 
         return from_pretrained(partial(load_transformer, self.transformer_class), self.model_path, "transformer",
-                               revision=self.revision, dtype=dtype, device="cpu", loader=self.loader,
+                               revision=self.revision, dtype=dtype, device=device, loader=self.loader,
                                num_threads=self.loader_threads)
 
     def image_seq_len(self, latent_shape: Sequence[int]) -> int:
