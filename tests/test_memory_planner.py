@@ -158,6 +158,26 @@ def test_activation_bytes_with_and_without_checkpointing(small_model) -> None:
     assert est.transient == a * (2 * m * n_img + D * n)
 
 
+def test_checkpoint_offload_moves_the_block_inputs_to_the_host(small_model) -> None:
+    spec = mp.model_spec(str(small_model[3]))
+    a, n = 2, 16 + 8  # bf16; 64x64 px -> 16 image tokens, 8 caption tokens
+    cfg = train_config(model=str(small_model[3]), mixed_precision="bf16", data_img_size=64,
+                       gradient_checkpointing_cpu_offload=True)
+    plan = mp.plan_memory(cfg, text_tokens=8, spec=spec)
+    plain = mp.plan_memory(dataclasses.replace(cfg, gradient_checkpointing_cpu_offload=False), text_tokens=8,
+                           spec=spec)
+    block_input = n * D * a
+    assert items(plan)["activations: block inputs (in host memory)"] * GIB == 2 * block_input  # out + back in
+    assert items(plain)["activations: block inputs (checkpointed)"] * GIB == 3 * block_input
+    host = {i.name: i.gib for i in plan.section("host")}
+    assert host["phase: training (swapped blocks, pinned, offloaded block inputs)"] * GIB == 3 * block_input
+    # Nothing to offload where the host is the device, or without checkpointing.
+    for other in (mp.plan_memory(cfg, text_tokens=8, spec=spec, device="cpu"),
+                  mp.plan_memory(dataclasses.replace(cfg, disable_gradient_checkpointing=True), text_tokens=8,
+                                 spec=spec)):
+        assert not any("in host memory" in name for name in items(other))
+
+
 def test_block_swap_moves_exactly_the_swapped_blocks(small_model) -> None:
     spec = mp.model_spec(str(small_model[3]))
     block_bytes = 2 * spec.transformer.blocks[0].params
@@ -501,17 +521,21 @@ def test_full_size_qwen_image_bf16_does_not_fit_24gib_and_says_what_to_change() 
     print(f"... + blocks_to_swap 20: training {swap.training_gib:.2f} GiB; advice {swap.advice}")
     assert swap.training_gib < low.training_gib - 5
     if not swap.fits:
-        assert any(a.startswith("blocks_to_swap: ") for a in swap.advice)
+        assert any(a.startswith(("gradient_checkpointing_cpu_offload: true", "blocks_to_swap: "))
+                   for a in swap.advice)
 
 
 def test_advice_finds_the_smallest_swap_that_fits() -> None:
     cfg = train_config(mixed_precision="bf16", quantize=True, adam8bit=True, quantize_text_encoder=True)
     plan = mp.plan_memory(cfg, 16.0)
+    # The cheaper setting comes first; the swap is the smallest on top of it.
+    assert plan.advice[0].startswith("gradient_checkpointing_cpu_offload: true"), plan.advice
     swap = [a for a in plan.advice if a.startswith("blocks_to_swap: ")]
     assert swap, plan.advice
     n = int(re.match(r"blocks_to_swap: (\d+)", swap[0]).group(1))
-    assert mp.plan_memory(cfg, 16.0, blocks_to_swap=n).fits
-    assert not mp.plan_memory(cfg, 16.0, blocks_to_swap=n - 1).fits
+    offloaded = dataclasses.replace(cfg, gradient_checkpointing_cpu_offload=True)
+    assert mp.plan_memory(offloaded, 16.0, blocks_to_swap=n).fits
+    assert not mp.plan_memory(offloaded, 16.0, blocks_to_swap=n - 1).fits
 
 
 def test_full_size_flux_dev_plan() -> None:

@@ -45,6 +45,7 @@ from image_datasets.dataset import (
 )
 from image_datasets.validation import check_before_training
 from trainer import checkpoint as ckpt
+from trainer.activation_offload import checkpointing_func
 from trainer.adapters import trained_weights
 from trainer.config import TrainConfig, config_to_yaml
 from trainer.errors import ConfigError, DataError, TrainingDiverged, TrainingInterrupted
@@ -343,7 +344,7 @@ class Trainer:
                                   f"transformer's {len(blocks)} blocks")
             place(transformer, self.device, spec, blocks, "transformer", host_blocks=cfg.blocks_to_swap)
         if not cfg.disable_gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
+            transformer.enable_gradient_checkpointing(checkpointing_func(cfg, self.policy.unified_memory))
         self.attention = choose_attention(cfg, transformer)
         maybe_fp8(cfg, transformer)
         self.weights.attach(transformer)

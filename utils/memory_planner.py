@@ -551,6 +551,7 @@ class Settings:
     vision_patches: int  # Edit: vision-tower patches per prompt (before the 2x2 merge)
     validation_pixels: int = 0  # validation renders: width x height (0: off)
     dora: bool = False
+    offload_checkpoints: bool = False  # gradient_checkpointing_cpu_offload (GPU, not unified memory)
 
     @property
     def backend(self) -> Optional[str]:
@@ -672,7 +673,9 @@ def resolve_settings(cfg, spec: ModelSpec, *, blocks_to_swap: Optional[int] = No
         num_images=None if cfg.save_cache_on_disk else _count_images(cfg.data_config.img_dir),
         references=tokens.references, encode_tokens=tokens.encode_tokens, encode_batch=tokens.encode_batch,
         vision_patches=tokens.vision_patches, validation_pixels=_validation_pixels(cfg),
-        dora=bool(getattr(cfg, "use_dora", False)))
+        dora=bool(getattr(cfg, "use_dora", False)),
+        offload_checkpoints=bool(getattr(cfg, "gradient_checkpointing_cpu_offload", False))
+        and not cfg.disable_gradient_checkpointing and device == "cuda" and not cfg.unified_memory)
 
 
 def _validation_pixels(cfg) -> int:
@@ -846,6 +849,7 @@ class ActivationEstimate:
     recompute: int  # checkpointing: the largest block's activations during its recomputation
     transient: int
     outside: int  # embedders, final norm, rotary tables, loss, LoRA outside the blocks
+    offloaded: int = 0  # gradient_checkpointing_cpu_offload: the block inputs, in host memory
 
 
 def estimate_activations(transformer: TransformerSpec, lora: LoraLayout, s: Settings) -> ActivationEstimate:
@@ -864,13 +868,18 @@ def estimate_activations(transformer: TransformerSpec, lora: LoraLayout, s: Sett
                          + block_quantization_bytes(transformer, kind, t, s, mod_streams)
                          + zero_cond_bytes(transformer, kind, t, a))
     inputs = block_input_bytes(transformer, t, a)
-    if s.checkpointing:
+    offloaded = 0
+    if s.checkpointing and s.offload_checkpoints:
+        # On the device: the block input being copied out and the one copied back for the block.
+        saved, recompute, offloaded = 2 * inputs, max(per_block), transformer.num_blocks * inputs
+    elif s.checkpointing:
         saved, recompute = transformer.num_blocks * inputs, max(per_block)
     else:
         saved, recompute = sum(k.count * b for k, b in zip(transformer.blocks, per_block)), 0
     transient = max(backward_transient_bytes(transformer, k, lora.per_block.get(k.prefix, ()), t, s)
                     for k in transformer.blocks)
-    return ActivationEstimate(tuple(per_block), saved, recompute, transient, _outside_bytes(transformer, lora, t, s))
+    return ActivationEstimate(tuple(per_block), saved, recompute, transient, _outside_bytes(transformer, lora, t, s),
+                              offloaded)
 
 
 def _modulated_streams(kind: BlockKind, layout: Mapping[str, Tuple[str, str]], adapted: Sequence[LinearInfo],
@@ -1093,7 +1102,13 @@ def _activation_items(spec: ModelSpec, s: Settings, lora: LoraLayout) -> List[Me
     est = estimate_activations(t, lora, s)
     tokens = f"{s.batch} x ({s.image_tokens} image + {s.text_tokens} text) tokens"
     per_block = ", ".join(f"{k.kind} {_gib(b):.3f}" for k, b in zip(t.blocks, est.per_block))
-    if s.checkpointing:
+    if s.checkpointing and s.offload_checkpoints:
+        items = [MemoryItem("activations: block inputs (in host memory)", _gib(est.saved),
+                            f"two on the GPU at a time; {t.num_blocks} x {_gib(est.offloaded / t.num_blocks):.3f} "
+                            "GiB on the host (gradient_checkpointing_cpu_offload)"),
+                 MemoryItem("activations: one block recomputed", _gib(est.recompute),
+                            f"per block GiB: {per_block}")]
+    elif s.checkpointing:
         items = [MemoryItem("activations: block inputs (checkpointed)", _gib(est.saved),
                             f"{t.num_blocks} blocks x {tokens} x {t.hidden} x {s.act_bytes} B"),
                  MemoryItem("activations: one block recomputed", _gib(est.recompute),
@@ -1208,10 +1223,14 @@ def _host_items(spec: ModelSpec, s: Settings, cache_pass_gib: float, training_gi
     else:
         encoders = sum(e.params for e in spec.text_encoders) * a  # loaded on the host, then moved
         loading = min(shard, full) if s.streamed_loading else full
+        offloaded = spec.transformer.num_blocks * block_input_bytes(
+            spec.transformer, Tokens(s.image_tokens * s.batch, s.text_tokens * s.batch), a) \
+            if s.checkpointing and s.offload_checkpoints else 0
+        training = "training (swapped blocks, pinned" + (", offloaded block inputs)" if offloaded else ")")
         phases = {"text encoder load (host copy before the GPU)": _gib(encoders),
                   ("transformer load (one shard at a time)" if s.streamed_loading
                    else "transformer load (whole model on the host)"): _gib(max(loading, 2 * swapped)),
-                  "training (swapped blocks, pinned)": _gib(swapped)}
+                  training: _gib(swapped + offloaded)}
     largest = max(phases, key=phases.get)
     baseline = HOST_BASELINE_CPU_GIB if s.device == "cpu" else HOST_BASELINE_CUDA_GIB
     items = [MemoryItem("process baseline (Python, torch, libraries)", baseline,
@@ -1301,6 +1320,10 @@ def advise(spec: ModelSpec, s: Settings, budget: float) -> List[str]:
         ("precompute_text_embeddings: true, precompute_image_embeddings: true",
          lambda x: not (x.precompute_text and x.precompute_image),
          lambda x: dataclasses.replace(x, precompute_text=True, precompute_image=True), "training"),
+        # Last of these: it costs PCIe traffic every step (block swap, tried next, costs more).
+        ("gradient_checkpointing_cpu_offload: true", lambda x: x.checkpointing and not x.offload_checkpoints
+         and x.device == "cuda" and not x.unified_memory,
+         lambda x: dataclasses.replace(x, offload_checkpoints=True), "training"),
     ]
     for text, applies, change, phase in steps:
         if current.fits or not applies(s):

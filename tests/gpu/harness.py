@@ -35,6 +35,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from trainer.activation_offload import checkpointing_func
 from trainer.adapters import add_lora
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig, load_config
@@ -380,7 +381,7 @@ def build_rig(family: str, device: torch.device | str = "cuda", dtype: torch.dty
     start = time.perf_counter()
     transformer = build_transformer(fam, model_dir, device, dtype, spec, cfg.blocks_to_swap, seed)
     if checkpointing:
-        transformer.enable_gradient_checkpointing()
+        transformer.enable_gradient_checkpointing(checkpointing_func(cfg, unified_memory=False))
     attention = choose_attention(cfg, transformer)
     fp8 = maybe_fp8(cfg, transformer)
     torch.manual_seed(seed)  # LoRA's A matrices draw from the global RNG
