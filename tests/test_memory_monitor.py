@@ -1,5 +1,6 @@
 """utils.memory_monitor: host/GPU figures and per-phase peaks, on this (CPU) machine."""
 
+import gc
 import json
 import sys
 
@@ -51,6 +52,7 @@ def test_rss_follows_allocations():
     # Compared across the free rather than across the allocation: a large block is unmapped the
     # moment it is freed, while memory other tests released earlier may be reused (already
     # resident) when the block is allocated, which made the rise smaller than the block in CI.
+    gc.collect()  # earlier tests' garbage is not freed in the middle of the measurement
     block = _allocate()
     alive = get_memory_stats()["host_rss_gib"]
     del block
@@ -72,6 +74,7 @@ def test_reset_peak_memory_stats_runs_without_cuda():
 def test_phase_records_peaks_and_writes(logs):
     written = []
     monitor = MemoryMonitor(writer=lambda tag, value, step: written.append((tag, value, step)))
+    gc.collect()
     with monitor.phase("cache_pass", step=3):
         block = _allocate()
         del block
