@@ -228,6 +228,45 @@ def test_checkpoint_cpu_offload_trains_identically(tiny_qwen_image: Path, sample
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+# family, its tiny model fixture, data fixture, YAML, overrides that make the run tiny
+OFFLOAD_CASES = {
+    "flux": ("flux", "tiny_flux", "sample_data", "train_configs/quickstart_flux_tiny.yaml", []),
+    "qwen_image_edit": ("qwen_image_edit", "tiny_qwen_image_edit", "edit_data",
+                        "train_configs/quickstart_edit_tiny.yaml", []),
+    "kandinsky5": ("kandinsky5", "tiny_kandinsky5", "sample_data", "train_configs/train_kandinsky5_lora.yaml",
+                   ["data_config.img_size=64", "data_config.num_workers=0", "lora_target=all_linear"]),
+    "z_image": ("z_image", "tiny_z_image", "sample_data", "train_configs/train_z_image_lora.yaml",
+                ["data_config.img_size=64", "data_config.num_workers=0", "lora_target=all_linear"]),
+    "qwen_image+swap": ("qwen_image", "tiny_qwen_image", "sample_data", QUICKSTART, ["blocks_to_swap=1"]),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", list(OFFLOAD_CASES))
+def test_checkpoint_cpu_offload_is_identical_for_every_family(case: str, request: pytest.FixtureRequest,
+                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each family's blocks take other arguments (rotary tuples, masks, lists, kwargs dicts): the
+    offloading checkpoint passes them through and the run stays bit-identical (with block swap too)."""
+    import trainer.activation_offload as offload_module
+
+    family, model, data, config, extra = OFFLOAD_CASES[case]
+    model, data = request.getfixturevalue(model), request.getfixturevalue(data)
+    calls = []
+    monkeypatch.setattr(offload_module, "checkpoint",
+                        lambda *a, **k: calls.append(1) or torch.utils.checkpoint.checkpoint(*a, **k))
+    runs = {}
+    for name, offload in (("plain", "false"), ("off", "true")):
+        out = tmp_path / name
+        train_in_process(config, family, f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}",
+                         f"output_dir={out}", "report_to=none", "max_train_steps=2", "lora_dropout=0.1",
+                         "mixed_precision=no", "validation.every_n_steps=0", *extra,
+                         f"gradient_checkpointing_cpu_offload={offload}")
+        runs[name] = (losses(out), load_file(str(out / "pytorch_lora_weights.safetensors")))
+    assert calls, "the family's blocks went through the offloading checkpoint"
+    assert runs["off"][0] == runs["plain"][0]
+    assert all(torch.equal(runs["off"][1][k], runs["plain"][1][k]) for k in runs["plain"][1])
+
+
 def test_checkpoint_cpu_offload_needs_checkpointing(tmp_path: Path) -> None:
     from trainer.config import load_config
     from trainer.errors import ConfigError
