@@ -36,7 +36,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lora", help="LoRA file (pytorch_lora_weights.safetensors) or its folder")
     p.add_argument("--lora-scale", type=float, default=1.0)
     p.add_argument("--prompt", required=True)
-    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--negative-prompt", default=None,
+                   help="default: '' where the pipeline's true CFG is on by default (Qwen-Image, Edit), "
+                        "so it guides as validation samples do; the pipeline's own default elsewhere")
     p.add_argument("--out", required=True, type=Path, help="PNG file to write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=30)
@@ -94,6 +96,10 @@ def call_kwargs(pipe, args: argparse.Namespace) -> Dict[str, Any]:
         "true_cfg_scale": args.true_cfg, "generator": torch.Generator("cpu").manual_seed(args.seed),
     }
     accepted = inspect.signature(pipe.__call__).parameters
+    # Qwen pipelines default to true_cfg_scale 4 but skip CFG without a negative prompt.
+    true_cfg = accepted.get("true_cfg_scale")
+    if wanted["negative_prompt"] is None and true_cfg is not None and (args.true_cfg or true_cfg.default) > 1:
+        wanted["negative_prompt"] = ""
     return {k: v for k, v in wanted.items() if k in accepted and v is not None}
 
 

@@ -88,3 +88,24 @@ def test_newer_families_render(fixture: str, pipeline: str, request: pytest.Fixt
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])["pipeline"] == pipeline
     assert np.asarray(Image.open(out), dtype=np.float64).std() > 1.0
+
+
+@pytest.mark.parametrize("fixture, passes", [("tiny_qwen_image", 2), ("tiny_flux", 1)])
+def test_true_cfg_runs_by_default_where_the_pipeline_defaults_to_it(fixture: str, passes: int,
+                                                                    request: pytest.FixtureRequest) -> None:
+    """QwenImagePipeline defaults to true_cfg_scale 4 but skips CFG without a negative prompt:
+    inference.py supplies the empty one, so the transformer runs twice per step; FLUX.1-dev's true
+    CFG is off by default and stays off."""
+    import inference
+
+    args = inference.parse_args(["--model", str(request.getfixturevalue(fixture)), "--prompt", "a red circle",
+                                 "--out", "unused.png", "--width", "64", "--height", "64", "--steps", "3"])
+    pipe, _ = inference.load_pipeline(args.model, None, "fp32")
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda module, inputs: calls.append(1))
+    pipe(**inference.call_kwargs(pipe, args), output_type="np")
+    assert len(calls) == passes * 3
+    args.negative_prompt, calls[:] = None, []
+    args.true_cfg = 1.0  # asked off: no negative prompt, one pass
+    pipe(**inference.call_kwargs(pipe, args), output_type="np")
+    assert len(calls) == 3
