@@ -2,6 +2,7 @@
 
 import gc
 import json
+import mmap
 import sys
 
 import pytest
@@ -27,8 +28,14 @@ def logs():
     logger.remove(handler)
 
 
-def _allocate(nbytes: int = BLOCK) -> torch.Tensor:
-    return torch.ones(nbytes // 4, dtype=torch.float32)  # ones() touches every page
+def _allocate(nbytes: int = BLOCK) -> mmap.mmap:
+    """``nbytes`` of resident memory that is returned to the system when freed: an anonymous map with
+    every page written. (A tensor this size came from malloc's heap in CI, reusing memory that was
+    already resident and keeping it after the free, so RSS did not follow it.)"""
+    block = mmap.mmap(-1, nbytes)
+    for offset in range(0, nbytes, mmap.PAGESIZE):
+        block[offset] = 1
+    return block
 
 
 def test_get_memory_stats_host_figures():
@@ -49,15 +56,13 @@ def test_get_memory_stats_leaves_cuda_alone():
 
 
 def test_rss_follows_allocations():
-    # Compared across the free rather than across the allocation: a large block is unmapped the
-    # moment it is freed, while memory other tests released earlier may be reused (already
-    # resident) when the block is allocated, which made the rise smaller than the block in CI.
     gc.collect()  # earlier tests' garbage is not freed in the middle of the measurement
+    before = get_memory_stats()["host_rss_gib"]
     block = _allocate()
     alive = get_memory_stats()["host_rss_gib"]
-    del block
+    block.close()
     freed = get_memory_stats()["host_rss_gib"]
-    assert alive - freed > 0.8 * BLOCK / 2**30
+    assert alive - before > 0.8 * BLOCK / 2**30 and alive - freed > 0.8 * BLOCK / 2**30
 
 
 def test_log_memory_usage(logs):
@@ -77,7 +82,7 @@ def test_phase_records_peaks_and_writes(logs):
     gc.collect()
     with monitor.phase("cache_pass", step=3):
         block = _allocate()
-        del block
+        block.close()
     record = monitor.summary()["phases"]["cache_pass"]
     assert record["runs"] == 1 and record["seconds"] >= 0
     if LINUX:
@@ -92,7 +97,7 @@ def test_host_peak_is_per_phase():
     monitor = MemoryMonitor()
     with monitor.phase("big"):
         del_me = _allocate()
-        del del_me
+        del_me.close()
     with monitor.phase("small"):
         pass
     phases = monitor.summary()["phases"]
