@@ -120,8 +120,8 @@ def _count_latents(transformer: torch.nn.Module) -> Iterator[list[int]]:
 
 
 def test_default_scales_follow_the_family(tiny_qwen_image: Path, tiny_z_image: Path, tmp_path: Path) -> None:
-    qwen = ValidationRenderer(_config(tiny_qwen_image, "qwen_image"), get_family(
-        TrainConfig(family="qwen_image", pretrained_model_name_or_path=str(tiny_qwen_image))), tmp_path, [])
+    qwen_cfg = _config(tiny_qwen_image, "qwen_image")
+    qwen = ValidationRenderer(qwen_cfg, get_family(qwen_cfg), tmp_path, [])
     assert (qwen.use_cfg, qwen.cfg_scale) == (True, 4.0)
     assert qwen.text_requests() == [(PROMPT, ()), ("", ())], "the default negative is the empty prompt"
     z_cfg = _config(tiny_z_image, "z_image")
