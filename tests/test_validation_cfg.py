@@ -145,3 +145,17 @@ def test_negative_cfg_scale_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="validation.cfg_scale"):
         load_config(None, ["pretrained_model_name_or_path=x/y", f"data_config.img_dir={tmp_path / 'd'}",
                            "validation.cfg_scale=-1"])
+
+
+@pytest.mark.parametrize("prompt, trigger, expected", [
+    ("a photo of [trigger] on a beach", "ohwx", "a photo of ohwx on a beach"),
+    ("a photo of [trigger] on a beach", None, "a photo of on a beach"),
+    ("[trigger], a dog", "ohwx", "ohwx, a dog"),
+    ("[trigger], a dog", None, "a dog"),
+])
+def test_trigger_placeholder_in_validation_prompts(prompt: str, trigger: str | None, expected: str,
+                                                   tiny_qwen_image: Path, tmp_path: Path) -> None:
+    cfg = _config(tiny_qwen_image, "qwen_image", prompts=[prompt])
+    cfg.data_config.trigger_word = trigger
+    renderer = ValidationRenderer(cfg, get_family(cfg), tmp_path, [])
+    assert renderer.text_requests()[0][0] == expected

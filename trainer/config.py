@@ -70,7 +70,7 @@ class DataConfig:
 class ValidationConfig:
     """Sample images rendered with the current weights during training."""
 
-    prompts: List[str] = field(default_factory=list)
+    prompts: List[str] = field(default_factory=list)  # "[trigger]" stands for data_config.trigger_word
     every_n_steps: int = 0  # 0: off
     seed: int = 0
     steps: int = 20

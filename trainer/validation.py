@@ -16,6 +16,7 @@ from trainer.config import TrainConfig
 from trainer.errors import ConfigError
 
 TextRequest = Tuple[str, Tuple[Path, ...]]
+TRIGGER = "[trigger]"
 
 
 class ValidationRenderer:
@@ -26,7 +27,10 @@ class ValidationRenderer:
         v = cfg.validation
         self.enabled = v.every_n_steps > 0
         # FlyMyAI's sample_* keys carry no prompts: render the first captions of the dataset then.
-        self.prompts = list(v.prompts) or prompts_fallback[:2]
+        # "[trigger]" in a prompt stands for data_config.trigger_word, as in ai-toolkit's sample prompts.
+        trigger = cfg.data_config.trigger_word or ""
+        self.prompts = [" ".join(p.replace(TRIGGER, trigger).split()).strip(" ,") for p in v.prompts] \
+            or prompts_fallback[:2]
         self.references = tuple(Path(p) for p in v.reference_images)
         self.folder = output_dir / "samples"
         self.rendered: Dict[int, List[Path]] = {}
