@@ -1,5 +1,6 @@
 """The config schema: shipped YAMLs load, overrides apply, mistakes name the key and value."""
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,23 @@ def test_every_shipped_yaml_fits_the_schema(path: Path, data_dir: Path) -> None:
     cfg = load_config(path, folders, default_family=ENTRY_FAMILIES[script])
     assert cfg.family == raw.get("family", ENTRY_FAMILIES[script]), "the YAML's family key wins over the script's"
     assert cfg.max_train_steps >= 1
+
+
+COMMENTED_VALIDATION = [p for p in SHIPPED if "\n# validation:\n" in p.read_text()]
+
+
+@pytest.mark.parametrize("path", COMMENTED_VALIDATION, ids=[p.name for p in COMMENTED_VALIDATION])
+def test_commented_validation_examples_fit_the_schema(path: Path, data_dir: Path, tmp_path: Path) -> None:
+    """The commented-out `validation:` block a YAML shows is valid once uncommented."""
+    lines = path.read_text().splitlines()
+    start = lines.index("# validation:")
+    block = [lines[start], *itertools.takewhile(lambda line: line.startswith("#   "), lines[start + 1:])]
+    rest = lines[start + len(block):]
+    uncommented = tmp_path / path.name
+    uncommented.write_text("\n".join(lines[:start] + [line[2:] for line in block] + rest) + "\n")
+    script = next(word for word in lines[1].split() if word.endswith(".py"))
+    cfg = load_config(uncommented, [f"data_config.img_dir={data_dir}"], default_family=ENTRY_FAMILIES[script])
+    assert cfg.validation.every_n_steps > 0 and cfg.validation.prompts
 
 
 def test_flymyai_yaml_runs_unchanged(tmp_path: Path, data_dir: Path) -> None:
