@@ -120,16 +120,16 @@ def test_sampler_moments(scheme: str, mean: float, std: float | None) -> None:
 def test_validation_samples_change_and_make_a_contact_sheet(tiny_qwen_image: Path, sample_data: Path,
                                                              tmp_path: Path) -> None:
     out = tmp_path / "val"
-    trainer = train(tiny_qwen_image, sample_data, out, "max_train_steps=10", "report_to=tensorboard",
+    trainer = train(tiny_qwen_image, sample_data, out, "max_train_steps=12", "report_to=tensorboard",
                     "learning_rate=5e-3", "validation.prompts=[a red circle,a blue square]",
                     "validation.every_n_steps=5", "validation.width=64", "validation.height=48", "validation.steps=3")
     steps = sorted(p.name for p in (out / "samples").glob("step-*"))
-    assert steps == ["step-000000", "step-000005", "step-000010"]
+    assert steps == ["step-000000", "step-000005", "step-000010", "step-000012"], "every 5 steps and the last"
     first = np.asarray(Image.open(out / "samples/step-000000/prompt-0.png"), dtype=float)
-    last = np.asarray(Image.open(out / "samples/step-000010/prompt-0.png"), dtype=float)
+    last = np.asarray(Image.open(out / "samples/step-000012/prompt-0.png"), dtype=float)
     assert first.shape == (48, 64, 3) and np.abs(last - first).mean() > 0.5, "samples follow the training"
     with Image.open(out / "samples/contact_sheet.png") as sheet:
-        assert sheet.size == (64 * 3, 48 * 2)
+        assert sheet.size == (64 * 4, 48 * 2)
     assert trainer.family.text_pipe is None, "prompts came from the cache: no text encoder kept"
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -33,7 +33,7 @@ def test_train_py_z_image_lora_reloads_in_z_image_pipeline(tiny_z_image: Path, s
         "family=z_image", "report_to=none", "data_config.img_size=64", "data_config.num_workers=0",
         "data_config.train_batch_size=2", "max_train_steps=4", "checkpointing_steps=2", "learning_rate=1e-2",
         "lr_warmup_steps=0", "rank=4", "lora_alpha=8", "lora_target=all_linear",
-        # samples from the cached embeddings through the family's render_kwargs (CFG off)
+        # samples from the cached embeddings (Z-Image-Turbo: CFG off by default), at step 0 and the last
         "validation.every_n_steps=4", "validation.steps=2", "validation.width=64", "validation.height=64",
         "validation.prompts=[a red circle]"])
     assert result.returncode == 0, result.stderr[-3000:]

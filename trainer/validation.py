@@ -49,7 +49,9 @@ class ValidationRenderer:
         return [(p, self.references) for p in self.prompts] + negative
 
     def due(self, step: int) -> bool:
-        return self.enabled and step % self.cfg.validation.every_n_steps == 0
+        """Every ``every_n_steps``, and at the last step (the trained weights' own samples)."""
+        every = self.cfg.validation.every_n_steps
+        return self.enabled and (step % every == 0 or step == self.cfg.max_train_steps)
 
     @torch.no_grad()
     def render(self, transformer: torch.nn.Module, step: int, conds: List[Dict[str, torch.Tensor]],
