@@ -238,6 +238,7 @@ OFFLOAD_CASES = {
     "z_image": ("z_image", "tiny_z_image", "sample_data", "train_configs/train_z_image_lora.yaml",
                 ["data_config.img_size=64", "data_config.num_workers=0", "lora_target=all_linear"]),
     "qwen_image+swap": ("qwen_image", "tiny_qwen_image", "sample_data", QUICKSTART, ["blocks_to_swap=1"]),
+    "qwen_image+qfloat8": ("qwen_image", "tiny_qwen_image", "sample_data", QUICKSTART, ["quantize=true"]),
 }
 
 
