@@ -3,7 +3,8 @@
     accelerate launch train_4090.py --config train_configs/train_lora_4090.yaml [key=value ...]
 
 Defaults beneath the YAML: the transformer quantized block by block to qfloat8, 8-bit AdamW,
-caches on disk (text encoder and VAE freed before the transformer loads), gradient checkpointing.
+caches on disk (text encoder and VAE freed before the transformer loads), gradient checkpointing
+with the kept block inputs in host memory.
 """
 
 import sys
@@ -12,7 +13,7 @@ from trainer.cli import main
 
 LOW_MEMORY = {"quantize": True, "adam8bit": True, "precompute_text_embeddings": True,
               "precompute_image_embeddings": True, "save_cache_on_disk": True,
-              "disable_gradient_checkpointing": False}
+              "disable_gradient_checkpointing": False, "gradient_checkpointing_cpu_offload": True}
 
 if __name__ == "__main__":
     sys.exit(main(default_family="qwen_image", description=__doc__, profile_defaults=LOW_MEMORY))

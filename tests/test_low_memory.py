@@ -45,6 +45,7 @@ def test_train_4090_quantized_lora_reloads_unquantized(tiny_qwen_image: Path, sa
         "max_train_steps=6", "learning_rate=5e-3"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "quantized to qfloat8 with quanto" in result.stderr, "the 24 GB policy quantizes by default"
+    assert "block inputs in host memory" in result.stderr, "and offloads the checkpointed inputs"
     assert all(math.isfinite(x) for x in losses(out))
     pipe = QwenImagePipeline.from_pretrained(tiny_qwen_image)  # plain bf16/fp32 pipeline, no quanto
     lora_keys_match(pipe, out, "q8")

@@ -29,6 +29,7 @@ def checkpointing_func(cfg: Any, unified_memory: bool) -> Optional[CheckpointFun
     if unified_memory:
         logger.warning("gradient_checkpointing_cpu_offload ignored: host and GPU share one memory here")
         return None
+    logger.info("gradient checkpointing keeps the block inputs in host memory (gradient_checkpointing_cpu_offload)")
     return offloading_checkpoint()
 
 
