@@ -20,7 +20,8 @@ TRIGGER = "[trigger]"
 
 
 class ValidationRenderer:
-    """Renders ``cfg.validation.prompts`` every ``every_n_steps`` into ``output_dir/samples``."""
+    """Renders ``cfg.validation.prompts`` at step 0, every ``every_n_steps`` and at the last step into
+    ``output_dir/samples``, with the family's classifier-free guidance."""
 
     def __init__(self, cfg: TrainConfig, family: Any, output_dir: Path, prompts_fallback: List[str]):
         self.cfg, self.family = cfg, family
