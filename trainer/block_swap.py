@@ -5,14 +5,19 @@ Only frozen tensors move: LoRA weights, their gradients and optimizer state stay
 host copy is the master (frozen weights never change), so nothing is copied back. On CUDA the next
 swapped block is prefetched on a side stream while the current one computes; on the CPU the
 "device" and the host are one, and the swap reduces to bookkeeping (so it is testable here).
+
+A swap replaces the block's parameter objects instead of assigning ``param.data``: a quantized weight
+(quanto, torchao) keeps its data and scales as inner tensors of a Python subclass, which ``.data =``
+does not move (on an H100 the swapped block's int8/fp8 data stayed on the CPU: ``mat2 is on cpu``).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from loguru import logger
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 class BlockSwapper:
@@ -36,13 +41,20 @@ class BlockSwapper:
             logger.info(f"block swap: {len(self.blocks)} of {len(blocks)} blocks kept in host memory")
 
     def _host_copy(self, block: torch.nn.Module) -> Dict[str, torch.Tensor]:
-        frozen = {n: t for n, t in _frozen_tensors(block)}
-        # Pinned host memory makes the copies asynchronous on CUDA.
-        return {n: t.detach().to("cpu").pin_memory() if self.cuda else t.detach().to("cpu") for n, t in frozen.items()}
+        host = {n: t.detach().to("cpu") for n, t in _frozen_tensors(block)}
+        if self.cuda:  # pinned host memory makes the copies asynchronous
+            host = {n: map_inner(t, torch.Tensor.pin_memory) for n, t in host.items()}
+        return host
 
     def _assign(self, index: int, tensors: Dict[str, torch.Tensor]) -> None:
-        for name, tensor in _frozen_tensors(self.blocks[index]):
-            tensor.data = tensors[name]
+        block = self.blocks[index]
+        for name, tensor in tensors.items():
+            owner_name, _, leaf = name.rpartition(".")
+            owner = block.get_submodule(owner_name)
+            if leaf in owner._parameters:
+                owner._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
+            else:
+                owner._buffers[leaf] = tensor
 
     def _fetch(self, index: int) -> None:
         """Start copying block ``index`` to the device (on the side stream on CUDA)."""
@@ -62,7 +74,13 @@ class BlockSwapper:
         self._fetch(index)
         event = self.ready[index]
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(event)
+            # Copied on the side stream, used on this one: the memory must not be reused by the
+            # next prefetch before this stream's kernels that read it have run.
+            for _, tensor in _frozen_tensors(self.blocks[index]):
+                for inner in inner_tensors(tensor):
+                    inner.record_stream(stream)
         self.loads += 1
         # Overlap the next block's copy with this block's compute. Gradient checkpointing recomputes
         # the blocks in reverse during backward: then "next" is the one before.
@@ -97,9 +115,26 @@ class BlockSwapper:
             torch.cuda.synchronize(self.device)
 
 
-def _frozen_tensors(block: torch.nn.Module):
+def _frozen_tensors(block: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
     for name, param in block.named_parameters():
         if not param.requires_grad:
             yield name, param
     for name, buffer in block.named_buffers():
         yield name, buffer
+
+
+def inner_tensors(tensor: torch.Tensor) -> List[torch.Tensor]:
+    """The plain tensors holding ``tensor``'s data: itself, or a quantized tensor's data, scales, ..."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [t for name in names for t in inner_tensors(getattr(tensor, name))]
+
+
+def map_inner(tensor: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``tensor`` rebuilt with ``fn`` applied to each of its plain inner tensors (e.g. pinning)."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return fn(tensor)
+    names, context = tensor.__tensor_flatten__()
+    inner = {name: map_inner(getattr(tensor, name), fn) for name in names}
+    return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())

@@ -2,6 +2,13 @@
 
 Moving a block to the GPU and quantizing it there before the next one means the GPU never holds the
 whole bf16 model (the 24 GB profile's trick). LoRA trains on top in fp32.
+
+Every quantized linear gets its input in the compute dtype (``cast_inputs_to_compute_dtype``): the
+libraries' CUDA kernels (quanto's fp8 Marlin and int4 kernels, torchao's tinygemm) take only bf16 or
+fp16, and autocast does not cast into them: it never sees the call, which the quantized weight's
+``__torch_function__`` intercepts before the dispatcher. Under CUDA autocast a LayerNorm hands on
+fp32, so without the cast the 24 GB profile failed at its first step on an H100
+(``fp8_marlin_gemm only supports bfloat16 and float16``).
 """
 
 from __future__ import annotations
@@ -65,6 +72,50 @@ def quantize_module(module: torch.nn.Module, spec: QuantizationSpec) -> None:
         import torchao.quantization as ao
 
         ao.quantize_(module, getattr(ao, TORCHAO_WEIGHTS[spec.weights])())
+    cast_inputs_to_compute_dtype(module)
+
+
+def quantized_linears(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """The linear layers of ``module`` whose weight is a quantized tensor (a quanto or torchao
+    tensor subclass) rather than a plain one."""
+    return [m for m in module.modules() if isinstance(m, torch.nn.Linear) and is_quantized(m.weight)]
+
+
+def is_quantized(tensor: Optional[torch.Tensor]) -> bool:
+    """Whether ``tensor`` is a quantized weight: a tensor subclass holding its data in inner tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return tensor is not None and is_traceable_wrapper_subclass(tensor)
+
+
+def cast_inputs_to_compute_dtype(module: torch.nn.Module) -> int:
+    """Make each quantized linear of ``module`` cast its floating-point input to the compute dtype:
+    autocast's dtype where autocast is on, else the dtype the weight was quantized from. Returns
+    how many layers were hooked (a layer is hooked once)."""
+    hooked = 0
+    for linear in quantized_linears(module):
+        if not getattr(linear, "_casts_input", False):
+            linear.register_forward_pre_hook(_cast_input)
+            linear._casts_input = True
+            hooked += 1
+    return hooked
+
+
+def compute_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a matmul runs in here: autocast's when it is on for ``device_type``."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight_dtype
+
+
+def _cast_input(linear: torch.nn.Module, args: tuple) -> Optional[tuple]:
+    x = args[0]
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+        return None
+    dtype = compute_dtype(x.device.type, linear.weight.dtype)
+    if x.dtype == dtype:
+        return None
+    return (x.to(dtype), *args[1:])
 
 
 def place(module: torch.nn.Module, device: torch.device, spec: Optional[QuantizationSpec],
