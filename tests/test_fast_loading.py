@@ -90,6 +90,33 @@ def test_auto_chooses_per_device() -> None:
         choose_loader("mmap", "cpu")
 
 
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_auto_on_a_gpu_chooses_by_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files just read (warm) go through safetensors' copy from cached pages; files on disk (cold)
+    through fastsafetensors' parallel reads. What the page cache holds is asked, not guessed."""
+    path = tmp_path / "w.safetensors"
+    save_file({"x": torch.randn(1024, 1024)}, path)  # 4 MiB
+    monkeypatch.setattr(fl, "fastsafetensors_available", lambda: True)
+    gpu = torch.device("cuda", 0)
+    path.read_bytes()
+    assert fl.page_cached_fraction([path]) == 1.0
+    assert choose_loader("auto", gpu, [path]) == "safetensors"
+    os.sync()  # written pages must be clean to be evicted
+    _evict(path)
+    cold = fl.page_cached_fraction([path])
+    if cold is None or cold >= fl.WARM_FRACTION:
+        pytest.skip(f"this kernel kept the file cached after POSIX_FADV_DONTNEED ({cold})")
+    assert choose_loader("auto", gpu, [path]) == "fastsafetensors"
+    assert choose_loader("auto", "cpu", [path]) == "safetensors", "the CPU maps the file whatever its state"
+
+
 def test_a_tensor_in_two_files_is_refused(tmp_path: Path) -> None:
     save_file({"x": torch.zeros(2)}, tmp_path / "a.safetensors")
     save_file({"x": torch.ones(2)}, tmp_path / "b.safetensors")

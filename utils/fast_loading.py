@@ -5,8 +5,10 @@ docs/FASTSAFETENSORS_INTEGRATION.md):
 
 * CPU: safetensors' memory map. Tensors are views of the file's pages, read on first use; nothing
   is copied. fastsafetensors copies the whole file into its own buffer on the CPU and is slower.
-* CUDA: fastsafetensors (parallel reads into pinned bounce buffers, GPUDirect Storage when the
-  machine really has it, its unified-memory copier on GB10), else safetensors.
+* CUDA: files read recently (in the OS page cache, asked with ``mincore``): safetensors, which
+  copies from the cached pages at memory speed. Files on disk: fastsafetensors (parallel reads into
+  pinned bounce buffers, GPUDirect Storage when the machine really has it, its unified-memory copier
+  on GB10), else safetensors.
 
 Every path returns the same tensors (same names, dtypes, shapes and values). When fastsafetensors is
 missing or raises, the load falls back to safetensors with one warning.
@@ -100,18 +102,60 @@ def gds_available() -> bool:
     return False
 
 
-def choose_loader(loader: str, device: Device) -> str:
+def choose_loader(loader: str, device: Device, files: Sequence[PathLike] = ()) -> str:
     """The reader ``load_state_dict`` tries first: ``fastsafetensors`` or ``safetensors``.
 
-    ``auto`` means fastsafetensors for CUDA targets when installed, else safetensors (on the CPU a
-    memory map beats fastsafetensors' full copy).
+    ``auto`` decides by what it knows of the files, not by name. For a CUDA target with
+    fastsafetensors installed: files mostly in the OS page cache (read recently) go through
+    safetensors, whose copy from cached pages ran at 5.0 GB/s into an H100 against fastsafetensors'
+    1.7 GB/s (1.64 s against 4.86 s for 8.24 GB); files on disk go through fastsafetensors, which read
+    them at 1.63 GB/s against 1.36 GB/s. The CPU always takes safetensors' memory map (nothing to copy).
     """
     if loader not in LOADERS:
         raise ValueError(f"loader must be one of {', '.join(LOADERS)}, not {loader!r}")
     if loader != "auto":
         return loader
-    return "fastsafetensors" if torch.device(device).type == "cuda" and fastsafetensors_available() \
-        else "safetensors"
+    if torch.device(device).type != "cuda" or not fastsafetensors_available():
+        return "safetensors"
+    cached = page_cached_fraction(files) if files else None
+    return "safetensors" if cached is not None and cached >= WARM_FRACTION else "fastsafetensors"
+
+
+WARM_FRACTION = 0.5  # files at least this much in the page cache count as warm
+
+
+def page_cached_fraction(files: Sequence[PathLike]) -> Optional[float]:
+    """The share of the files' bytes in the OS page cache (Linux ``mincore``); None where unknown."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    except (OSError, AttributeError):  # no libc with mmap/mincore (not Linux)
+        return None
+    cached = total = 0
+    for path in files:
+        size = os.path.getsize(path)
+        if size == 0:
+            continue
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        with open(path, "rb") as fh:
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fh.fileno(), 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            residency = (ctypes.c_ubyte * pages)()
+            if libc.mincore(address, size, residency) != 0:
+                return None
+            cached += sum(b & 1 for b in bytes(residency))
+            total += pages
+        finally:
+            libc.munmap(address, size)
+    return cached / total if total else None
 
 
 def _warn_fallback(exc: BaseException) -> None:
@@ -220,7 +264,7 @@ def load_state_dict(files: Union[PathLike, Sequence[PathLike]], device: Device =
     paths = _as_files(files)
     _check_files(paths)
     dev = _device(device)
-    tensors, _ = _read(paths, dev, choose_loader(loader, dev), num_threads, nogds)
+    tensors, _ = _read(paths, dev, choose_loader(loader, dev, paths), num_threads, nogds)
     return _cast(tensors, dtype)
 
 
@@ -519,7 +563,9 @@ def load_model_streamed(model_class: type, model_path: PathLike, subfolder: Opti
     model.register_to_config(_name_or_path=model_path)  # as given, like from_pretrained
     expected = model.state_dict()  # meta tensors: names, shapes and built dtypes only
     keep_fp32 = list(getattr(model_class, "_keep_in_fp32_modules", None) or [])
-    reader = choose_loader(loader, dev)
+    reader = choose_loader(loader, dev, files)
+    if loader == "auto" and dev.type == "cuda":
+        logger.info(f"loading {len(files)} weight file(s) with {reader} (auto: by whether they are in the page cache)")
     loaded: Set[str] = set()
     unexpected: List[str] = []
     for path in files:

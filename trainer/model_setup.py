@@ -1,0 +1,85 @@
+"""The loaded transformer made ready to train, in one order that the engine and the GPU harness share.
+
+    place (quantize block by block; swapped blocks stay in host memory) -> gradient checkpointing
+    -> attention backend (timed on a GPU) -> compile decision -> fp8 -> what trains (LoRA or full)
+    -> trainable weights onto the device -> block swap hooks -> compile the blocks
+
+Compilation comes last: peft's LoRA layers and the swap hooks must exist before the blocks are
+traced, and only ``forward`` is compiled, so the hooks run eagerly around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+from loguru import logger
+
+from trainer.activation_offload import checkpointing_func
+from trainer.adapters import skip_lora_input_upcast
+from trainer.block_swap import BlockSwapper
+from trainer.config import TrainConfig
+from trainer.errors import ConfigError
+from trainer.platform import attention_shape, choose_attention, compile_blocks, compile_decision, maybe_fp8
+from trainer.quantization import place, quantization_spec
+from utils.attention import AttentionChoice
+
+
+@dataclass
+class TrainableTransformer:
+    """The transformer set up for training, with what was decided on the way."""
+
+    module: torch.nn.Module
+    blocks: List[torch.nn.Module]
+    attention: AttentionChoice
+    swapper: BlockSwapper
+    compiled: bool
+    fp8: bool
+    trainable: int  # trained parameters
+
+
+def prepare_transformer(cfg: TrainConfig, family: Any, transformer: torch.nn.Module, weights: Any,
+                        device: torch.device, compute_dtype: torch.dtype, *, unified_memory: bool = False,
+                        attention_tokens: Optional[int] = None) -> TrainableTransformer:
+    """Set up ``transformer`` (as loaded, on the host or already on ``device``) for training.
+
+    ``weights`` is the run's ``trained_weights`` strategy (LoRA or full); ``attention_tokens`` the
+    joint sequence length the attention kernels are timed at (None: no timing).
+    """
+    spec = quantization_spec(cfg)
+    blocks = family.blocks(transformer)
+    if cfg.blocks_to_swap > len(blocks):
+        raise ConfigError(f"key 'blocks_to_swap': value {cfg.blocks_to_swap} is more than the "
+                          f"transformer's {len(blocks)} blocks")
+    place(transformer, device, spec, blocks, "transformer", host_blocks=cfg.blocks_to_swap)
+    if not cfg.disable_gradient_checkpointing:
+        transformer.enable_gradient_checkpointing(checkpointing_func(cfg, unified_memory))
+    shape = attention_shape(transformer, attention_tokens, cfg.batch_size) if attention_tokens else None
+    attention = choose_attention(cfg, transformer, shape, device, compute_dtype)
+    compiled, why = compile_decision(cfg, device, spec)
+    fp8 = maybe_fp8(cfg, transformer, compiled)
+    trainable = weights.attach(transformer)
+    if compute_dtype != torch.float32:  # the forward runs under autocast
+        skip_lora_input_upcast(transformer)
+    trainable_to(transformer, device)  # frozen weights are where `place` put them
+    swapper = BlockSwapper(blocks, cfg.blocks_to_swap, device)
+    logger.info(f"torch.compile of the blocks: {why}")
+    if compiled:
+        compile_blocks(blocks, fallback_to_eager=cfg.compile is None)
+    return TrainableTransformer(transformer, blocks, attention, swapper, compiled, fp8, trainable)
+
+
+def trainable_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Move only the trainable weights (LoRA's are created on the CPU for swapped blocks)."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.to(device)
+
+
+def transformer_load_device(cfg: TrainConfig, device: torch.device) -> torch.device:
+    """Where the transformer's weights are read to: straight onto ``device`` when nothing happens
+    block by block on the way (fastsafetensors' fast path to a GPU), else the host, from which
+    ``place`` quantizes block by block or leaves the swapped blocks."""
+    direct = quantization_spec(cfg) is None and cfg.blocks_to_swap == 0
+    return device if direct else torch.device("cpu")
