@@ -209,3 +209,29 @@ def test_tiny_qwen_transformer_with_a_padded_batch(monkeypatch):
     assert len(outputs) == 2
     reference = outputs.pop("math")
     torch.testing.assert_close(next(iter(outputs.values())), reference, atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- measured auto choice
+
+
+def test_fastest_first_orders_by_time_and_drops_wrong_kernels() -> None:
+    from utils.attention import BackendTiming, fastest_first
+
+    static = AttentionChoice("flash", "auto", priority=("flash", "cudnn", "efficient", "math"))
+    timings = [BackendTiming("flash", 2.58, 2e-3, 2e-3), BackendTiming("cudnn", 1.43, 2e-3, 2e-3),
+               BackendTiming("efficient", 0.90, 0.5, 0.5)]  # fastest but wrong: out
+    chosen = fastest_first(static, timings)
+    assert chosen.name == "cudnn" and chosen.priority == ("cudnn", "flash", "math")
+    assert "cudnn 1.43 ms" in chosen.reason and "flash 2.58 ms" in chosen.reason
+    failed = fastest_first(static, [BackendTiming("flash", failure="no kernel"), BackendTiming("cudnn", 1.0, 0, 0)])
+    assert failed.priority == ("cudnn", "efficient", "math"), "a failed kernel drops out, unmeasured ones stay"
+
+
+def test_time_backends_runs_each_kernel_on_the_cpu() -> None:
+    from utils.attention import time_backends
+
+    timings = time_backends(["flash", "math"], (1, 2, 40, 16), "cpu", torch.bfloat16, repeats=2)
+    assert [t.name for t in timings] == ["flash", "math"]
+    assert all(t.correct() and t.ms > 0 for t in timings), timings
+    broken = time_backends(["cudnn"], (1, 2, 40, 16), "cpu", torch.bfloat16, repeats=1)
+    assert broken[0].failure and not broken[0].correct(), "a kernel that cannot run here is reported, not raised"
