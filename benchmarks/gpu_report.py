@@ -145,7 +145,7 @@ def measure_steps(run: Run, family: str, checkpointing: bool, profile_if_slow: b
     to exercise the path)."""
     try:
         with harness.rig_session(family, run.device, torch.bfloat16, scale=run.scale,
-                                 checkpointing=checkpointing) as rig:
+                                 checkpointing=checkpointing, resolution=run.resolution) as rig:
             report = harness.run_steps(rig, run.steps, run.resolution)
             row = StepRow(family, checkpointing, report, harness.rig_flops(rig, report))
             slow = report.median_step_s > TARGET_S_PER_STEP or run.dry_run
@@ -283,7 +283,7 @@ def attention_section(run: Run) -> str:
             parts.append(f"{FAMILY_NAMES[family]}: {run.guard('attention', exc)}")
             continue
         rows = [(r.name + (" (auto)" if r.name == rep.auto else ""), fmt(r.ms), fmt(r.out_error, ".1e"),
-                 fmt(r.grad_error, ".1e"), "yes" if r.ok(rep.tolerance) else f"**no** {r.error or ''}")
+                 fmt(r.grad_error, ".1e"), "yes" if r.correct(rep.tolerance) else f"**no** {r.failure or ''}")
                 for r in rep.results]
         verdict = "is" if rep.auto_is_fastest() else "is **not**"
         parts.append(f"{FAMILY_NAMES[family]}: q, k, v of shape {rep.shape} (B, heads, tokens, head_dim), "

@@ -85,3 +85,44 @@ def test_explicit_targets_and_unknown_targets() -> None:
     assert lora_layers(model) == {"transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.to_q"}
     with pytest.raises(ConfigError, match="match no layer"):
         add_lora(tiny_transformer(), cfg(lora_target_modules=["nonexistent_proj"]), QWEN_LORA_PRESETS)
+
+
+def test_lora_input_is_not_upcast_under_autocast() -> None:
+    """peft casts an adapter layer's input to its fp32 weights' dtype; under bf16 autocast that is two
+    activation-sized copies per layer for nothing. With the upcast off, no adapter input is copied
+    to fp32 and the output is unchanged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer.adapters import skip_lora_input_upcast
+
+    model = tiny_transformer().to(torch.bfloat16)
+    add_lora(model, cfg(lora_target="all_linear", lora_init="gaussian"), QWEN_LORA_PRESETS)
+    inputs: set = set()
+    for name in lora_layers(model):
+        model.get_submodule(name).register_forward_pre_hook(lambda m, a: inputs.add(a[0].data_ptr()))
+
+    class Upcasts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in inputs and out.dtype == torch.float32:
+                Upcasts.count += 1
+            return out
+
+    gen = torch.Generator().manual_seed(0)
+    x, text = torch.randn(1, 16, 16, generator=gen), torch.randn(1, 5, 16, generator=gen)
+
+    def forward() -> torch.Tensor:
+        inputs.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16), Upcasts():
+            return model(hidden_states=x, encoder_hidden_states=text, timestep=torch.tensor([0.5]),
+                         img_shapes=[(1, 4, 4)], return_dict=False)[0]
+
+    before = forward()
+    assert Upcasts.count > len(lora_layers(model)) // 2, "peft's default copies adapter inputs up"
+    Upcasts.count = 0
+    assert skip_lora_input_upcast(model) == len(lora_layers(model))
+    after = forward()
+    assert Upcasts.count == 0
+    assert torch.equal(before, after)

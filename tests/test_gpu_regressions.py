@@ -88,14 +88,17 @@ def test_engine_hands_quantized_linears_the_compute_dtype(
         linear_inputs: Counter, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(F, "layer_norm", fp32_layer_norm(F.layer_norm))
     # The 24 GB profile's combination: quantized blocks, checkpointing with offloaded inputs, block swap.
-    train_in_process("train_configs/quickstart_tiny.yaml", "qwen_image",
-                     f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
-                     f"output_dir={tmp_path / 'out'}", "report_to=none", "max_train_steps=2", "mixed_precision=bf16",
-                     "quantize=true", f"quantization.backend={spec.backend}", f"quantization.weights={spec.weights}",
-                     "gradient_checkpointing_cpu_offload=true", "blocks_to_swap=1", "lora_target=all_linear")
+    trainer = train_in_process(
+        "train_configs/quickstart_tiny.yaml", "qwen_image", f"pretrained_model_name_or_path={tiny_qwen_image}",
+        f"data_config.img_dir={sample_data}", f"output_dir={tmp_path / 'out'}", "report_to=none", "max_train_steps=2",
+        "mixed_precision=bf16", "quantize=true", f"quantization.backend={spec.backend}",
+        f"quantization.weights={spec.weights}", "gradient_checkpointing_cpu_offload=true", "blocks_to_swap=1",
+        "lora_target=all_linear")
     assert set(linear_inputs) == {torch.bfloat16}, f"dtypes reaching quantized linears: {dict(linear_inputs)}"
     assert sum(linear_inputs.values()) > 50, "forward and recomputation of both blocks went through them"
     assert all(torch.isfinite(torch.tensor(read_losses(tmp_path / "out"))))
+    adapted = [m for m in trainer.transformer.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert adapted and not any(m.cast_input_dtype_enabled for m in adapted), "LoRA inputs stay in bf16 under autocast"
 
 
 def devices(block: torch.nn.Module) -> set:

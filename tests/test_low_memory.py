@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from conftest import train_in_process, lora_keys_match, run_entry
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
-from trainer.engine import Trainer, transformer_load_device
+from trainer.engine import Trainer
+from trainer.model_setup import transformer_load_device
 from trainer.optim import build_optimizer
 from trainer.quantization import place, quantization_spec
 

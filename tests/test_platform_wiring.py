@@ -81,3 +81,77 @@ def test_engine_honours_offload_and_checkpointing_switches(tiny_qwen_image: Path
     summary = trainer.monitor.summary()
     assert set(summary["phases"]) == {"cache_pass", "load_transformer", "train_loop"}
     assert summary["peak"]["host_peak_rss_gib"] > 0.1
+
+
+def test_auto_attention_is_timed_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer.platform as platform
+    from utils.attention import AttentionChoice
+
+    timed = []
+
+    def fake_measure(choice, shape, device, dtype):
+        timed.append((shape, device.type))
+        return AttentionChoice("math", "measured", priority=("math",))
+
+    monkeypatch.setattr(platform, "measured_choice", fake_measure)
+    shape = (1, 24, 4224, 128)
+    assert choose_attention(TrainConfig(), None, shape, torch.device("cpu")).name != "math"
+    assert choose_attention(TrainConfig(), None, shape, torch.device("cuda")).name == "math"
+    assert choose_attention(TrainConfig(attention_backend="flash"), None, shape, torch.device("cuda")).name == "flash"
+    assert timed == [(shape, "cuda")], "only auto on a GPU is timed"
+
+
+def test_compile_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer.platform as platform
+    from trainer.errors import ConfigError
+    from trainer.quantization import QuantizationSpec
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    quanto, torchao = QuantizationSpec("quanto", "qfloat8"), QuantizationSpec("torchao", "int8_weight_only")
+    monkeypatch.setattr(platform, "_has_triton", lambda: True)
+    decide = lambda spec=None, device=gpu, **keys: platform.compile_decision(TrainConfig(**keys), device, spec)[0]  # noqa: E731
+    assert decide() and decide(torchao), "auto: on for CUDA, torchao blocks included"
+    assert not decide(quanto) and not decide(device=cpu), "auto: off for quanto blocks and on the CPU"
+    assert decide(quanto, compile=True) and decide(device=cpu, compile=True), "an explicit true wins"
+    assert not decide(compile=False)
+    monkeypatch.setattr(platform, "_has_triton", lambda: False)
+    assert not decide()
+    with pytest.raises(ConfigError, match="triton"):
+        decide(compile=True)
+
+
+def test_fp8_is_refused_without_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer.platform as platform
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+
+    monkeypatch.setattr(platform, "supports_feature", lambda name: True)
+    cfg = TrainConfig()
+    cfg.cuda_features.enable_fp8_training = True
+    with pytest.raises(ConfigError, match="4.37 s/step against 1.04 s/step"):
+        maybe_fp8(cfg, torch.nn.Linear(16, 16), compiled=False)
+    with pytest.raises(ConfigError, match="enable_fp8_training.*compile"):
+        load_config(None, ["pretrained_model_name_or_path=x/y", f"data_config.img_dir={Path.cwd()}",
+                           "cuda_features.enable_fp8_training=true", "compile=false"])
+
+
+@pytest.mark.e2e
+def test_compiled_and_eager_steps_agree(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    """compile: true (inductor on the CPU here) trains the same trajectory as eager, and the run
+    reports the first step's compilation and where its start-up seconds went."""
+    import json
+
+    from conftest import read_losses
+
+    args = [f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
+            "max_train_steps=4", "report_to=none", "lora_dropout=0"]
+    eager = train_in_process("train_configs/quickstart_tiny.yaml", "qwen_image", *args, f"output_dir={tmp_path / 'e'}")
+    compiled = train_in_process("train_configs/quickstart_tiny.yaml", "qwen_image", *args, "compile=true",
+                                f"output_dir={tmp_path / 'c'}")
+    assert not eager.compiled and compiled.compiled
+    assert all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in compiled.transformer.transformer_blocks)
+    assert read_losses(tmp_path / "c") == pytest.approx(read_losses(tmp_path / "e"), rel=1e-4, abs=1e-6)
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    assert summary["compiled"] and summary["first_step_s"] == compiled.first_step_s
+    assert compiled.first_step_s > 10 * eager.first_step_s, "the first compiled step paid the compilation"
+    assert set(summary["wall_seconds"]) >= {"setup", "prepare_data", "setup_model", "train"}

@@ -69,6 +69,17 @@ def add_lora(transformer: torch.nn.Module, cfg: TrainConfig, presets: Mapping[st
     return count
 
 
+def skip_lora_input_upcast(transformer: torch.nn.Module) -> int:
+    """Under autocast, stop peft from casting each adapter layer's input up to its fp32 weights'
+    dtype: autocast casts it straight back to bf16 for the matmul, so the round trip is two
+    activation-sized copies per adapted layer and forward (and again in the checkpoint recompute)
+    for the same result. Returns how many layers were changed."""
+    layers = [m for m in transformer.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False
+    return len(layers)
+
+
 def lora_state_dict(transformer: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The adapter weights in peft's naming (what diffusers' ``save_lora_weights`` expects)."""
     # Hand peft only the adapter tensors: model.state_dict() would make quantized layers unpack

@@ -8,13 +8,15 @@ transformer is loaded. The config's explicit switches win over what is detected.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from loguru import logger
 
 from trainer.config import TrainConfig
-from utils.attention import AttentionChoice, apply_attention_backend, select_attention_backend
+from trainer.errors import ConfigError
+from trainer.quantization import QuantizationSpec
+from utils.attention import AttentionChoice, apply_attention_backend, measured_choice, select_attention_backend
 from utils.compat import show_compatibility_warnings
 from utils.cuda_utils import enable_tf32, supports_feature
 from utils.unified_memory import apply_memory_fraction, is_unified_memory_system, setup_unified_memory_env
@@ -62,24 +64,56 @@ def configure_device(cfg: TrainConfig, policy: RunPolicy) -> None:
             apply_memory_fraction(cfg.memory_fraction)
 
 
-def choose_attention(cfg: TrainConfig, transformer: torch.nn.Module) -> AttentionChoice:
-    """The attention backend for the transformer; FA3 and cuDNN only when the config allows them."""
+def choose_attention(cfg: TrainConfig, transformer: torch.nn.Module,
+                     shape: Optional[Tuple[int, int, int, int]] = None,
+                     device: Optional[torch.device] = None, dtype: torch.dtype = torch.bfloat16) -> AttentionChoice:
+    """The attention backend for the transformer; FA3 and cuDNN only when the config allows them.
+
+    ``auto`` on a CUDA device with the run's attention ``shape`` (batch, heads, tokens, head_dim)
+    times the available kernels there and puts the fastest correct one first.
+    """
     features = cfg.cuda_features
     excluded = {"flash3"} if not (features.enable_flash_attention_3 or cfg.attention_backend == "flash3") else set()
     if not features.enable_cudnn_sdp and cfg.attention_backend != "cudnn":
         excluded.add("cudnn")
-    return apply_attention_backend(transformer, select_attention_backend(cfg.attention_backend, exclude=excluded))
+    choice = select_attention_backend(cfg.attention_backend, exclude=excluded)
+    if cfg.attention_backend == "auto" and shape is not None and device is not None and device.type == "cuda":
+        choice = measured_choice(choice, shape, device, dtype)
+    return apply_attention_backend(transformer, choice)
 
 
-def maybe_fp8(cfg: TrainConfig, transformer: torch.nn.Module) -> bool:
-    """torchao float8 training of the transformer's block linears where the GPU supports it.
-    Returns whether it was applied; otherwise says why once."""
+def attention_shape(transformer: torch.nn.Module, tokens: int, batch_size: int) -> Optional[Tuple[int, int, int, int]]:
+    """(batch, heads, tokens, head_dim) of the transformer's attention, from its config (None when
+    the config does not say)."""
+    config = getattr(transformer, "config", {})
+    heads, head_dim = config.get("num_attention_heads"), config.get("attention_head_dim")
+    if not heads or not head_dim:
+        return None
+    return batch_size, int(heads), int(tokens), int(head_dim)
+
+
+# Measured on an H100 (../shared/gpu-runs, project at f24b9c6): Qwen-Image LoRA at 1024^2, eager.
+FP8_EAGER_SLOWDOWN = "4.37 s/step against 1.04 s/step in bf16 on an H100 (Qwen-Image LoRA, 1024^2)"
+
+
+def maybe_fp8(cfg: TrainConfig, transformer: torch.nn.Module, compiled: bool = False) -> bool:
+    """torchao float8 training of the transformer's block linears where the GPU supports it and the
+    blocks are compiled. Returns whether it was applied; otherwise says why once.
+
+    Eager float8 is refused: each linear scales and casts its input and weight in separate kernels,
+    which made a step 4.2x slower than bf16 on an H100. torchao fuses them only under torch.compile.
+    """
     if not cfg.cuda_features.enable_fp8_training:
         return False
     if not supports_feature("fp8_training"):
         logger.warning("cuda_features.enable_fp8_training: fp8 training needs an sm_89+ GPU with torchao "
                        "installed; training in the configured precision instead")
         return False
+    if not compiled:
+        raise ConfigError("key 'cuda_features.enable_fp8_training': float8 training without torch.compile is "
+                          f"slower than bf16 ({FP8_EAGER_SLOWDOWN}); set compile: true, or turn fp8 off")
+    logger.warning("fp8 training with compiled blocks: its speed against bf16 has not been measured by this "
+                   "project yet (benchmarks/gpu_report.py --sections fp8)")
     from torchao.float8 import convert_to_float8_training
 
     def block_linear(module: torch.nn.Module, name: str) -> bool:
@@ -90,3 +124,45 @@ def maybe_fp8(cfg: TrainConfig, transformer: torch.nn.Module) -> bool:
     convert_to_float8_training(transformer, module_filter_fn=block_linear)
     logger.info("fp8 training: transformer block linears converted with torchao float8")
     return True
+
+
+def compile_decision(cfg: TrainConfig, device: torch.device, spec: Optional[QuantizationSpec]) -> Tuple[bool, str]:
+    """Whether to ``torch.compile`` the transformer's repeated blocks, and why (for the log).
+
+    ``compile: null`` (auto) compiles on CUDA where triton is installed, except blocks quantized with
+    quanto (its CUDA kernels have no fake implementations for the compiler's tracing); ``true`` and
+    ``false`` decide. On an H100 a compiled block step was 1.9x faster than eager (0.637 against
+    1.212 s/step, diffusers' own Qwen-Image LoRA step, ../shared/gpu-runs).
+    """
+    if cfg.compile is not None:
+        if cfg.compile and device.type == "cuda" and not _has_triton():
+            raise ConfigError("key 'compile': torch.compile on a GPU needs triton (pip install triton), "
+                              "or set compile: false")
+        return cfg.compile, f"compile: {str(cfg.compile).lower()}"
+    if device.type != "cuda":
+        return False, "auto: off on the CPU (compiling takes longer than a short CPU run trains)"
+    if not _has_triton():
+        return False, "auto: off, triton is not installed"
+    if spec is not None and spec.backend == "quanto":
+        return False, "auto: off for quanto-quantized blocks (its CUDA kernels cannot be traced)"
+    return True, "auto: on (CUDA)"
+
+
+def _has_triton() -> bool:
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
+def compile_blocks(blocks: Sequence[torch.nn.Module], fallback_to_eager: bool) -> None:
+    """Compile each block's ``forward`` (not its hooks: block swap's stay eager). The repeated
+    blocks share one compiled graph per shape. ``fallback_to_eager``: a block the compiler fails
+    on runs eagerly with a warning instead of stopping the run (the auto setting)."""
+    import torch._dynamo
+
+    if fallback_to_eager:
+        torch._dynamo.config.suppress_errors = True
+    for block in blocks:
+        block.forward = torch.compile(block.forward)
+    logger.info(f"compiling {len(blocks)} transformer blocks (torch.compile): the first step includes "
+                "the compilation")

@@ -4,10 +4,10 @@ Nothing is downloaded. A *model folder* holds only configs (``model_index.json``
 and ``vae/`` configs, ``scheduler/scheduler_config.json``; FLUX adds its two small tokenizers, which its
 family reads at construction), so ``trainer.families.get_family`` builds the real family object. The transformer is
 built on the meta device from ``transformer/config.json`` and *materialised* block by block with
-random weights on the target device; then the engine's own pieces run on it in the engine's order:
-``place`` (quantization, host blocks) -> gradient checkpointing -> ``choose_attention`` ->
-``maybe_fp8`` -> ``add_lora`` -> ``BlockSwapper`` -> ``build_optimizer``, and each step is the
-engine's flow-matching step (``trainer.flow_matching`` + ``family.predict``).
+random weights (in host memory when the engine would load it there: quantization, block swap); then
+the engine's own set-up runs on it (``trainer.model_setup.prepare_transformer``: placement,
+checkpointing, attention timed on the GPU, compile, fp8, LoRA, block swap) and ``build_optimizer``,
+and each step is the engine's flow-matching step (``trainer.flow_matching`` + ``family.predict``).
 
 ``Scale`` shrinks the architecture (fewer blocks, narrower heads) so that every function here runs
 in seconds on a CPU (``TINY``) and unchanged at full size on a GPU (``FULL``).
@@ -35,22 +35,16 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from trainer.activation_offload import checkpointing_func
-from trainer.adapters import add_lora
+from trainer.adapters import trained_weights
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig, load_config
 from trainer.families import get_family
 from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
+from trainer.model_setup import prepare_transformer, transformer_load_device
 from trainer.optim import build_optimizer
-from trainer.platform import choose_attention, maybe_fp8
-from trainer.quantization import QuantizationSpec, check_available, place, quantization_spec
-from utils.attention import (
-    AttentionChoice,
-    apply_attention_backend,
-    available_backends,
-    select_attention_backend,
-    sdpa_context,
-)
+from trainer.platform import choose_attention
+from trainer.quantization import check_available, quantization_spec
+from utils.attention import AttentionChoice, BackendTiming, available_backends, sdpa_context, time_backends
 from utils.cuda_utils import read_device_facts, supports_feature
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -258,17 +252,11 @@ def materialise(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], devic
 
 
 def build_transformer(family: Any, model_dir: Path | str, device: torch.device | str, dtype: torch.dtype,
-                      spec: Optional[QuantizationSpec] = None, host_blocks: int = 0, seed: int = 0) -> torch.nn.Module:
-    """A random-weight transformer placed as the engine places it: straight onto ``device`` when
-    nothing is quantized or swapped, else materialised in host memory and handed to ``place``."""
+                      on_host: bool = False, seed: int = 0) -> torch.nn.Module:
+    """A random-weight transformer as ``family.load_transformer`` hands it to the engine: on
+    ``device``, or in host memory (``on_host``) when ``place`` quantizes or leaves blocks there."""
     model = build_meta_transformer(model_dir)
-    blocks = family.blocks(model)
-    device = torch.device(device)
-    if spec is None and host_blocks == 0:
-        materialise(model, blocks, device, dtype, seed)
-    else:
-        materialise(model, blocks, device, dtype, seed, keep_on="cpu")
-        place(model, device, spec, blocks, "transformer", host_blocks=host_blocks)
+    materialise(model, family.blocks(model), device, dtype, seed, keep_on="cpu" if on_host else None)
     return model.requires_grad_(False)
 
 
@@ -342,6 +330,7 @@ class Rig:
     fp8: bool
     build_seconds: float
     load_peak_gib: Optional[float] = None
+    compiled: bool = False
 
     @property
     def config(self) -> Dict[str, Any]:
@@ -366,10 +355,12 @@ def _precision_overrides(dtype: torch.dtype, checkpointing: bool) -> List[str]:
 
 def build_rig(family: str, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16, *,
               scale: Scale = FULL, model_dir: Optional[Path | str] = None, checkpointing: bool = True,
-              overrides: Sequence[str] = (), profile: Optional[str] = None, seed: int = 0) -> Rig:
-    """Build a random-weight ``family`` transformer and set it up for LoRA training in the engine's
-    order (``Trainer.setup_model``). ``model_dir`` defaults to a written config-only folder at ``scale``;
-    a tiny pipeline folder (``utils.tiny_models.build_tiny_pipeline``) works as well."""
+              overrides: Sequence[str] = (), profile: Optional[str] = None, seed: int = 0,
+              resolution: int = 1024) -> Rig:
+    """Build a random-weight ``family`` transformer and set it up for LoRA training the engine's way
+    (``trainer.model_setup.prepare_transformer``: placement, checkpointing, attention timed at
+    ``resolution``, compile, fp8, LoRA, block swap). ``model_dir`` defaults to a written config-only
+    folder at ``scale``; a tiny pipeline folder (``utils.tiny_models.build_tiny_pipeline``) works as well."""
     device = torch.device(device)
     model_dir = Path(model_dir) if model_dir is not None else model_folder(family, scale)
     cfg = train_config(family, model_dir, _precision_overrides(dtype, checkpointing) + list(overrides), profile)
@@ -379,25 +370,20 @@ def build_rig(family: str, device: torch.device | str = "cuda", dtype: torch.dty
         check_available(spec)
     _reset_peak(device)
     start = time.perf_counter()
-    transformer = build_transformer(fam, model_dir, device, dtype, spec, cfg.blocks_to_swap, seed)
-    if checkpointing:
-        transformer.enable_gradient_checkpointing(checkpointing_func(cfg, unified_memory=False))
-    attention = choose_attention(cfg, transformer)
-    fp8 = maybe_fp8(cfg, transformer)
+    transformer = build_transformer(fam, model_dir, device, dtype, on_host=transformer_load_device(cfg, device) != device,
+                                    seed=seed)
     torch.manual_seed(seed)  # LoRA's A matrices draw from the global RNG
-    trainable = add_lora(transformer, cfg, fam.lora_presets)
-    for param in transformer.parameters():  # LoRA of host-resident blocks is created on the CPU
-        if param.requires_grad:
-            param.data = param.data.to(device)
-    blocks = fam.blocks(transformer)
-    swapper = BlockSwapper(blocks, cfg.blocks_to_swap, device) if cfg.blocks_to_swap else None
+    weights = trained_weights(cfg, fam.lora_presets, fam.pipeline_class)
+    tokens = attention_shape(family, resolution, scale)[2]
+    ready = prepare_transformer(cfg, fam, transformer, weights, device, dtype, attention_tokens=tokens)
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg, params)
     _sync(device)
     load_peak = _peak_gib(device)
     transformer.train()
-    return Rig(family, cfg, fam, model_dir, transformer, blocks, device, dtype, attention, params, optimizer,
-               swapper, trainable, fp8, time.perf_counter() - start, load_peak)
+    return Rig(family, cfg, fam, model_dir, transformer, ready.blocks, device, dtype, ready.attention, params,
+               optimizer, ready.swapper, ready.trainable, ready.fp8, time.perf_counter() - start, load_peak,
+               ready.compiled)
 
 
 @contextlib.contextmanager
@@ -559,7 +545,7 @@ def lora_steps(family: str, steps: int = 10, resolution: int = 1024, dtype: torc
                seed: int = 0) -> StepReport:
     """Build the model, attach LoRA (the family's preset), run ``steps`` AdamW steps, free it."""
     with rig_session(family, device, dtype, scale=scale, model_dir=model_dir, checkpointing=checkpointing,
-                     overrides=overrides, seed=seed) as rig:
+                     overrides=overrides, seed=seed, resolution=resolution) as rig:
         return run_steps(rig, steps, resolution, batch_size, seed)
 
 
@@ -663,7 +649,7 @@ def convergence(family: str, steps: int = 100, resolution: int = 1024, dtype: to
     with a constant learning rate; the loss must fall by ``factor``."""
     overrides = [f"learning_rate={lr}", "lr_scheduler=constant", "lr_warmup_steps=0"]
     with rig_session(family, device, dtype, scale=scale, model_dir=model_dir, overrides=overrides,
-                     seed=seed) as rig:
+                     seed=seed, resolution=resolution) as rig:
         report = run_steps(rig, steps, resolution, seed=seed, fixed_sample=True)
     return ConvergenceReport(family, report.losses, factor)
 
@@ -672,23 +658,11 @@ def convergence(family: str, steps: int = 100, resolution: int = 1024, dtype: to
 
 
 @dataclass
-class BackendResult:
-    name: str
-    ms: Optional[float]  # forward + backward, median
-    out_error: Optional[float]  # relative L2 error of the output against fp32 math
-    grad_error: Optional[float]  # same for dQ
-    error: Optional[str] = None  # why it could not run
-
-    def ok(self, tol: float) -> bool:
-        return self.error is None and self.out_error <= tol and self.grad_error <= 2 * tol
-
-
-@dataclass
 class AttentionReport:
     shape: Tuple[int, int, int, int]  # (B, heads, tokens, head_dim)
     dtype: str
-    results: List[BackendResult]
-    auto: str  # what the engine's default config picks
+    results: List[BackendTiming]
+    auto: str  # what the engine's default config picks on this machine (timed on a GPU)
     tolerance: float
 
     @property
@@ -705,8 +679,8 @@ class AttentionReport:
         return auto is not None and auto <= best * (1 + margin)
 
     def summary(self) -> str:
-        rows = ", ".join(f"{r.name} {r.ms:.2f} ms (err {r.out_error:.1e})" if r.error is None
-                         else f"{r.name} failed ({r.error})" for r in self.results)
+        rows = ", ".join(f"{r.name} {r.ms:.2f} ms (err {r.out_error:.1e})" if r.failure is None
+                         else f"{r.name} failed ({r.failure})" for r in self.results)
         return f"attention {self.shape} {self.dtype}: {rows}; auto={self.auto}, fastest={self.fastest}"
 
 
@@ -717,68 +691,21 @@ def attention_shape(family: str, resolution: int, scale: Scale = FULL, batch_siz
     return batch_size, config["num_attention_heads"], image + text_tokens(family, resolution), config["attention_head_dim"]
 
 
-def engine_auto_backend() -> str:
-    """The backend the engine picks with a default config (``choose_attention``'s exclusions)."""
-    cfg = TrainConfig()
-    excluded = set() if cfg.cuda_features.enable_flash_attention_3 else {"flash3"}
-    if not cfg.cuda_features.enable_cudnn_sdp:
-        excluded.add("cudnn")
-    return select_attention_backend("auto", exclude=excluded).name
-
-
-def _sdpa_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    out.backward(grad)
-    return out.detach(), q.grad
-
-
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a.float() - ref).norm() / ref.norm().clamp_min(1e-12))
-
-
-def _time_backend(choice: AttentionChoice, inputs: Sequence[torch.Tensor], repeats: int) -> Tuple[float, Tuple]:
-    """Run SDPA with exactly ``choice``'s kernel (no fallback); median ms of forward + backward."""
-    from torch.nn.attention import sdpa_kernel
-
-    device = inputs[0].device
-    times = []
-    with sdpa_kernel([choice.sdpa_backends[0]]):
-        result = _sdpa_run(*inputs)
-        for _ in range(repeats):
-            _sync(device)
-            start = time.perf_counter()
-            _sdpa_run(*inputs)
-            _sync(device)
-            times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times), result
+def engine_auto_backend(shape: Tuple[int, int, int, int], device: torch.device, dtype: torch.dtype) -> str:
+    """The backend the engine picks with a default config for this attention shape
+    (``choose_attention``: the config's exclusions, then timed on a GPU)."""
+    return choose_attention(TrainConfig(), None, shape, device, dtype).name
 
 
 def compare_attention_backends(family: str, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
                                resolution: int = 1024, *, scale: Scale = FULL, repeats: int = 10,
                                tolerance: float = 1e-2, seed: int = 0) -> AttentionReport:
     """Every available SDPA backend on the family's attention shape: output and dQ against the math
-    kernel in fp32, and the time of forward + backward."""
+    kernel in fp32, and the time of forward + backward; and what the engine's auto picks."""
     device = torch.device(device)
     shape = attention_shape(family, resolution, scale)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q, k, v, grad = (torch.randn(shape, generator=gen, device=device, dtype=dtype) for _ in range(4))
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.MATH]):  # the reference: math kernel in fp32
-        ref_out, ref_dq = _sdpa_run(*(t.float() for t in (q, k, v, grad)))
-    results = []
-    for name in available_backends(read_device_facts()):
-        try:
-            choice = apply_attention_backend(None, select_attention_backend(name))
-            if choice.name != name:
-                raise RuntimeError(f"fell back to {choice.name}")
-            ms, (out, dq) = _time_backend(choice, (q, k, v, grad), repeats)
-            results.append(BackendResult(name, ms, _rel(out, ref_out), _rel(dq, ref_dq)))
-        except RuntimeError as exc:
-            results.append(BackendResult(name, None, None, None, str(exc).splitlines()[0][:120]))
-    auto = engine_auto_backend()
-    apply_attention_backend(None, select_attention_backend(auto))  # leave FA3 as the engine would
+    results = time_backends(available_backends(read_device_facts()), shape, device, dtype, repeats, seed)
+    auto = engine_auto_backend(shape, device, dtype)
     return AttentionReport(shape, str(dtype).removeprefix("torch."), results, auto, tolerance)
 
 
@@ -885,7 +812,8 @@ def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: 
     swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={ROOT}"], default_family=family).blocks_to_swap
     swap = scaled_swap(swap, family, scale)
     overrides = [f"blocks_to_swap={swap}", f"data_config.img_size={resolution}"]
-    with rig_session(family, device, torch.bfloat16, scale=scale, profile=yaml, overrides=overrides) as rig:
+    with rig_session(family, device, torch.bfloat16, scale=scale, profile=yaml, overrides=overrides,
+                     resolution=resolution) as rig:
         steps_report = run_steps(rig, steps, resolution)
         outside = _outside_allocator_gib(device)
         device_peak = None if outside is None else steps_report.reserved_gib + outside

@@ -79,7 +79,7 @@ def test_attention_backends(family: str, cuda: torch.device) -> None:
     choice is the fastest (within 10%)."""
     report = harness.compare_attention_backends(family, cuda, BF16, RESOLUTION)
     print(report.summary())
-    bad = [r for r in report.results if not r.ok(report.tolerance)]
+    bad = [r for r in report.results if not r.correct(report.tolerance)]
     assert not bad, f"backends off the math reference: {bad}"
     assert report.auto_is_fastest(), f"auto picked {report.auto}, fastest is {report.fastest}: {report.summary()}"
 

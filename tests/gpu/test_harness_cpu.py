@@ -141,7 +141,7 @@ def test_attention_backends_on_cpu() -> None:
     report = harness.compare_attention_backends("flux", CPU, torch.bfloat16, RES, scale=TINY, repeats=2)
     names = [r.name for r in report.results]
     assert names[-1] == "math" and "flash" in names  # torch's CPU flash kernel and the math kernel
-    assert all(r.ok(report.tolerance) for r in report.results), report.summary()
+    assert all(r.correct(report.tolerance) for r in report.results), report.summary()
     assert report.auto == "flash" and report.fastest in names
     assert report.shape == (1, 2, 16 + 512, 16)
 
