@@ -161,3 +161,38 @@ def test_resume_latest_continues_from_the_checkpoint(tiny_qwen_image: Path, samp
                                         "resume_from_checkpoint=latest"))
     assert trainer.global_step == 6
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_loop_reads_the_device_once_per_step(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU every scalar read of a device tensor waits for the queued work. The loop's own code
+    makes one read per optimizer step (loss and gradient norm together, after backward is queued),
+    and no .item()/bool()/float() on tensors besides."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    engine_reads: List[str] = []
+    step_reads: List[float] = []
+
+    class ScalarReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                caller = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-1]
+                if caller.filename.endswith("trainer/engine.py"):  # the engine's own read, not a library's
+                    engine_reads.append(f"engine.py:{caller.lineno}")
+            return func(*args, **(kwargs or {}))
+
+    loop, read_step = Trainer._loop, Trainer._read_step
+    monkeypatch.setattr(Trainer, "_loop", lambda self, progress: _run_in(ScalarReads(), loop, self, progress))
+    monkeypatch.setattr(Trainer, "_read_step", lambda self, *a: step_reads.append(1) or read_step(self, *a))
+    run_in_process(*overrides(tiny_qwen_image, sample_data, tmp_path, "max_train_steps=3", "mixed_precision=bf16",
+                              "gradient_accumulation_steps=2", "checkpointing_steps=100"))
+    assert engine_reads == [], f"scalar reads in the loop's code: {engine_reads}"
+    assert len(step_reads) == 3, "one read per optimizer step, not per micro-batch"
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3] and all("grad_norm" in r for r in metrics(tmp_path))
+
+
+def _run_in(mode, fn, *args):
+    with mode:
+        return fn(*args)

@@ -55,9 +55,9 @@ from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sa
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.reporting import plot_histogram, plot_losses, read_metrics, write_summary
 from trainer.validation import ValidationRenderer, log_images
-from trainer.block_swap import BlockSwapper
-from trainer.platform import choose_attention, configure_device, maybe_fp8, prepare_environment
-from trainer.quantization import check_available, place, quantization_spec
+from trainer.model_setup import prepare_transformer, transformer_load_device
+from trainer.platform import configure_device, prepare_environment
+from trainer.quantization import check_available, quantization_spec
 from utils.attention import sdpa_context
 from utils.memory_monitor import MemoryMonitor
 
@@ -77,15 +77,18 @@ class Trainer:
         self.epoch = 0
         self.batches_done_in_epoch = 0  # optimizer-step batches already consumed in `epoch`
         self.bad_steps = 0  # non-finite steps in a row
+        self.first_step_s: Optional[float] = None  # includes compiling the blocks when compiled
+        self.wall: Dict[str, Optional[float]] = {}  # seconds per phase of the run (start-up included)
         self.stop = GracefulStop()
 
     # ---------------------------------------------------------------------------------------------
     def run(self) -> Path:
         """Train and return the path of the final LoRA file."""
-        self.setup()
-        self.prepare_data()
-        self.setup_model()
-        self.train()
+        self.wall["imports"] = process_age_s()  # interpreter start to here: mostly imports
+        for phase in (self.setup, self.prepare_data, self.setup_model, self.train):
+            start = time.perf_counter()
+            phase()
+            self.wall[phase.__name__] = time.perf_counter() - start
         if self.stop.requested:
             self.accelerator.end_training()
             raise TrainingInterrupted(
@@ -338,18 +341,10 @@ class Trainer:
         master_dtype = torch.float32 if cfg.training_mode == "full" else self.weight_dtype
         with self.monitor.phase("load_transformer"):
             transformer = self.family.load_transformer(master_dtype, transformer_load_device(cfg, self.device))
-            blocks = self.family.blocks(transformer)
-            if cfg.blocks_to_swap > len(blocks):
-                raise ConfigError(f"key 'blocks_to_swap': value {cfg.blocks_to_swap} is more than the "
-                                  f"transformer's {len(blocks)} blocks")
-            place(transformer, self.device, spec, blocks, "transformer", host_blocks=cfg.blocks_to_swap)
-        if not cfg.disable_gradient_checkpointing:
-            transformer.enable_gradient_checkpointing(checkpointing_func(cfg, self.policy.unified_memory))
-        self.attention = choose_attention(cfg, transformer)
-        maybe_fp8(cfg, transformer)
-        self.weights.attach(transformer)
-        _trainable_to(transformer, self.device)  # frozen weights are where `place` put them
-        self.swapper = BlockSwapper(blocks, cfg.blocks_to_swap, self.device)
+            ready = prepare_transformer(cfg, self.family, transformer, self.weights, self.device, self.weight_dtype,
+                                        unified_memory=self.policy.unified_memory,
+                                        attention_tokens=self._attention_tokens())
+        self.attention, self.swapper, self.compiled = ready.attention, ready.swapper, ready.compiled
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         optimizer = build_optimizer(cfg, self.params)
         lr_scheduler = build_lr_scheduler(cfg, optimizer, self.accelerator.num_processes)
@@ -361,6 +356,20 @@ class Trainer:
         self.accelerator.register_load_state_pre_hook(self._load_model_hook)
         if self.resume_from is not None:
             self._resume(self.resume_from)
+
+    def _attention_tokens(self) -> Optional[int]:
+        """The run's longest joint sequence (the largest bucket's image tokens, its references', a
+        caption's text tokens): the attention kernels are timed at it on a GPU. None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        f = self.family
+        tokens = lambda size: f.image_seq_len((size[1] * 2 // f.pixel_multiple, size[0] * 2 // f.pixel_multiple))  # noqa: E731
+        sample = max(self.samples, key=lambda s: tokens(s.size) + sum(tokens(r) for r in s.reference_sizes))
+        text = 256  # when captions are encoded live
+        key = self._text_key(sample.caption, sample.references)
+        if self.cfg.precompute_text_embeddings and key in self.text_cache:
+            text = max(t.shape[0] for t in self.text_cache.get(key).values() if t.ndim >= 2)
+        return tokens(sample.size) + sum(tokens(r) for r in sample.reference_sizes) + text
 
     def _save_model_hook(self, models: List[torch.nn.Module], weights: List[Any], output_dir: str) -> None:
         """Save what trains (LoRA file, or the sharded transformer) instead of accelerate's default."""
@@ -398,6 +407,7 @@ class Trainer:
         with self.monitor.phase("train_loop", self.global_step), sdpa_context(self.attention), self.stop:
             if self.validation.enabled and self.global_step == 0:
                 self._validate()  # the base model's samples, to compare against
+            self.last_step_at = time.perf_counter()  # the first step is timed too (compilation)
             self._loop(progress)
         progress.close()
         steps = self.global_step - first_step
@@ -405,6 +415,10 @@ class Trainer:
         if steps:
             elapsed = self.train_seconds
             logger.info(f"trained {steps} steps in {elapsed:.1f} s ({elapsed / steps:.3f} s/step)")
+        if steps > 1 and self.first_step_s is not None:
+            later = (elapsed - self.first_step_s) / (steps - 1)
+            logger.info(f"first step {self.first_step_s:.1f} s"
+                        + (" (compiling the blocks)" if self.compiled else "") + f", then {later:.3f} s/step")
 
     def _loop(self, progress: tqdm) -> None:
         cfg, acc = self.cfg, self.accelerator
@@ -416,24 +430,25 @@ class Trainer:
             loader.set_epoch(self.epoch)
             self.sampler.set_epoch(self.epoch)
             losses: List[torch.Tensor] = []
-            finite = True
             for micro, batch in enumerate(loader, start=done):
                 with acc.accumulate(self.transformer):
                     loss = self.training_step(batch, micro)
-                    finite = finite and bool(torch.isfinite(acc.gather(loss.detach())).all())
-                    if finite:  # a non-finite loss must not reach the weights through backward
+                    losses.append(loss.detach())
+                    # Fused backward steps each weight inside backward: a non-finite loss must not
+                    # get there. Otherwise its NaN gradients are caught below, before the step.
+                    if not cfg.fused_backward or self._all_finite(loss):
                         acc.backward(loss)
                     self.swapper.release_all()
                     grad_norm = self._clip_gradients()
                     if acc.sync_gradients:
-                        self._optimizer_step(finite and (grad_norm is None or math.isfinite(grad_norm)))
-                losses.append(acc.gather(loss.detach()).mean())
+                        step_loss, grad_norm = self._read_step(losses, grad_norm)
+                        self._optimizer_step(math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm)))
                 if not acc.sync_gradients:
                     continue
                 self.global_step += 1
                 self.batches_done_in_epoch = (micro + 1) // cfg.gradient_accumulation_steps
-                self._log_step(torch.stack(losses).mean().item(), grad_norm, progress)
-                losses, finite = [], True
+                self._log_step(step_loss, grad_norm, progress)
+                losses = []
                 if self.validation.due(self.global_step):
                     self._validate()
                 if self._should_checkpoint():
@@ -529,15 +544,29 @@ class Trainer:
             log_images(self.accelerator.trackers, paths, self.global_step)
         self.accelerator.wait_for_everyone()
 
-    def _clip_gradients(self) -> Optional[float]:
+    def _clip_gradients(self) -> Optional[torch.Tensor]:
+        """Clip at ``max_grad_norm``; the norm stays on the device (read with the loss)."""
         if not self.accelerator.sync_gradients or self.cfg.max_grad_norm <= 0:
             return None
-        return float(self.accelerator.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+        return self.accelerator.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+
+    def _read_step(self, losses: List[torch.Tensor], grad_norm: Any) -> Tuple[float, Optional[float]]:
+        """The step's mean loss (its micro-batches, every process) and gradient norm, copied to the
+        host in one transfer: the step's only wait for the GPU, after backward has been queued."""
+        loss = self.accelerator.gather(torch.stack(losses)).float().mean()
+        values = [loss] if grad_norm is None else [loss, torch.as_tensor(grad_norm, device=loss.device).float()]
+        read = torch.stack(values).tolist()
+        return read[0], (read[1] if grad_norm is not None else None)
+
+    def _all_finite(self, loss: torch.Tensor) -> bool:
+        return bool(torch.isfinite(self.accelerator.gather(loss.detach())).all())
 
     def _log_step(self, loss: float, grad_norm: Optional[float], progress: tqdm) -> None:
         lr = self.lr_scheduler.get_last_lr()[0]
         now = time.perf_counter()
-        step_time, self.last_step_at = now - getattr(self, "last_step_at", now), now
+        step_time, self.last_step_at = now - self.last_step_at, now
+        if self.first_step_s is None:
+            self.first_step_s = step_time
         self.loss_avg = loss if not hasattr(self, "loss_avg") else 0.9 * self.loss_avg + 0.1 * loss
         progress.update(1)
         progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
@@ -589,11 +618,31 @@ class Trainer:
             sheet = self.validation.contact_sheet()
             records = read_metrics(self.output_dir / METRICS_NAME)
             curve = plot_losses(records, self.output_dir / "loss_curve.png")
+            self._log_wall_time()
             write_summary(self.output_dir, self.cfg, self.train_seconds, self.monitor.log_summary(),
                           {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME,
-                           **({"contact_sheet": str(sheet)} if sheet else {})})
+                           **({"contact_sheet": str(sheet)} if sheet else {})},
+                          {"wall_seconds": {k: round(v, 2) for k, v in self.wall.items() if v is not None},
+                           "first_step_s": self.first_step_s, "compiled": self.compiled,
+                           "attention_backend": self.attention.name})
         self.accelerator.end_training()
         return final
+
+
+    def _log_wall_time(self) -> None:
+        """Where the run's seconds went, start-up included (imports, set-up, cache pass, loading)."""
+        shown = ", ".join(f"{name} {secs:.1f} s" for name, secs in self.wall.items() if secs is not None)
+        logger.info(f"wall time: {shown}")
+
+
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (Linux ``/proc``; None elsewhere)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -609,21 +658,6 @@ def step_seed(seed: int, epoch: int, micro_step: int, rank: int) -> int:
     """A 63-bit seed unique to (seed, epoch, micro-batch, process)."""
     digest = hashlib.sha256(f"{seed}/{epoch}/{micro_step}/{rank}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def transformer_load_device(cfg: TrainConfig, device: torch.device) -> torch.device:
-    """Where the transformer's weights are read to: straight onto ``device`` when nothing happens
-    block by block on the way (fastsafetensors' fast path to a GPU), else the host, from which
-    ``place`` quantizes block by block or leaves the swapped blocks."""
-    direct = quantization_spec(cfg) is None and cfg.blocks_to_swap == 0
-    return device if direct else torch.device("cpu")
-
-
-def _trainable_to(model: torch.nn.Module, device: torch.device) -> None:
-    """Move only the trainable weights (LoRA's are created on the CPU for swapped blocks)."""
-    for param in model.parameters():
-        if param.requires_grad:
-            param.data = param.data.to(device)
 
 
 def _to_dict(cfg: TrainConfig) -> Dict[str, Any]:

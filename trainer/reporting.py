@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from PIL import Image, ImageDraw
 
@@ -56,8 +56,9 @@ def plot_losses(records: List[Dict[str, Any]], path: Path, size: tuple = (800, 4
 
 
 def write_summary(output_dir: Path, cfg: TrainConfig, seconds: float, memory: Dict[str, Any],
-                  outputs: Dict[str, str]) -> Path:
-    """``summary.json``: config hash, steps, time, final loss, peak memory, output paths."""
+                  outputs: Dict[str, str], timing: Optional[Dict[str, Any]] = None) -> Path:
+    """``summary.json``: config hash, steps, time (and ``timing``: start-up phases, first step,
+    compile and attention choices), final loss, peak memory, output paths."""
     records = read_metrics(output_dir / "metrics.jsonl")
     losses = [r["loss"] for r in records]
     summary = {
@@ -66,6 +67,7 @@ def write_summary(output_dir: Path, cfg: TrainConfig, seconds: float, memory: Di
         "training_mode": cfg.training_mode,
         "steps": records[-1]["step"] if records else 0,
         "train_seconds": round(seconds, 2),
+        **(timing or {}),
         "final_loss": losses[-1] if losses else None,
         "final_loss_smoothed": smoothed(losses)[-1] if losses else None,
         "peak_memory_gib": memory.get("peak", {}),
