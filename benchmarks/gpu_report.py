@@ -5,9 +5,11 @@
     OMP_NUM_THREADS=1 python benchmarks/gpu_report.py --dry-run   # tiny models on the CPU, temp file
 
 Sections: machine (GPU, driver, torch / CUDA / cuDNN), step time and MFU per family at 1024^2 with
-and without gradient checkpointing (with a torch.profiler top-kernels table where a target family is
-slower than the issue's H100 goal of 0.45 s/step), peak memory of the 24 GB / 16 GB profiles against
-their budgets and the memory planner, attention backends, fp8 training, and load time per loader.
+and without gradient checkpointing and compilation (with a torch.profiler top-kernels table where a
+target family is slower than the H100 goal of 0.45 s/step), peak memory and step time of the 24 GB /
+16 GB profiles against their budgets and the memory planner (and of the other weight formats and of
+block swap), attention backends, fp8 training against bf16, load time per loader, and the start-up of
+a tiny run of train.py.
 The models are full-size random-weight transformers built on the meta device and materialised on the
 GPU block by block (``tests/gpu/harness.py``); nothing is downloaded.
 
@@ -20,8 +22,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,7 +45,7 @@ import harness  # noqa: E402
 
 TARGET_S_PER_STEP = 0.45  # issue 10: H100, 1024^2, batch 1, checkpointing on
 TARGET_FAMILIES = ("qwen_image", "flux")
-SECTIONS = ("machine", "steps", "memory", "attention", "fp8", "loading")
+SECTIONS = ("machine", "steps", "memory", "attention", "fp8", "loading", "startup")
 DEFAULT_OUT = ROOT / "docs" / "GPU_RESULTS.md"
 FULL_QWEN_BYTES = 20.43e9 * 2  # the bf16 Qwen-Image transformer, for load-time extrapolation
 FAMILY_NAMES = {"qwen_image": "Qwen-Image", "qwen_image_edit": "Qwen-Image-Edit", "flux": "FLUX.1-dev"}
@@ -134,29 +138,38 @@ def machine_section(run: Run) -> str:
 class StepRow:
     family: str
     checkpointing: bool
+    compile: str  # the engine's setting: "auto" (its default) or "off"
     report: Optional[harness.StepReport]
     flops: Optional[harness.StepFlops]
     error: Optional[str] = None
     profile: Optional[harness.KernelProfile] = None
+    compiled: bool = False
+    first_step_s: Optional[float] = None  # includes the compilation when compiled
 
 
-def measure_steps(run: Run, family: str, checkpointing: bool, profile_if_slow: bool) -> StepRow:
+# (checkpointing, compile) per family: the engine's default, eager for comparison, no checkpointing.
+STEP_VARIANTS = ((True, "auto"), (True, "off"), (False, "auto"))
+
+
+def measure_steps(run: Run, family: str, checkpointing: bool, compile: str, profile_if_slow: bool) -> StepRow:
     """LoRA steps of one family; a torch.profiler pass when it misses the target (always in a dry run,
     to exercise the path)."""
+    overrides = ["compile=false"] if compile == "off" else []
     try:
-        with harness.rig_session(family, run.device, torch.bfloat16, scale=run.scale,
+        with harness.rig_session(family, run.device, torch.bfloat16, scale=run.scale, overrides=overrides,
                                  checkpointing=checkpointing, resolution=run.resolution) as rig:
             report = harness.run_steps(rig, run.steps, run.resolution)
-            row = StepRow(family, checkpointing, report, harness.rig_flops(rig, report))
+            row = StepRow(family, checkpointing, compile, report, harness.rig_flops(rig, report),
+                          compiled=rig.compiled, first_step_s=report.step_times[0])
             slow = report.median_step_s > TARGET_S_PER_STEP or run.dry_run
             if profile_if_slow and slow:
                 row.profile = harness.profile_top_kernels(rig, run.resolution)
             return row
     except torch.cuda.OutOfMemoryError:
         free_memory()
-        return StepRow(family, checkpointing, None, None, "out of memory")
+        return StepRow(family, checkpointing, compile, None, None, "out of memory")
     except Exception as exc:
-        return StepRow(family, checkpointing, None, None, run.guard("steps", exc))
+        return StepRow(family, checkpointing, compile, None, None, run.guard("steps", exc))
 
 
 def step_table(rows: List[StepRow], peak: Optional[float]) -> str:
@@ -164,16 +177,17 @@ def step_table(rows: List[StepRow], peak: Optional[float]) -> str:
     for r in rows:
         name, ckpt = FAMILY_NAMES[r.family], "on" if r.checkpointing else "off"
         if r.report is None:
-            body.append((name, ckpt, r.error, "", "", "", "", "", ""))
+            body.append((name, ckpt, r.compile, r.error, "", "", "", "", "", "", ""))
             continue
         step = r.report.median_step_s
         target = f"{'meets' if step <= TARGET_S_PER_STEP else 'misses'} {TARGET_S_PER_STEP}" \
-            if r.checkpointing and r.family in TARGET_FAMILIES else ""
-        body.append((name, ckpt, f"{step:.3f}", f"{1 / step:.2f}", f"{r.flops.training / 1e12:.4g}",
+            if r.checkpointing and r.family in TARGET_FAMILIES and r.compile == "auto" else ""
+        body.append((name, ckpt, f"{r.compile} ({'compiled' if r.compiled else 'eager'})", f"{step:.3f}",
+                     fmt(r.first_step_s, ".1f"), f"{1 / step:.2f}", f"{r.flops.training / 1e12:.4g}",
                      f"{r.flops.training / step / 1e12:.4g}", fmt(harness.mfu(r.flops, step, peak), ".1%"),
                      fmt(r.report.peak_gib), target))
-    return table(("Family", "Checkpointing", "s/step", "samples/s", "TFLOP/step", "TFLOP/s", "MFU",
-                  "Peak GiB", "Target"), body)
+    return table(("Family", "Checkpointing", "Compile", "s/step", "First step s", "samples/s", "TFLOP/step",
+                  "TFLOP/s", "MFU", "Peak GiB", "Target"), body)
 
 
 FLOPS_NOTE = """\
@@ -190,14 +204,16 @@ same work done in more time. MFU = FLOPs per step / (s/step x dense bf16 peak).
 
 
 def steps_section(run: Run) -> str:
-    rows = [measure_steps(run, family, ckpt, profile_if_slow=ckpt and family in TARGET_FAMILIES)
-            for family in run.families for ckpt in (True, False)]
+    rows = [measure_steps(run, family, ckpt, compile,
+                          profile_if_slow=ckpt and compile == "auto" and family in TARGET_FAMILIES)
+            for family in run.families for ckpt, compile in STEP_VARIANTS]
     peak = run.peak_tflops or harness.peak_bf16_tflops(harness.device_name(run.device))
-    tokens = ", ".join(f"{FAMILY_NAMES[r.family]} {r.report.image_tokens} image + {r.report.text_tokens} text"
-                       for r in rows if r.report is not None and r.checkpointing)
+    tokens = ", ".join(dict.fromkeys(f"{FAMILY_NAMES[r.family]} {r.report.image_tokens} image + "
+                                     f"{r.report.text_tokens} text" for r in rows if r.report is not None))
     body = (f"LoRA (rank 16, the families' `attention` preset), AdamW, bf16 autocast, batch 1, "
             f"{run.resolution}^2 ({tokens} tokens); {run.steps} steps, s/step is the median after the warm-up "
-            f"(the first two steps).\n\n"
+            f"(the first two steps); *first step* includes the compilation when the blocks are compiled. "
+            f"*Compile* `auto` is the engine's default (compiled on CUDA), `off` is `compile: false`.\n\n"
             f"{step_table(rows, peak)}\n\n{FLOPS_NOTE}")
     profiles = [r for r in rows if r.profile is not None]
     if profiles:
@@ -236,7 +252,8 @@ def profile_block(row: StepRow) -> str:
     rows = [(f"`{r.name[:90]}`", r.calls, f"{r.self_ms:.1f}", f"{r.share:.1%}", harness.kernel_category(r.name))
             for r in prof.top(15)]
     shares = ", ".join(f"{k} {v:.0%}" for k, v in prof.shares().items())
-    return (f"### Profile: {FAMILY_NAMES[row.family]}, checkpointing on ({row.report.median_step_s:.3f} s/step, "
+    return (f"### Profile: {FAMILY_NAMES[row.family]}, checkpointing on, compile {row.compile} "
+            f"({row.report.median_step_s:.3f} s/step, "
             f"target {TARGET_S_PER_STEP})\n\ntorch.profiler over {prof.steps} steps: {unit} busy "
             f"{prof.busy_s:.3f} s of {prof.wall_s:.3f} s wall per step; {shares}.\n\n"
             + table(("Kernel", "Calls", f"Self {unit} ms", "Share", "Category"), rows)
@@ -246,28 +263,47 @@ def profile_block(row: StepRow) -> str:
 # =========================================================================== memory profiles
 
 
+# (profile, overrides, what the row shows): the two shipped profiles, then the other weight formats
+# and block swap with quantized and with bf16 blocks, each on the 24 GB profile's YAML.
+MEMORY_ROWS: Tuple[Tuple[str, Tuple[str, ...], str], ...] = (
+    ("24gb", (), "as shipped"),
+    ("16gb", (), "as shipped"),
+    ("24gb", ("quantization.weights=qint8",), "quanto qint8"),
+    ("24gb", ("quantization.weights=qint4",), "quanto qint4"),
+    ("24gb", ("quantization.backend=torchao", "quantization.weights=int8_weight_only"), "torchao int8 weight-only"),
+    ("24gb", ("quantize=false", "blocks_to_swap=30"), "bf16 blocks, 30 swapped"),
+    ("24gb", ("quantize=false",), "bf16 blocks, none swapped"),
+)
+
+
 def memory_section(run: Run) -> str:
     rows = []
-    for name, (yaml, budget) in harness.PROFILES.items():
+    for name, overrides, what in MEMORY_ROWS:
+        yaml, budget = harness.PROFILES[name]
+        shipped = not overrides
         try:
-            rep = harness.memory_profile(name, run.device, scale=run.scale, resolution=run.resolution, steps=3)
+            rep = harness.memory_profile(name, run.device, scale=run.scale, resolution=run.resolution, steps=5,
+                                         overrides=overrides)
         except Exception as exc:
-            rows.append((name, f"`{yaml}`", run.guard("memory", exc), "", "", "", f"{budget:.0f}", "", "", ""))
+            rows.append((name, what, run.guard("memory", exc), "", "", "", "", "", "", "", ""))
+            free_memory()
             continue
-        within = {None: "n/a", True: "yes", False: "**no**"}[rep.within_budget]
-        rows.append((name, f"`{yaml}`", rep.blocks_to_swap, fmt(rep.load_peak_gib), fmt(rep.train_peak_gib),
-                     fmt(rep.device_peak_gib), f"{budget:.0f}", within, fmt(rep.planned_gib),
-                     fmt(rep.plan_error, "+.0%")))
+        within = {None: "n/a", True: "yes", False: "**no**"}[rep.within_budget] if shipped else ""
+        rows.append((name, what, rep.blocks_to_swap, fmt(rep.load_peak_gib), fmt(rep.train_peak_gib),
+                     fmt(rep.device_peak_gib), f"{budget:.0f}" if shipped else "", within, fmt(rep.planned_gib),
+                     fmt(rep.plan_error, "+.0%"), f"{rep.steps.median_step_s:.3f}"))
         free_memory()
     body = (f"Qwen-Image LoRA at {run.resolution}^2 with each profile's YAML as the engine builds it: blocks "
-            "quantized to qfloat8 one at a time by `place`, `blocks_to_swap` blocks in host memory with "
-            "`BlockSwapper`, 8-bit AdamW, gradient checkpointing; 3 steps. *Load peak* and *train peak* are "
-            "`torch.cuda.max_memory_allocated`; *device peak* is `max_memory_reserved` plus the memory the "
-            "process holds outside torch's allocator (CUDA context), the figure compared with the budget "
-            "(together with the load peak) and with `utils.memory_planner` (goal: within +-15%).\n\n"
-            + table(("Profile", "YAML", "Swapped blocks", "Load peak", "Train peak", "Device peak", "Budget",
-                     "Within", "Planner", "Planner error"), rows))
-    return section("Peak memory per profile (GiB)", run, "memory", body)
+            "quantized one at a time by `place`, `blocks_to_swap` blocks in host memory with `BlockSwapper`, "
+            "8-bit AdamW, gradient checkpointing with the kept block inputs in host memory; 5 steps. *Load peak* "
+            "and *train peak* are `torch.cuda.max_memory_allocated`; *device peak* is `max_memory_reserved` plus "
+            "the memory the process holds outside torch's allocator (CUDA context), the figure compared with the "
+            "budget (together with the load peak) and with `utils.memory_planner` (goal: within +-15%). The rows "
+            "after the two shipped profiles change one thing of the 24 GB YAML. Compare *s/step* with the bf16 "
+            "rows of the step-time section (the profiles run eagerly: quanto blocks are not compiled).\n\n"
+            + table(("Profile", "Variant", "Swapped blocks", "Load peak", "Train peak", "Device peak", "Budget",
+                     "Within", "Planner", "Planner error", "s/step"), rows))
+    return section("Low-memory profiles: peak memory (GiB) and step time", run, "memory", body)
 
 
 # =========================================================================== attention, fp8
@@ -305,9 +341,12 @@ def fp8_section(run: Run) -> str:
     if not rep.ran:
         body = f"Skipped: {rep.reason}."
     else:
-        s = rep.steps
-        body = (f"{rep.reason}: {s.median_step_s:.3f} s/step, peak {fmt(s.peak_gib)} GiB, losses "
-                f"{', '.join(f'{x:.4f}' for x in s.losses)} ({'finite' if s.finite else '**NaN/inf**'}).")
+        s, b = rep.steps, rep.bf16
+        verdict = "faster" if rep.speedup > 1 else "**slower**"
+        body = (f"{rep.reason}: {s.median_step_s:.3f} s/step against {b.median_step_s:.3f} s/step in bf16 "
+                f"(compiled too): fp8 is {verdict}, x{rep.speedup:.2f}. Peak {fmt(s.peak_gib)} GiB against "
+                f"{fmt(b.peak_gib)}; losses {', '.join(f'{x:.4f}' for x in s.losses)} "
+                f"({'finite' if s.finite else '**NaN/inf**'}). Eager fp8 is refused by the engine.")
     return section("fp8 training (Qwen-Image LoRA)", run, "fp8", body)
 
 
@@ -397,11 +436,66 @@ def loading_section(run: Run) -> str:
     return section("Load time per loader", run, "loading", body)
 
 
+# =========================================================================== start-up
+
+
+STARTUP_STEPS = 12
+
+
+def startup_section(run: Run) -> str:
+    """Wall time of a tiny run of ``train.py`` (the embedded tiny Qwen-Image, sample data) as a user
+    starts it, with where the seconds go (the engine's own phase timings from summary.json)."""
+    from image_datasets.sample_data import make_sample_dataset
+    from utils.tiny_models import build_tiny_pipeline
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu-report-startup-") as tmp:
+        model = build_tiny_pipeline("qwen_image", Path(tmp) / "model", seed=0)
+        data = make_sample_dataset(Path(tmp) / "data", size=64, count=6)
+        precision = "no" if run.device.type == "cpu" else "bf16"
+        launchers = {"python": [sys.executable],
+                     "accelerate launch": [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                                           "--num_machines", "1", "--mixed_precision", precision,
+                                           "--dynamo_backend", "no", *(["--cpu"] if run.device.type == "cpu" else [])]}
+        for launcher, prefix in launchers.items():
+            for cache in ("first run", "cache on disk"):
+                out = Path(tmp) / "out"
+                cmd = prefix + [str(ROOT / "train.py"), "--config", str(ROOT / "train_configs/quickstart_tiny.yaml"),
+                                f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}",
+                                f"output_dir={out}", "overwrite_output_dir=true", f"cache_dir={Path(tmp) / 'cache'}",
+                                f"max_train_steps={STARTUP_STEPS}", "checkpointing_steps=6", "report_to=none",
+                                f"mixed_precision={precision}"]
+                start = time.perf_counter()
+                done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+                wall = time.perf_counter() - start
+                if done.returncode != 0:
+                    rows.append((launcher, cache, f"failed: {done.stderr.strip().splitlines()[-1][:100]}")
+                                + ("",) * 7)
+                    continue
+                summary = json.loads((out / "summary.json").read_text())
+                phases = summary.get("wall_seconds", {})
+                rows.append((launcher, cache, f"{wall:.1f}", *(fmt(phases.get(k), ".1f") for k in
+                             ("imports", "setup", "prepare_data", "setup_model", "train")),
+                             fmt(summary.get("first_step_s"), ".2f")))
+            if (Path(tmp) / "cache").exists():
+                shutil.rmtree(Path(tmp) / "cache")
+    body = (f"`train.py` on the embedded tiny Qwen-Image (`utils/tiny_models`) with 6 sample images, "
+            f"{STARTUP_STEPS} steps, checkpoints at 6 and 12, on `{run.device.type}`. *Wall* is measured outside "
+            "the process; the phases are the engine's own (`summary.json`: *imports* is the interpreter start "
+            "until the engine runs, *prepare_data* includes the cache pass: text encoder and VAE, *train* "
+            "includes the checkpoints). The rest of the wall time is the launcher, saving the final file and "
+            "the interpreter's exit.\n\n"
+            + table(("Launcher", "Cache", "Wall s", "Imports s", "Set-up s", "Data + cache pass s", "Model s",
+                     "Train s", "First step s"), rows))
+    return section("Start-up of a tiny run", run, "startup", body)
+
+
 # =========================================================================== main
 
 
 BUILDERS = {"machine": machine_section, "steps": steps_section, "memory": memory_section,
-            "attention": attention_section, "fp8": fp8_section, "loading": loading_section}
+            "attention": attention_section, "fp8": fp8_section, "loading": loading_section,
+            "startup": startup_section}
 
 
 def header(run: Run) -> str:

@@ -114,6 +114,7 @@ def test_compile_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not decide(quanto) and not decide(device=cpu), "auto: off for quanto blocks and on the CPU"
     assert decide(quanto, compile=True) and decide(device=cpu, compile=True), "an explicit true wins"
     assert not decide(compile=False)
+    assert not decide(max_train_steps=12) and decide(max_train_steps=12, compile=True), "a short run stays eager"
     monkeypatch.setattr(platform, "_has_triton", lambda: False)
     assert not decide()
     with pytest.raises(ConfigError, match="triton"):

@@ -207,8 +207,8 @@ class TrainConfig:
     # Platform layer (CUDA features, unified memory, loading)
     cuda_features: CudaFeatures = field(default_factory=CudaFeatures)
     attention_backend: str = "auto"  # auto: the fastest correct kernel, timed at start-up on a GPU
-    # torch.compile of the transformer's repeated blocks. null (auto): on for CUDA with triton, off on
-    # the CPU and for quanto-quantized blocks; the first step pays the compilation (logged).
+    # torch.compile of the transformer's repeated blocks. null (auto): on for CUDA with triton and runs
+    # of 100+ steps, off on the CPU and for quanto-quantized blocks; the first step pays the compilation.
     compile: Optional[bool] = None
     unified_memory: bool = False
     disable_cpu_offload: bool = False

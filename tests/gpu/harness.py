@@ -644,12 +644,19 @@ class ConvergenceReport:
 
 def convergence(family: str, steps: int = 100, resolution: int = 1024, dtype: torch.dtype = torch.bfloat16,
                 device: torch.device | str = "cuda", *, scale: Scale = FULL, model_dir: Optional[Path | str] = None,
-                lr: float = CONVERGENCE_LR, factor: float = CONVERGENCE_FACTOR, seed: int = 0) -> ConvergenceReport:
+                lr: float = CONVERGENCE_LR, factor: float = CONVERGENCE_FACTOR, seed: int = 0,
+                profile: Optional[str] = None) -> ConvergenceReport:
     """Overfit one fixed sample (latents, text, noise and noise level all fixed) for ``steps`` steps
-    with a constant learning rate; the loss must fall by ``factor``."""
+    with a constant learning rate; the loss must fall by ``factor``. ``profile``: a name of
+    ``PROFILES`` (its YAML: quantized blocks, 8-bit AdamW, block swap scaled to ``scale``)."""
     overrides = [f"learning_rate={lr}", "lr_scheduler=constant", "lr_warmup_steps=0"]
+    yaml = None
+    if profile is not None:
+        yaml = PROFILES[profile][0]
+        swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={ROOT}"], default_family=family).blocks_to_swap
+        overrides.append(f"blocks_to_swap={scaled_swap(swap, family, scale)}")
     with rig_session(family, device, dtype, scale=scale, model_dir=model_dir, overrides=overrides,
-                     seed=seed, resolution=resolution) as rig:
+                     seed=seed, resolution=resolution, profile=yaml) as rig:
         report = run_steps(rig, steps, resolution, seed=seed, fixed_sample=True)
     return ConvergenceReport(family, report.losses, factor)
 
@@ -717,25 +724,35 @@ class Fp8Report:
     ran: bool
     reason: str
     steps: Optional[StepReport] = None
+    bf16: Optional[StepReport] = None  # the same steps without fp8 (same compile setting)
 
     @property
     def ok(self) -> bool:
         return self.ran and self.steps is not None and self.steps.finite
 
+    @property
+    def speedup(self) -> Optional[float]:
+        """bf16 s/step over fp8 s/step (above 1: fp8 is faster)."""
+        if self.steps is None or self.bf16 is None:
+            return None
+        return self.bf16.median_step_s / self.steps.median_step_s
+
 
 def fp8_smoke(family: str = "qwen_image", steps: int = 5, resolution: int = 1024,
               device: torch.device | str = "cuda", *, scale: Scale = FULL) -> Fp8Report:
-    """A few LoRA steps with torchao float8 training of the block linears; skipped (``ran=False``)
-    unless ``supports_feature('fp8_training')``."""
+    """LoRA steps with torchao float8 training of the block linears (compiled blocks: the engine
+    refuses eager fp8), then the same steps in bf16; skipped (``ran=False``) unless
+    ``supports_feature('fp8_training')``."""
     if not supports_feature("fp8_training"):
         return Fp8Report(False, "fp8 training is not supported here (needs an sm_89+ GPU, CUDA 12.1+, "
                                 "torch._scaled_mm and torchao)")
-    with rig_session(family, device, torch.bfloat16, scale=scale,
-                     overrides=["cuda_features.enable_fp8_training=true"]) as rig:
+    with rig_session(family, device, torch.bfloat16, scale=scale, resolution=resolution,
+                     overrides=["cuda_features.enable_fp8_training=true", "compile=true"]) as rig:
         if not rig.fp8:
             return Fp8Report(False, "maybe_fp8 did not convert the transformer")
         report = run_steps(rig, steps, resolution)
-    return Fp8Report(True, "torchao float8 training of the block linears", report)
+    bf16 = lora_steps(family, steps, resolution, torch.bfloat16, device=device, scale=scale, overrides=["compile=true"])
+    return Fp8Report(True, "torchao float8 training of the block linears, compiled blocks", report, bf16)
 
 
 # --------------------------------------------------------------------------- memory profiles
@@ -804,14 +821,17 @@ def planned_training_gib(cfg: TrainConfig, text: int) -> Optional[float]:
 
 
 def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: Scale = FULL,
-                   resolution: int = 1024, steps: int = 3, family: str = "qwen_image") -> MemoryReport:
+                   resolution: int = 1024, steps: int = 3, family: str = "qwen_image",
+                   overrides: Sequence[str] = ()) -> MemoryReport:
     """Train a few steps with a low-memory profile (quantized blocks, 8-bit AdamW, block swap) built
-    as the engine builds it, and measure its peak against the budget and the planner."""
+    as the engine builds it, and measure its peak against the budget and the planner. ``overrides``
+    change the profile (another weight format, more or fewer swapped blocks)."""
     yaml, budget = PROFILES[profile]
     device = torch.device(device)
-    swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={ROOT}"], default_family=family).blocks_to_swap
+    swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={ROOT}", *overrides],
+                       default_family=family).blocks_to_swap
     swap = scaled_swap(swap, family, scale)
-    overrides = [f"blocks_to_swap={swap}", f"data_config.img_size={resolution}"]
+    overrides = [*overrides, f"blocks_to_swap={swap}", f"data_config.img_size={resolution}"]
     with rig_session(family, device, torch.bfloat16, scale=scale, profile=yaml, overrides=overrides,
                      resolution=resolution) as rig:
         steps_report = run_steps(rig, steps, resolution)

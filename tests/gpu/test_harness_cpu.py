@@ -137,6 +137,14 @@ def test_convergence_runs_the_fixed_sample() -> None:
     assert len(report.losses) == 15 and report.ok, report.summary()
 
 
+def test_convergence_with_the_24gb_profile() -> None:
+    """The GPU suite's low-memory convergence check, on the CPU at tiny scale: qfloat8 blocks (quanto),
+    8-bit AdamW or its fallback, the fixed sample's loss falls."""
+    report = harness.convergence("qwen_image", steps=15, resolution=RES, dtype=torch.bfloat16, device=CPU,
+                                 scale=TINY, lr=1e-2, factor=1.05, profile="24gb")
+    assert len(report.losses) == 15 and report.ok, report.summary()
+
+
 def test_attention_backends_on_cpu() -> None:
     report = harness.compare_attention_backends("flux", CPU, torch.bfloat16, RES, scale=TINY, repeats=2)
     names = [r.name for r in report.results]
@@ -196,12 +204,17 @@ def test_gpu_report_dry_run(tmp_path: Path) -> None:
     """benchmarks/gpu_report.py end to end on tiny CPU models (the lighter sections)."""
     from benchmarks import gpu_report
 
-    argv = ["--dry-run", "--sections", "machine", "steps", "attention", "fp8", "--families", "qwen_image",
-            "--steps", "2", "--out", str(tmp_path / "report.md")]
+    argv = ["--dry-run", "--sections", "machine", "steps", "memory", "attention", "fp8", "startup",
+            "--families", "qwen_image", "--steps", "2", "--out", str(tmp_path / "report.md")]
     out = gpu_report.main(argv)
     text = out.read_text()
     for title in ("## Machine", "## Step time and MFU at 64^2", "### Profile: Qwen-Image", "## Attention backends",
-                  "## fp8 training"):
+                  "## fp8 training", "## Low-memory profiles", "## Start-up of a tiny run"):
         assert title in text
     assert "`python benchmarks/gpu_report.py --dry-run --families qwen_image --steps 2 --sections steps`" in text
-    assert "| Qwen-Image | on |" in text and "| Qwen-Image | off |" in text
+    assert "| Qwen-Image | on | auto (eager) |" in text and "| Qwen-Image | on | off (eager) |" in text
+    assert "| Qwen-Image | off |" in text
+    memory_rows = [line for line in text.splitlines() if line.startswith(("| 24gb |", "| 16gb |"))]
+    assert len(memory_rows) == len(gpu_report.MEMORY_ROWS) and not any("failed" in r for r in memory_rows)
+    startup_rows = [line for line in text.splitlines() if line.startswith(("| python |", "| accelerate launch |"))]
+    assert len(startup_rows) == 4 and not any("failed" in r for r in startup_rows), startup_rows
