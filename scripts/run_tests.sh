@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The README's second command: set up and run the test suite (CPU, tiny models).
 #   bash scripts/run_tests.sh [pytest args]
+# Two pytest workers by default (PYTEST_WORKERS=N to change; 0 runs in this process): the end-to-end
+# tests spend most of their time starting Python, which a second core halves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pytest -q "$@"
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@"
