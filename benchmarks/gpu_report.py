@@ -42,6 +42,7 @@ for _path in (ROOT, ROOT / "tests" / "gpu"):
 import torch  # noqa: E402
 
 import harness  # noqa: E402
+from utils import page_cache  # noqa: E402
 
 TARGET_S_PER_STEP = 0.45  # issue 10: H100, 1024^2, batch 1, checkpointing on
 TARGET_FAMILIES = ("qwen_image", "flux")
@@ -371,17 +372,6 @@ def write_checkpoint(run: Run, folder: Path) -> Tuple[type, int]:
     return cls, size
 
 
-def drop_page_cache(folder: Path) -> None:
-    """Best effort: evict the files' clean pages so the next read comes from the disk."""
-    for path in folder.rglob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def loaders(cls: type, folder: Path, device: torch.device) -> Dict[str, Callable[[], object]]:
     """Each way the project can load a transformer, onto ``device``."""
     out: Dict[str, Callable[[], object]] = {
@@ -418,7 +408,8 @@ def loading_section(run: Run) -> str:
         rows = []
         for name, load in loaders(cls, folder, run.device).items():
             try:
-                drop_page_cache(folder)
+                for path in folder.rglob("*.safetensors"):
+                    page_cache.evict(path)
                 cold = time_load(load, run.device)
                 warm = time_load(load, run.device)
             except Exception as exc:  # a reader that fails is a row, not a failed report

@@ -21,9 +21,7 @@ off; step time and samples/s come from its "trained N steps in X s" line, peaks 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import mmap
 import os
 import platform
 import re
@@ -38,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from utils import page_cache  # noqa: E402
+
 GIB = 2**30
 STATE_DICT_METHODS = ("safetensors", "fastsafetensors", "auto")
 MODEL_METHODS = ("diffusers", "streamed", "streamed_fst")
@@ -46,46 +46,6 @@ RESULT_TAG = "BENCHMARK_RESULT "
 
 
 # =========================================================================== page cache
-
-
-def drop_from_page_cache(path: Path) -> None:
-    """Evict a file's clean pages (works while no process maps it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages cannot be dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def read_into_page_cache(path: Path) -> None:
-    with open(path, "rb", buffering=0) as fh:
-        while fh.read(64 << 20):
-            pass
-
-
-def resident_fraction(path: Path) -> Optional[float]:
-    """Share of a file's pages in the page cache (``mincore``); None where it cannot be asked."""
-    size = path.stat().st_size
-    if size == 0:
-        return 1.0
-    try:
-        import numpy as np
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        with open(path, "rb") as fh:
-            mapped = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
-        try:
-            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-            vec = (ctypes.c_ubyte * pages)()
-            view = np.frombuffer(mapped, dtype=np.uint8)  # only to get the mapping's address
-            rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
-            del view
-            return None if rc != 0 else sum(b & 1 for b in vec) / pages
-        finally:
-            mapped.close()
-    except (OSError, AttributeError, ImportError):
-        return None
 
 
 # =========================================================================== worker (one load)
@@ -222,8 +182,8 @@ def measure_loads(folder: Path, methods: Sequence[str], device: str, dtype: str,
 def _one_load(method: str, state: str, files: List[Path], folder: Path, device: str, dtype: str,
               threads: int) -> Dict[str, Any]:
     for path in files:
-        (drop_from_page_cache if state == "cold" else read_into_page_cache)(path)
-    resident = [resident_fraction(p) for p in files]
+        (page_cache.evict if state == "cold" else page_cache.read_in)(path)
+    resident = [page_cache.cached_fraction([p]) for p in files]
     run = run_worker(method, folder, device, dtype, threads)
     run["resident_before"] = None if None in resident else round(statistics.mean(resident), 3)
     return run

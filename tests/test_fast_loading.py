@@ -18,6 +18,7 @@ from loguru import logger
 from safetensors.torch import load_file, save_file
 
 import utils.fast_loading as fl
+from utils import page_cache
 from utils.fast_loading import (
     INDEX_NAME,
     WEIGHTS_NAME,
@@ -90,14 +91,6 @@ def test_auto_chooses_per_device() -> None:
         choose_loader("mmap", "cpu")
 
 
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_auto_on_a_gpu_chooses_by_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Files just read (warm) go through safetensors' copy from cached pages; files on disk (cold)
     through fastsafetensors' parallel reads. What the page cache holds is asked, not guessed."""
@@ -106,11 +99,10 @@ def test_auto_on_a_gpu_chooses_by_the_page_cache(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(fl, "fastsafetensors_available", lambda: True)
     gpu = torch.device("cuda", 0)
     path.read_bytes()
-    assert fl.page_cached_fraction([path]) == 1.0
+    assert page_cache.cached_fraction([path]) == 1.0
     assert choose_loader("auto", gpu, [path]) == "safetensors"
-    os.sync()  # written pages must be clean to be evicted
-    _evict(path)
-    cold = fl.page_cached_fraction([path])
+    page_cache.evict(path)
+    cold = page_cache.cached_fraction([path])
     if cold is None or cold >= fl.WARM_FRACTION:
         pytest.skip(f"this kernel kept the file cached after POSIX_FADV_DONTNEED ({cold})")
     assert choose_loader("auto", gpu, [path]) == "fastsafetensors"

@@ -45,7 +45,6 @@ from image_datasets.dataset import (
 )
 from image_datasets.validation import check_before_training
 from trainer import checkpoint as ckpt
-from trainer.activation_offload import checkpointing_func
 from trainer.adapters import trained_weights
 from trainer.config import TrainConfig, config_to_yaml
 from trainer.errors import ConfigError, DataError, TrainingDiverged, TrainingInterrupted

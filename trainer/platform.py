@@ -134,8 +134,9 @@ def compile_decision(cfg: TrainConfig, device: torch.device, spec: Optional[Quan
 
     ``compile: null`` (auto) compiles on CUDA where triton is installed, for runs of at least
     ``COMPILE_MIN_STEPS`` steps, except blocks quantized with quanto (its CUDA kernels have no fake
-    implementations for the compiler's tracing); ``true`` and ``false`` decide. On an H100 a compiled block step was 1.9x faster than eager (0.637 against
-    1.212 s/step, diffusers' own Qwen-Image LoRA step, ../shared/gpu-runs).
+    implementations for the compiler's tracing); ``true`` and ``false`` decide. On an H100 a compiled
+    block step was 1.9x faster than eager (0.637 against 1.212 s/step, diffusers' own Qwen-Image LoRA
+    step, ../shared/gpu-runs).
     """
     if cfg.compile is not None:
         if cfg.compile and device.type == "cuda" and not _has_triton():

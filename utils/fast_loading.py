@@ -38,6 +38,8 @@ from loguru import logger
 from safetensors import safe_open
 from safetensors import torch as safetensors_torch
 
+from utils.page_cache import cached_fraction
+
 PathLike = Union[str, os.PathLike]
 Device = Union[str, int, torch.device]
 Tensors = Dict[str, torch.Tensor]
@@ -117,45 +119,11 @@ def choose_loader(loader: str, device: Device, files: Sequence[PathLike] = ()) -
         return loader
     if torch.device(device).type != "cuda" or not fastsafetensors_available():
         return "safetensors"
-    cached = page_cached_fraction(files) if files else None
+    cached = cached_fraction(files) if files else None
     return "safetensors" if cached is not None and cached >= WARM_FRACTION else "fastsafetensors"
 
 
 WARM_FRACTION = 0.5  # files at least this much in the page cache count as warm
-
-
-def page_cached_fraction(files: Sequence[PathLike]) -> Optional[float]:
-    """The share of the files' bytes in the OS page cache (Linux ``mincore``); None where unknown."""
-    import ctypes
-    import mmap
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    except (OSError, AttributeError):  # no libc with mmap/mincore (not Linux)
-        return None
-    cached = total = 0
-    for path in files:
-        size = os.path.getsize(path)
-        if size == 0:
-            continue
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        with open(path, "rb") as fh:
-            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fh.fileno(), 0)
-        if address in (None, ctypes.c_void_p(-1).value):
-            return None
-        try:
-            residency = (ctypes.c_ubyte * pages)()
-            if libc.mincore(address, size, residency) != 0:
-                return None
-            cached += sum(b & 1 for b in bytes(residency))
-            total += pages
-        finally:
-            libc.munmap(address, size)
-    return cached / total if total else None
 
 
 def _warn_fallback(exc: BaseException) -> None:
