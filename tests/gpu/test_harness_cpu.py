@@ -218,3 +218,30 @@ def test_gpu_report_dry_run(tmp_path: Path) -> None:
     assert len(memory_rows) == len(gpu_report.MEMORY_ROWS) and not any("failed" in r for r in memory_rows)
     startup_rows = [line for line in text.splitlines() if line.startswith(("| python |", "| accelerate launch |"))]
     assert len(startup_rows) == 4 and not any("failed" in r for r in startup_rows), startup_rows
+
+
+@pytest.mark.parametrize("family", ["qwen_image", "flux"])
+def test_a_step_neither_casts_nor_copies_frozen_weights(family: str) -> None:
+    """Frozen weights are stored in the compute dtype, so a bf16 step reads them as they are: no
+    cast or copy of a frozen weight per step (those would be whole-model copies on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    with harness.rig_session(family, CPU, torch.bfloat16, scale=TINY, resolution=RES) as rig:
+        frozen = {t.untyped_storage().data_ptr() for _, t in rig.transformer.named_parameters() if not t.requires_grad}
+        assert all(p.dtype == torch.bfloat16 for p in rig.transformer.parameters() if not p.requires_grad)
+        copies = {"frozen": 0, "all": 0}
+
+        class Copies(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.clone.default):
+                    source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+                    copies["all"] += 1
+                    copies["frozen"] += source.untyped_storage().data_ptr() in frozen
+                return func(*args, **(kwargs or {}))
+
+        batch = harness.random_batch(rig.family, rig.config, RES, CPU, torch.bfloat16)
+        gen = torch.Generator().manual_seed(0)
+        harness.train_step(rig, batch, gen)  # the first step creates the optimizer state
+        with Copies():
+            harness.train_step(rig, batch, gen)
+    assert copies["all"] > 10 and copies["frozen"] == 0, copies
