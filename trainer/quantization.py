@@ -18,6 +18,7 @@ from typing import Iterable, List, Optional
 
 import torch
 from loguru import logger
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm.auto import tqdm
 
 from trainer.config import TrainConfig
@@ -83,8 +84,6 @@ def quantized_linears(module: torch.nn.Module) -> List[torch.nn.Module]:
 
 def is_quantized(tensor: Optional[torch.Tensor]) -> bool:
     """Whether ``tensor`` is a quantized weight: a tensor subclass holding its data in inner tensors."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     return tensor is not None and is_traceable_wrapper_subclass(tensor)
 
 
