@@ -19,6 +19,8 @@ import torch
 from loguru import logger
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from utils.fast_loading import assign_tensor
+
 
 class BlockSwapper:
     """Swap the frozen weights of ``blocks[-count:]`` between host and ``device``."""
@@ -47,14 +49,8 @@ class BlockSwapper:
         return host
 
     def _assign(self, index: int, tensors: Dict[str, torch.Tensor]) -> None:
-        block = self.blocks[index]
         for name, tensor in tensors.items():
-            owner_name, _, leaf = name.rpartition(".")
-            owner = block.get_submodule(owner_name)
-            if leaf in owner._parameters:
-                owner._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
-            else:
-                owner._buffers[leaf] = tensor
+            assign_tensor(self.blocks[index], name, tensor)
 
     def _fetch(self, index: int) -> None:
         """Start copying block ``index`` to the device (on the side stream on CUDA)."""

@@ -467,7 +467,9 @@ def _target_dtype(name: str, tensor: torch.Tensor, empty: torch.Tensor, dtype: O
     return torch.float32 if any(m in parts for m in keep_fp32) else dtype
 
 
-def _assign(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+def assign_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Put ``value`` in place of the frozen parameter or buffer ``name`` (a dotted path) of ``model``:
+    the module gets a new object, so a tensor subclass (a quantized weight) arrives whole."""
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     if leaf in owner._parameters:
@@ -490,7 +492,7 @@ def _fill(model: torch.nn.Module, shard: Tensors, expected: Mapping[str, torch.T
             raise ValueError(f"'{name}' has shape {tuple(tensor.shape)} in the checkpoint but "
                              f"{tuple(expected[name].shape)} in the model")
         target = _target_dtype(name, tensor, expected[name], dtype, keep_fp32)
-        _assign(model, name, tensor.to(device=device, dtype=target).contiguous())
+        assign_tensor(model, name, tensor.to(device=device, dtype=target).contiguous())
         loaded.add(name)
     return loaded, unexpected
 
