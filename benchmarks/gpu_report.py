@@ -448,6 +448,8 @@ def startup_section(run: Run) -> str:
                      "accelerate launch": [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
                                            "--num_machines", "1", "--mixed_precision", precision,
                                            "--dynamo_backend", "no", *(["--cpu"] if run.device.type == "cpu" else [])]}
+        if run.dry_run:  # the script's own check: one launcher is enough
+            launchers.pop("accelerate launch")
         for launcher, prefix in launchers.items():
             for cache in ("first run", "cache on disk"):
                 out = Path(tmp) / "out"
