@@ -441,7 +441,8 @@ class Trainer:
                     grad_norm = self._clip_gradients()
                     if acc.sync_gradients:
                         step_loss, grad_norm = self._read_step(losses, grad_norm)
-                        self._optimizer_step(math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm)))
+                        finite = math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm))
+                        self._optimizer_step(finite)
                 if not acc.sync_gradients:
                     continue
                 self.global_step += 1
@@ -626,7 +627,6 @@ class Trainer:
                            "attention_backend": self.attention.name})
         self.accelerator.end_training()
         return final
-
 
     def _log_wall_time(self) -> None:
         """Where the run's seconds went, start-up included (imports, set-up, cache pass, loading)."""

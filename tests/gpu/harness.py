@@ -370,8 +370,8 @@ def build_rig(family: str, device: torch.device | str = "cuda", dtype: torch.dty
         check_available(spec)
     _reset_peak(device)
     start = time.perf_counter()
-    transformer = build_transformer(fam, model_dir, device, dtype, on_host=transformer_load_device(cfg, device) != device,
-                                    seed=seed)
+    on_host = transformer_load_device(cfg, device) != device
+    transformer = build_transformer(fam, model_dir, device, dtype, on_host=on_host, seed=seed)
     torch.manual_seed(seed)  # LoRA's A matrices draw from the global RNG
     weights = trained_weights(cfg, fam.lora_presets, fam.pipeline_class)
     tokens = attention_shape(family, resolution, scale)[2]

@@ -231,9 +231,11 @@ def test_a_step_neither_casts_nor_copies_frozen_weights(family: str) -> None:
         assert all(p.dtype == torch.bfloat16 for p in rig.transformer.parameters() if not p.requires_grad)
         copies = {"frozen": 0, "all": 0}
 
+        copy_ops = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.clone.default)
+
         class Copies(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.clone.default):
+                if func in copy_ops:
                     source = args[1] if func is torch.ops.aten.copy_.default else args[0]
                     copies["all"] += 1
                     copies["frozen"] += source.untyped_storage().data_ptr() in frozen
