@@ -343,6 +343,8 @@ class Rig:
                 handle.remove()
         self.transformer = self.optimizer = self.swapper = None
         self.params, self.blocks = [], []
+        if self.compiled:  # the compiled code's caches keep the blocks (and their GPU memory) alive
+            torch._dynamo.reset()
         if self.device.type == "cuda":  # a full pass over the heap: worth it only for device memory
             gc.collect()
             torch.cuda.empty_cache()
