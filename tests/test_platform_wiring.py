@@ -139,20 +139,26 @@ def test_fp8_is_refused_without_compile(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.e2e
 def test_compiled_and_eager_steps_agree(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
     """compile: true (inductor on the CPU here) trains the same trajectory as eager, and the run
-    reports the first step's compilation and where its start-up seconds went."""
+    reports its first step (the compilation) and where its start-up seconds went."""
     import json
 
     from conftest import read_losses
 
     args = [f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
             "max_train_steps=4", "report_to=none", "lora_dropout=0"]
+    from torch._dynamo.utils import counters
+
     eager = train_in_process("train_configs/quickstart_tiny.yaml", "qwen_image", *args, f"output_dir={tmp_path / 'e'}")
+    graphs_before = counters["stats"]["unique_graphs"]
     compiled = train_in_process("train_configs/quickstart_tiny.yaml", "qwen_image", *args, "compile=true",
                                 f"output_dir={tmp_path / 'c'}")
+    graphs = counters["stats"]["unique_graphs"] - graphs_before
     assert not eager.compiled and compiled.compiled
     assert all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in compiled.transformer.transformer_blocks)
     assert read_losses(tmp_path / "c") == pytest.approx(read_losses(tmp_path / "e"), rel=1e-4, abs=1e-6)
     summary = json.loads((tmp_path / "c" / "summary.json").read_text())
     assert summary["compiled"] and summary["first_step_s"] == compiled.first_step_s
-    assert compiled.first_step_s > 10 * eager.first_step_s, "the first compiled step paid the compilation"
+    # The blocks' forward (with grad, and its recomputation in backward) became compiled graphs, shared
+    # by both blocks: not one per block per step.
+    assert 1 <= graphs <= 4, graphs
     assert set(summary["wall_seconds"]) >= {"setup", "prepare_data", "setup_model", "train"}
