@@ -196,3 +196,16 @@ def test_the_loop_reads_the_device_once_per_step(tiny_qwen_image: Path, sample_d
 def _run_in(mode, fn, *args):
     with mode:
         return fn(*args)
+
+
+def test_attention_is_timed_at_the_runs_longest_sequence(tiny_qwen_image: Path, sample_data: Path,
+                                                         tmp_path: Path) -> None:
+    """On a GPU the kernels are timed at the largest bucket's image tokens plus its cached caption's
+    text tokens; on the CPU nothing is timed."""
+    trainer = run_in_process(*overrides(tiny_qwen_image, sample_data, tmp_path, "max_train_steps=1"))
+    assert trainer._attention_tokens() is None
+    trainer.device = torch.device("cuda")  # what the engine asks on a GPU (nothing runs on it here)
+    largest = max(trainer.samples, key=lambda s: s.size[0] * s.size[1])
+    text = trainer.text_cache.get(trainer._text_key(largest.caption))["prompt_embeds"].shape[0]
+    side = largest.size[0] * 2 // trainer.family.pixel_multiple  # latent side; 2x2 patches
+    assert trainer._attention_tokens() == (side // 2) ** 2 + text

@@ -217,11 +217,10 @@ class Trainer:
     def _plot_timestep_density(self) -> None:
         """What the configured sampler and shift draw, at the most common training size."""
         cfg, size = self.cfg, max({s.size for s in self.samples}, key=[s.size for s in self.samples].count)
-        latent = (size[1] * 2 // self.family.pixel_multiple, size[0] * 2 // self.family.pixel_multiple)
         sigmas = sample_sigmas(20_000, cfg.timestep_sampling, torch.Generator().manual_seed(0), cfg.logit_mean,
                                cfg.logit_std, cfg.mode_scale, cfg.sigmoid_scale)
-        sigmas = apply_shift(sigmas, cfg.timestep_shift, self.family.image_seq_len(latent),
-                             self.family.scheduler_config, cfg.shift)
+        sigmas = apply_shift(sigmas, cfg.timestep_shift, self._image_tokens(size), self.family.scheduler_config,
+                             cfg.shift)
         plot_histogram(sigmas.tolist(), self.output_dir / "timestep_density.png",
                        f"{cfg.timestep_sampling} + shift {cfg.timestep_shift} at {size[0]}x{size[1]}")
 
@@ -361,14 +360,18 @@ class Trainer:
         caption's text tokens): the attention kernels are timed at it on a GPU. None on the CPU."""
         if self.device.type != "cuda":
             return None
-        f = self.family
-        tokens = lambda size: f.image_seq_len((size[1] * 2 // f.pixel_multiple, size[0] * 2 // f.pixel_multiple))  # noqa: E731
-        sample = max(self.samples, key=lambda s: tokens(s.size) + sum(tokens(r) for r in s.reference_sizes))
+        image = lambda s: self._image_tokens(s.size) + sum(map(self._image_tokens, s.reference_sizes))  # noqa: E731
+        sample = max(self.samples, key=image)
         text = 256  # when captions are encoded live
         key = self._text_key(sample.caption, sample.references)
         if self.cfg.precompute_text_embeddings and key in self.text_cache:
             text = max(t.shape[0] for t in self.text_cache.get(key).values() if t.ndim >= 2)
-        return tokens(sample.size) + sum(tokens(r) for r in sample.reference_sizes) + text
+        return image(sample) + text
+
+    def _image_tokens(self, size: Tuple[int, int]) -> int:
+        """Image tokens of a ``(width, height)`` in pixels (the latent is ``2 / pixel_multiple`` of it)."""
+        f = self.family
+        return f.image_seq_len((size[1] * 2 // f.pixel_multiple, size[0] * 2 // f.pixel_multiple))
 
     def _save_model_hook(self, models: List[torch.nn.Module], weights: List[Any], output_dir: str) -> None:
         """Save what trains (LoRA file, or the sharded transformer) instead of accelerate's default."""
