@@ -130,6 +130,18 @@ def test_predict_is_the_pipelines_transformer_call(pipe: FluxPipeline, tiny_flux
                        [unpack(call["hidden_states"])])
 
 
+
+def test_image_position_ids_are_built_once_per_bucket() -> None:
+    """The pipeline builds them on the host; moved to a GPU every step, they synchronized the stream."""
+    from trainer.families.flux import _image_ids
+
+    cpu = torch.device("cpu")
+    ids = _image_ids(5, 8, cpu, torch.bfloat16)
+    assert torch.equal(ids, FluxPipeline._prepare_latent_image_ids(1, 5, 8, cpu, torch.bfloat16))
+    assert _image_ids(5, 8, cpu, torch.bfloat16) is ids
+    other = _image_ids(8, 5, cpu, torch.bfloat16)
+    assert other.shape == ids.shape and not torch.equal(other, ids)
+
 # -- text and images --------------------------------------------------------------------------------
 def test_text_conditions_match_the_pipeline(pipe: FluxPipeline, tiny_flux: Path) -> None:
     family = family_for(tiny_flux)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from diffusers import QwenImagePipeline
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from conftest import train_in_process, run_entry
 from trainer.engine import Trainer
@@ -163,17 +164,20 @@ def test_resume_latest_continues_from_the_checkpoint(tiny_qwen_image: Path, samp
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_the_loop_reads_the_device_once_per_step(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_loop_never_waits_for_the_step_it_queued(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU every scalar read of a device tensor waits for the queued work. The loop's own code
-    makes one read per optimizer step (loss and gradient norm together, after backward is queued),
-    and no .item()/bool()/float() on tensors besides."""
+    makes none; each step's loss and gradient norm reach the host through ``StepReadout`` only, and
+    with the CUDA setting (``lag=1``, forced here) step k is read after step k+1 has been queued.
+    A NaN step is skipped on the device, and the run logs and trains exactly as with ``lag=0``."""
     import traceback
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    import trainer.engine as engine
+    from trainer.async_step import StepReadout
+
     engine_reads: List[str] = []
-    step_reads: List[float] = []
 
     class ScalarReads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -183,14 +187,113 @@ def test_the_loop_reads_the_device_once_per_step(tiny_qwen_image: Path, sample_d
                     engine_reads.append(f"engine.py:{caller.lineno}")
             return func(*args, **(kwargs or {}))
 
-    loop, read_step = Trainer._loop, Trainer._read_step
+    loop, training_step = Trainer._loop, Trainer.training_step
     monkeypatch.setattr(Trainer, "_loop", lambda self, progress: _run_in(ScalarReads(), loop, self, progress))
-    monkeypatch.setattr(Trainer, "_read_step", lambda self, *a: step_reads.append(1) or read_step(self, *a))
-    run_in_process(*overrides(tiny_qwen_image, sample_data, tmp_path, "max_train_steps=3", "mixed_precision=bf16",
-                              "gradient_accumulation_steps=2", "checkpointing_steps=100"))
+    # Micro-batches 4 and 5 make optimizer step 3 (accumulation 2): its loss is NaN.
+    monkeypatch.setattr(Trainer, "training_step", lambda self, batch, micro: training_step(self, batch, micro)
+                        * (float("nan") if micro in (4, 5) else 1.0))
+    runs = {}
+    for lag in (0, 1):
+        pushed: List[int] = []
+        returned: List[List[int]] = []
+
+        class Readout(StepReadout):
+            def __init__(self, device, lag, forced=lag):
+                super().__init__(device, forced)
+
+            def push(self, values, step, epoch, lr):
+                pushed.append(step)
+                records = super().push(values, step, epoch, lr)
+                returned.append([r.step for r in records])
+                return records
+
+        monkeypatch.setattr(engine, "StepReadout", Readout)
+        out = tmp_path / f"lag{lag}"
+        trainer = run_in_process(*overrides(tiny_qwen_image, sample_data, out, "max_train_steps=5",
+                                            "mixed_precision=bf16", "gradient_accumulation_steps=2",
+                                            "checkpointing_steps=100"))
+        assert trainer.skip_on_device, "torch's fused AdamW skips a NaN step itself"
+        assert pushed == [1, 2, 3, 4, 5], "one push per optimizer step, not per micro-batch"
+        assert returned == ([[1], [2], [3], [4], [5]] if lag == 0 else [[], [1], [2], [3], [4]])
+        runs[lag] = metrics(out), load_file(str(out / "pytorch_lora_weights.safetensors"))
     assert engine_reads == [], f"scalar reads in the loop's code: {engine_reads}"
-    assert len(step_reads) == 3, "one read per optimizer step, not per micro-batch"
-    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3] and all("grad_norm" in r for r in metrics(tmp_path))
+    logged, weights = runs[1]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5] and all("grad_norm" in r for r in logged)
+    assert math.isnan(logged[2]["loss"]) and all(math.isfinite(r["loss"]) for i, r in enumerate(logged) if i != 2)
+    assert _same_metrics(logged, runs[0][0])
+    assert all(torch.isfinite(w).all() for w in weights.values()), "the NaN step was applied"
+    assert weights.keys() == runs[0][1].keys() and all(torch.equal(weights[k], runs[0][1][k]) for k in weights)
+
+
+def test_steps_copy_no_frozen_weight(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under bf16 autocast the frozen weights are used as stored (bf16): a step casts or copies none
+    of them, so no weight-sized copy kernel runs per step. (The LoRA weights are fp32 masters that
+    autocast casts, a few MB in all.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    copied: List[str] = []
+
+    class Copies(TorchDispatchMode):
+        def __init__(self, frozen: Dict[int, str]):
+            super().__init__()
+            self.frozen = frozen
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.clone.default) and \
+                    isinstance(args[0], torch.Tensor) and args[0].data_ptr() in self.frozen:
+                copied.append(self.frozen[args[0].data_ptr()])
+            return func(*args, **(kwargs or {}))
+
+    def loop(self, progress) -> None:
+        frozen = {p.data_ptr(): n for n, p in self.transformer.named_parameters() if not p.requires_grad}
+        assert {p.dtype for n, p in self.transformer.named_parameters() if not p.requires_grad} == {torch.bfloat16}
+        _run_in(Copies(frozen), original, self, progress)
+
+    original = Trainer._loop
+    monkeypatch.setattr(Trainer, "_loop", loop)
+    run_in_process(*overrides(tiny_qwen_image, sample_data, tmp_path, "max_train_steps=2", "mixed_precision=bf16",
+                              "checkpointing_steps=100", "lora_target=all_linear"))
+    assert copied == [], f"frozen weights copied in a step: {sorted(set(copied))}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_steps_on_cuda_make_no_synchronizing_call(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, a step adds no synchronizing CUDA call (a blocking copy, ``.item()``, a stream sync):
+    torch's sync debug mode counts them over the whole loop, and 8 steps must make no more than 4
+    (start-up and the final save make the same ones in both)."""
+    import warnings
+
+    loop, syncs = Trainer._loop, {}
+
+    def counted(self, progress) -> None:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loop(self, progress)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        syncs[self.cfg.max_train_steps] = [f"{w.filename}:{w.lineno}" for w in caught
+                                           if "synchronizing" in str(w.message)]
+
+    monkeypatch.setattr(Trainer, "_loop", counted)
+    for steps in (4, 8):
+        trainer = run_in_process(*overrides(tiny_qwen_image, sample_data, tmp_path / str(steps),
+                                            f"max_train_steps={steps}", "mixed_precision=bf16",
+                                            "checkpointing_steps=1000"))
+        assert trainer.device.type == "cuda" and trainer.readout.lag == 1
+    extra = len(syncs[8]) - len(syncs[4])
+    assert extra <= 0, f"{extra / 4:.1f} synchronizing calls per step; the 8-step run's: {syncs[8]}"
+
+
+def _same_metrics(a: List[Dict], b: List[Dict]) -> bool:
+    """Equal records, NaN equal to NaN."""
+    def norm(r: Dict) -> Dict:
+        return {k: ("nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+    return [norm(r) for r in a] == [norm(r) for r in b]
 
 
 def _run_in(mode, fn, *args):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import random
 import shutil
@@ -21,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, set_seed
 from diffusers.training_utils import EMAModel
 from loguru import logger
 from safetensors.torch import load_file, save_file
@@ -46,6 +45,7 @@ from image_datasets.dataset import (
 from image_datasets.validation import check_before_training
 from trainer import checkpoint as ckpt
 from trainer.adapters import trained_weights
+from trainer.async_step import StepReadout, StepRecord, arm_device_skip, device_skip_supported, step_values, to_device
 from trainer.config import TrainConfig, config_to_yaml
 from trainer.errors import ConfigError, DataError, TrainingDiverged, TrainingInterrupted
 from trainer.signals import GracefulStop
@@ -349,11 +349,24 @@ class Trainer:
         # The transformer is already placed (swapped blocks must stay in host memory).
         self.transformer, self.optimizer, self.lr_scheduler = self.accelerator.prepare(
             transformer, optimizer, lr_scheduler, device_placement=[False, None, None])
+        self.raw_optimizer = optimizer  # the one that reads `found_inf` (accelerate wraps it)
+        self.skip_on_device = self._skips_on_device(optimizer)
+        # A step's numbers are read a step late where that lets the GPU run ahead: CUDA, and an
+        # optimizer that needs no read before it steps.
+        self.readout = StepReadout(self.device, lag=int(self.skip_on_device and self.device.type == "cuda"))
         self.ema = EMAModel(self.params, decay=cfg.ema_decay) if cfg.ema_decay else None
         self.accelerator.register_save_state_pre_hook(self._save_model_hook)
         self.accelerator.register_load_state_pre_hook(self._load_model_hook)
         if self.resume_from is not None:
             self._resume(self.resume_from)
+
+    def _skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the NaN guard can run on the device (no read before the step): fused AdamW, no fp16
+        loss scaler (it sets ``found_inf`` itself), and DDP or one process (FSDP and DeepSpeed step
+        their own way)."""
+        acc = self.accelerator
+        return (device_skip_supported(optimizer) and acc.scaler is None
+                and acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU))
 
     def _attention_tokens(self) -> Optional[int]:
         """The run's longest joint sequence (the largest bucket's image tokens, its references', a
@@ -411,6 +424,7 @@ class Trainer:
                 self._validate()  # the base model's samples, to compare against
             self.last_step_at = time.perf_counter()  # the first step is timed too (compilation)
             self._loop(progress)
+            self._account(self.readout.flush(), progress)
         progress.close()
         steps = self.global_step - first_step
         self.train_seconds = time.perf_counter() - start
@@ -443,43 +457,64 @@ class Trainer:
                     self.swapper.release_all()
                     grad_norm = self._clip_gradients()
                     if acc.sync_gradients:
-                        step_loss, grad_norm = self._read_step(losses, grad_norm)
-                        finite = math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm))
-                        self._optimizer_step(finite)
+                        records = self._step(losses, grad_norm)
                 if not acc.sync_gradients:
                     continue
                 self.global_step += 1
                 self.batches_done_in_epoch = (micro + 1) // cfg.gradient_accumulation_steps
-                self._log_step(step_loss, grad_norm, progress)
+                self._account(records, progress)
                 losses = []
                 if self.validation.due(self.global_step):
                     self._validate()
                 if self._should_checkpoint():
+                    self._account(self.readout.flush(), progress)
                     self.save_checkpoint()
                 if self.global_step >= cfg.max_train_steps or self.stop.requested:
                     return
             self.epoch += 1
             self.batches_done_in_epoch = 0
 
+    def _step(self, losses: List[torch.Tensor], grad_norm: Optional[torch.Tensor]) -> List[StepRecord]:
+        """The optimizer step, skipped when the loss or gradient norm is not finite (NaN guard).
+
+        Where the optimizer can skip on the device (fused AdamW) it does, and on CUDA this step's
+        numbers reach the host a step later (``StepReadout``); the learning-rate schedule and EMA then
+        advance on a skipped step too. Otherwise the host reads the numbers first and decides."""
+        loss = self.accelerator.gather(torch.stack(losses)).float().mean()  # every micro-batch and process
+        values = step_values(loss, grad_norm)
+        known = dict(step=self.global_step + 1, epoch=self.epoch, lr=self.lr_scheduler.get_last_lr()[0])
+        if self.skip_on_device:
+            arm_device_skip(self.raw_optimizer, values)
+            self._optimizer_step(ok=True)
+            return self.readout.push(values, **known)
+        records = self.readout.push(values, **known)
+        self._optimizer_step(ok=records[-1].finite)
+        return records
+
     def _optimizer_step(self, ok: bool) -> None:
-        """Step, or skip a step whose loss or gradients are not finite (NaN guard)."""
         if ok:
             self.optimizer.step()
             self.lr_scheduler.step()
             if self.ema is not None:
                 self.ema.step(self.params)
-            self.bad_steps = 0
-        else:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _account(self, records: List[StepRecord], progress: tqdm) -> None:
+        """Log steps whose numbers have reached the host; stop after too many non-finite ones in a row."""
+        for record in records:
+            self._log_step(record, progress)
+            if record.finite:
+                self.bad_steps = 0
+                continue
             self.bad_steps += 1
-            logger.warning(f"step {self.global_step + 1}: non-finite loss or gradient, step skipped "
+            logger.warning(f"step {record.step}: non-finite loss or gradient, step skipped "
                            f"({self.bad_steps}/{self.cfg.max_nonfinite_steps} in a row)")
             if self.bad_steps >= self.cfg.max_nonfinite_steps:
                 raise TrainingDiverged(
                     f"{self.bad_steps} steps in a row had a non-finite loss or gradient at step "
-                    f"{self.global_step + 1}: training stopped. The last good checkpoint is kept "
+                    f"{record.step}: training stopped. The last good checkpoint is kept "
                     f"({ckpt.latest_checkpoint(self.output_dir) or 'none yet'}). Likely causes: a learning "
                     f"rate too high ({self.cfg.learning_rate:g}) or fp16 overflow (try mixed_precision: bf16).")
-        self.optimizer.zero_grad(set_to_none=True)
 
     def _should_checkpoint(self) -> bool:
         step = self.global_step
@@ -503,11 +538,11 @@ class Trainer:
             rng = random.Random(seed)
             captions = [shuffle_tags(c, rng, keep=1 if cfg.data_config.trigger_word else 0) for c in captions]
         text = self._batch_text(captions, batch["index"], drop)
-        noise = torch.randn(latents.shape, generator=gen).to(self.device)
+        noise = to_device(torch.randn(latents.shape, generator=gen), self.device)
         sigmas = sample_sigmas(b, cfg.timestep_sampling, gen, cfg.logit_mean, cfg.logit_std, cfg.mode_scale,
                                cfg.sigmoid_scale)
-        sigmas = apply_shift(sigmas, cfg.timestep_shift, self.family.image_seq_len(latents.shape),
-                             self.family.scheduler_config, cfg.shift).to(self.device)
+        sigmas = to_device(apply_shift(sigmas, cfg.timestep_shift, self.family.image_seq_len(latents.shape),
+                                       self.family.scheduler_config, cfg.shift), self.device)
         noisy = add_noise(latents, noise, sigmas).to(self.weight_dtype)
         with self.accelerator.autocast():
             prediction = self.family.predict(self.transformer, noisy, sigmas, text, references)
@@ -516,8 +551,8 @@ class Trainer:
     def _batch_latents(self, batch: Dict[str, Any]) -> torch.Tensor:
         if self.cfg.precompute_image_embeddings:
             latents = [self.latent_cache.get(self._latent_key(i))["latents"] for i in batch["index"]]
-            return torch.stack(latents).to(self.device, torch.float32)
-        return self.family.encode_images(batch["pixels"]).to(self.device, torch.float32)
+            return to_device(torch.stack(latents), self.device, torch.float32)
+        return to_device(self.family.encode_images(batch["pixels"]), self.device, torch.float32)
 
     def _batch_references(self, indices: List[int]) -> List[torch.Tensor]:
         """One ``(B, C, h, w)`` tensor per reference slot (samples of a batch share their sizes)."""
@@ -526,7 +561,7 @@ class Trainer:
             fetch = lambda i, k: self.latent_cache.get(self._latent_key(i, k))["latents"]  # noqa: E731
         else:
             fetch = lambda i, k: self._encode_image(i, k)[0]  # noqa: E731
-        return [torch.stack([fetch(i, k) for i in indices]).to(self.device, self.weight_dtype)
+        return [to_device(torch.stack([fetch(i, k) for i in indices]), self.device, self.weight_dtype)
                 for k in range(slots)]
 
     def _batch_text(self, captions: List[str], indices: List[int], drop: List[bool]) -> Dict[str, Any]:
@@ -553,19 +588,11 @@ class Trainer:
             return None
         return self.accelerator.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
 
-    def _read_step(self, losses: List[torch.Tensor], grad_norm: Any) -> Tuple[float, Optional[float]]:
-        """The step's mean loss (its micro-batches, every process) and gradient norm, copied to the
-        host in one transfer: the step's only wait for the GPU, after backward has been queued."""
-        loss = self.accelerator.gather(torch.stack(losses)).float().mean()
-        values = [loss] if grad_norm is None else [loss, torch.as_tensor(grad_norm, device=loss.device).float()]
-        read = torch.stack(values).tolist()
-        return read[0], (read[1] if grad_norm is not None else None)
-
     def _all_finite(self, loss: torch.Tensor) -> bool:
         return bool(torch.isfinite(self.accelerator.gather(loss.detach())).all())
 
-    def _log_step(self, loss: float, grad_norm: Optional[float], progress: tqdm) -> None:
-        lr = self.lr_scheduler.get_last_lr()[0]
+    def _log_step(self, record: StepRecord, progress: tqdm) -> None:
+        loss, grad_norm, lr = record.loss, record.grad_norm, record.lr
         now = time.perf_counter()
         step_time, self.last_step_at = now - self.last_step_at, now
         if self.first_step_s is None:
@@ -573,19 +600,19 @@ class Trainer:
         self.loss_avg = loss if not hasattr(self, "loss_avg") else 0.9 * self.loss_avg + 0.1 * loss
         progress.update(1)
         progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
-        if self.global_step % self.cfg.log_every_n_steps:
+        if record.step % self.cfg.log_every_n_steps:
             return
         logs = {"loss": loss, "loss_smoothed": self.loss_avg, "lr": lr,
                 **({"grad_norm": grad_norm} if grad_norm is not None else {})}
         if step_time > 0:
             samples = self.cfg.batch_size * self.cfg.gradient_accumulation_steps * self.accelerator.num_processes
             logs.update(step_time_s=step_time, samples_per_s=samples / step_time)
-        self.accelerator.log(logs, step=self.global_step)
+        self.accelerator.log(logs, step=record.step)
         if self.is_main:
-            record = {"step": self.global_step, "epoch": self.epoch, "loss": loss, "lr": lr,
-                      **({"grad_norm": grad_norm} if grad_norm is not None else {})}
+            line = {"step": record.step, "epoch": record.epoch, "loss": loss, "lr": lr,
+                    **({"grad_norm": grad_norm} if grad_norm is not None else {})}
             with open(self.output_dir / METRICS_NAME, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+                fh.write(json.dumps(line) + "\n")
 
     # -- checkpoints and output -------------------------------------------------------------------
     def _export_ema(self, model: torch.nn.Module) -> None:

@@ -10,6 +10,8 @@ from loguru import logger
 
 from trainer.config import TrainConfig
 
+FUSED_DEVICES = ("cuda", "cpu")  # where torch's fused AdamW has kernels (of the devices we run on)
+
 
 def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW, bitsandbytes' 8-bit AdamW (``adam8bit: true`` / ``optimizer: adamw8bit``) or Adafactor.
@@ -32,6 +34,14 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter]) -> t
             return bnb.optim.AdamW8bit(params, **kwargs)
         except (ImportError, RuntimeError) as exc:
             logger.warning(f"8-bit AdamW unavailable ({exc.__class__.__name__}: {exc}); using torch AdamW")
+    return adamw(params, **kwargs)
+
+
+def adamw(params: List[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
+    """torch's AdamW, fused where its kernel runs: one kernel per step instead of several per tensor
+    group, and it can skip a non-finite step on the device (``trainer.async_step``)."""
+    if all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params):
+        return torch.optim.AdamW(params, fused=True, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
 
 

@@ -3,6 +3,7 @@ MMDiT transformer with 2x2 packing, position ids and the distilled-guidance embe
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -11,6 +12,7 @@ from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from trainer.adapters import TargetSpec
+from trainer.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, ShiftScaleLatents, Tensors, from_pretrained, unpack_latents
 
@@ -45,6 +47,13 @@ FLUX_LORA_PRESETS: Dict[str, TargetSpec] = {
     "all_linear": _blocks(f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_ATTN}|{_SINGLE_MLP}", _OUTER),
 }
 
+
+
+@functools.lru_cache(maxsize=32)
+def _image_ids(rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The pipeline's image position ids, built once per bucket and device: the pipeline builds them
+    on the host, and copying them to the GPU every step synchronized the stream."""
+    return FluxPipeline._prepare_latent_image_ids(1, rows, cols, device, dtype)
 
 class FluxFamily(ShiftScaleLatents, FamilyBase):
     """FLUX.1-dev text-to-image (``black-forest-labs/FLUX.1-dev`` or a folder of the same layout)."""
@@ -99,7 +108,7 @@ class FluxFamily(ShiftScaleLatents, FamilyBase):
 
     def collate_text(self, conds: Sequence[Tensors], device: torch.device, dtype: torch.dtype) -> Tensors:
         # Every T5 sequence is max_sequence_length long, so the batch stacks without a mask.
-        return {key: torch.stack([c[key] for c in conds]).to(device, dtype)
+        return {key: to_device(torch.stack([c[key] for c in conds]), device, dtype)
                 for key in ("prompt_embeds", "pooled_prompt_embeds")}
 
     def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
@@ -137,7 +146,7 @@ class FluxFamily(ShiftScaleLatents, FamilyBase):
             encoder_hidden_states=text["prompt_embeds"],
             # Text tokens sit at position 0; image tokens at their (row, column) in the packed grid.
             txt_ids=torch.zeros(text["prompt_embeds"].shape[1], 3, device=device, dtype=dtype),
-            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+            img_ids=_image_ids(h // 2, w // 2, device, dtype),
             return_dict=False,
         )[0]
         return unpack_latents(out, c, h, w)

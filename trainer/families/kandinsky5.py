@@ -15,6 +15,7 @@ from diffusers import (
 from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from trainer.adapters import TargetSpec
+from trainer.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, Tensors, pad_sequences
 from trainer.quantization import place, text_encoder_spec
@@ -82,8 +83,8 @@ class Kandinsky5Family(FamilyBase):
     def collate_text(self, conds: Sequence[Tensors], device: torch.device, dtype: torch.dtype) -> Tensors:
         qwen, mask = pad_sequences([c["prompt_embeds_qwen"] for c in conds])
         return {
-            "prompt_embeds_qwen": qwen.to(device, dtype),
-            "prompt_embeds_clip": torch.stack([c["prompt_embeds_clip"] for c in conds]).to(device, dtype),
+            "prompt_embeds_qwen": to_device(qwen, device, dtype),
+            "prompt_embeds_clip": to_device(torch.stack([c["prompt_embeds_clip"] for c in conds]), device, dtype),
             # The transformer takes no text mask: unequal lengths run one sample at a time in predict.
             "lengths": None if bool(mask.all()) else mask.sum(dim=1),
         }

@@ -13,6 +13,7 @@ from diffusers import (
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from trainer.adapters import TargetSpec
+from trainer.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import (
     FamilyBase,
@@ -81,9 +82,9 @@ class QwenImageFamily(FamilyBase):
     def collate_text(self, conds: Sequence[Tensors], device: torch.device, dtype: torch.dtype) -> Tensors:
         embeds, mask = pad_sequences([c["prompt_embeds"] for c in conds])
         return {
-            "prompt_embeds": embeds.to(device, dtype),
+            "prompt_embeds": to_device(embeds, device, dtype),
             # All-ones mask: pass none, as the pipeline does, so fast unmasked attention can run.
-            "prompt_embeds_mask": None if bool(mask.all()) else mask.to(device),
+            "prompt_embeds_mask": None if bool(mask.all()) else to_device(mask, device),
         }
 
     def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:

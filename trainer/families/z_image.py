@@ -12,6 +12,7 @@ from diffusers import AutoencoderKL, ZImagePipeline, ZImageTransformer2DModel
 from transformers import AutoModel, AutoTokenizer
 
 from trainer.adapters import TargetSpec
+from trainer.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, ShiftScaleLatents, Tensors, pad_sequences
 from trainer.quantization import place, text_encoder_spec
@@ -74,7 +75,7 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
 
     def collate_text(self, conds: Sequence[Tensors], device: torch.device, dtype: torch.dtype) -> Tensors:
         embeds, mask = pad_sequences([c["prompt_embeds"] for c in conds])
-        return {"prompt_embeds": embeds.to(device, dtype), "lengths": mask.sum(dim=1)}
+        return {"prompt_embeds": to_device(embeds, device, dtype), "lengths": mask.sum(dim=1)}
 
     def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
         """A cached condition as the pipeline's ``prompt_embeds`` (a list, one per prompt)."""
