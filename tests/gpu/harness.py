@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from trainer.adapters import trained_weights
+from trainer.async_step import StepReadout, arm_device_skip, device_skip_supported, step_values
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig, load_config
 from trainer.families import get_family
@@ -433,22 +434,35 @@ def step_loss(rig: Rig, batch: Batch, gen: torch.Generator, noise: Optional[torc
     return flow_matching_loss(prediction, velocity_target(latents, noise), sigmas, rig.cfg.loss_weighting)
 
 
-def optimizer_step(rig: Rig) -> None:
-    """Clip (as the engine, ``max_grad_norm``), step, zero the gradients."""
+def optimizer_step(rig: Rig, loss: torch.Tensor) -> torch.Tensor:
+    """Clip (as the engine, ``max_grad_norm``), step, zero the gradients; returns the step's
+    ``[loss, grad norm]`` on the device. As in the engine, an optimizer that can skips a non-finite
+    step on the device, so nothing is read back here."""
+    grad_norm = None
     if rig.cfg.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(rig.params, rig.cfg.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(rig.params, rig.cfg.max_grad_norm)
+    values = step_values(loss.detach(), grad_norm)
+    if device_skip_supported(rig.optimizer):
+        arm_device_skip(rig.optimizer, values)
     rig.optimizer.step()
     rig.optimizer.zero_grad(set_to_none=True)
+    return values
+
+
+def queue_step(rig: Rig, batch: Batch, gen: torch.Generator, noise: Optional[torch.Tensor] = None,
+               sigmas: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One optimizer step (forward, backward, clip, AdamW) queued on the device; returns its
+    ``[loss, grad norm]`` without waiting for it."""
+    with sdpa_context(rig.attention):
+        loss = step_loss(rig, batch, gen, noise, sigmas)
+        loss.backward()
+    return optimizer_step(rig, loss)
 
 
 def train_step(rig: Rig, batch: Batch, gen: torch.Generator, noise: Optional[torch.Tensor] = None,
                sigmas: Optional[torch.Tensor] = None) -> float:
-    """One optimizer step (forward, backward, clip, AdamW); returns the loss."""
-    with sdpa_context(rig.attention):
-        loss = step_loss(rig, batch, gen, noise, sigmas)
-        loss.backward()
-    optimizer_step(rig)
-    return float(loss.detach())
+    """One optimizer step; returns the loss (waits for the step)."""
+    return queue_step(rig, batch, gen, noise, sigmas)[0].item()
 
 
 # =========================================================================== measurements
@@ -518,7 +532,7 @@ class StepReport:
 
 def run_steps(rig: Rig, steps: int, resolution: int, batch_size: int = 1, seed: int = 0,
               fixed_sample: bool = False) -> StepReport:
-    """``steps`` optimizer steps on one random batch, timed one by one (device synchronised).
+    """``steps`` optimizer steps on one random batch, each timed as the engine runs it.
     ``fixed_sample``: the same noise and noise level every step too (an overfitting target)."""
     batch = random_batch(rig.family, rig.config, resolution, rig.device, rig.dtype, batch_size, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -526,14 +540,18 @@ def run_steps(rig: Rig, steps: int, resolution: int, batch_size: int = 1, seed: 
     if fixed_sample:
         noise = torch.randn(batch.latents.shape, generator=gen).to(rig.device)
         sigmas = draw_sigmas(rig, batch, gen)
+    # Run as the engine runs: the host queues step N+1 while the GPU runs step N, and reads step N's
+    # loss then (StepReadout); a step's time is the time between two such reads.
+    readout = StepReadout(rig.device, lag=int(rig.device.type == "cuda" and device_skip_supported(rig.optimizer)))
     _reset_peak(rig.device)
-    times, losses = [], []
-    for _ in range(steps):
-        _sync(rig.device)
-        start = time.perf_counter()
-        losses.append(train_step(rig, batch, gen, noise, sigmas))
-        _sync(rig.device)
-        times.append(time.perf_counter() - start)
+    _sync(rig.device)
+    reads = [(time.perf_counter(), math.nan)]  # (when a step's loss was read, the loss)
+    for step in range(steps):
+        records = readout.push(queue_step(rig, batch, gen, noise, sigmas), step + 1, 0, 0.0)
+        reads += [(time.perf_counter(), r.loss) for r in records]
+    reads += [(time.perf_counter(), r.loss) for r in readout.flush()]
+    times = [now - before for (before, _), (now, _) in zip(reads, reads[1:])]
+    losses = [loss for _, loss in reads[1:]]
     reserved = torch.cuda.max_memory_reserved(rig.device) / GIB if rig.device.type == "cuda" else None
     return StepReport(rig.name, device_name(rig.device), str(rig.dtype).removeprefix("torch."), resolution,
                       batch_size, not rig.cfg.disable_gradient_checkpointing, rig.attention.name,
