@@ -202,6 +202,49 @@ def test_transformer_loads_straight_to_the_gpu_only_when_nothing_is_done_per_blo
     assert transformer_load_device(cfg, gpu) == (gpu if direct else torch.device("cpu"))
 
 
+def test_offloaded_block_keeps_only_a_host_copy_of_its_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between forward and backward the block's input lives only as the offloader's copy (plain
+    checkpointing keeps the tensor itself); inputs without gradient are not copied; the gradients
+    are exactly plain checkpointing's."""
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    from trainer.activation_offload import _Offloader, offloading_checkpoint
+
+    copied = []
+    pack = _Offloader.pack
+
+    def recording(self, tensor):
+        packed = pack(self, tensor)
+        if isinstance(packed, tuple):
+            copied.append(tuple(tensor.shape))
+        return packed
+
+    monkeypatch.setattr(_Offloader, "pack", recording)
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    shift = torch.randn(8)  # a constant every block shares (as rotary tables are)
+
+    def run(checkpointed) -> tuple:
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        hidden = x * 2  # a block input: an activation that carries gradient
+        kept = weakref.ref(hidden)
+        out = checkpointed(lambda h, s: block(h) + s, hidden, shift)
+        del hidden
+        alive = kept() is not None
+        out.square().sum().backward()
+        return alive, x.grad.clone(), [p.grad.clone() for p in block.parameters()]
+
+    plain = run(lambda f, *a: checkpoint(f, *a, use_reentrant=False))
+    offloaded = run(offloading_checkpoint())
+    assert plain[0] and not offloaded[0], "the device tensor outlived the forward"
+    assert copied == [(4, 8)], "one copy: the activation, not the shared constant"
+    assert torch.equal(offloaded[1], plain[1]) and all(map(torch.equal, offloaded[2], plain[2]))
+
+
 @pytest.mark.e2e
 def test_checkpoint_cpu_offload_trains_identically(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
