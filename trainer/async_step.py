@@ -90,12 +90,13 @@ class StepReadout:
 
     def push(self, values: torch.Tensor, step: int, epoch: int, lr: float) -> List[StepRecord]:
         """Hand over a step's ``step_values``; returns the records now readable, oldest first."""
-        host, event = values.detach().clone(), None
         if self.cuda:
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
+            event: Optional[torch.cuda.Event] = torch.cuda.Event()
             event.record()
+        else:
+            host, event = values.detach().clone(), None
         self.pending.append(((step, epoch, lr), host, event))
         return self._read(keep=self.lag)
 
