@@ -225,7 +225,16 @@ def test_the_loop_never_waits_for_the_step_it_queued(tiny_qwen_image: Path, samp
     assert weights.keys() == runs[0][1].keys() and all(torch.equal(weights[k], runs[0][1][k]) for k in weights)
 
 
-def test_steps_copy_no_frozen_weight(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
+# family, its tiny model and data fixtures, its quick-start YAML
+FAMILY_RUNS = {
+    "qwen_image": ("tiny_qwen_image", "sample_data", QUICKSTART),
+    "qwen_image_edit": ("tiny_qwen_image_edit", "edit_data", "train_configs/quickstart_edit_tiny.yaml"),
+    "flux": ("tiny_flux", "sample_data", "train_configs/quickstart_flux_tiny.yaml"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_RUNS))
+def test_steps_copy_no_frozen_weight(family: str, request: pytest.FixtureRequest, tmp_path: Path,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Under bf16 autocast the frozen weights are used as stored (bf16): a step casts or copies none
     of them, so no weight-sized copy kernel runs per step. (The LoRA weights are fp32 masters that
@@ -252,8 +261,10 @@ def test_steps_copy_no_frozen_weight(tiny_qwen_image: Path, sample_data: Path, t
 
     original = Trainer._loop
     monkeypatch.setattr(Trainer, "_loop", loop)
-    run_in_process(*overrides(tiny_qwen_image, sample_data, tmp_path, "max_train_steps=2", "mixed_precision=bf16",
-                              "checkpointing_steps=100", "lora_target=all_linear"))
+    model, data, config = FAMILY_RUNS[family]
+    train_in_process(config, family, *overrides(request.getfixturevalue(model), request.getfixturevalue(data), tmp_path,
+                                                "max_train_steps=2", "mixed_precision=bf16", "checkpointing_steps=100",
+                                                "lora_target=all_linear", "validation.every_n_steps=0"))
     assert copied == [], f"frozen weights copied in a step: {sorted(set(copied))}"
 
 
