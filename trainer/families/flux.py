@@ -48,12 +48,12 @@ FLUX_LORA_PRESETS: Dict[str, TargetSpec] = {
 }
 
 
-
 @functools.lru_cache(maxsize=32)
 def _image_ids(rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The pipeline's image position ids, built once per bucket and device: the pipeline builds them
     on the host, and copying them to the GPU every step synchronized the stream."""
     return FluxPipeline._prepare_latent_image_ids(1, rows, cols, device, dtype)
+
 
 class FluxFamily(ShiftScaleLatents, FamilyBase):
     """FLUX.1-dev text-to-image (``black-forest-labs/FLUX.1-dev`` or a folder of the same layout)."""
