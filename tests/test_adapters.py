@@ -10,7 +10,7 @@ from diffusers import QwenImageTransformer2DModel
 from trainer.adapters import add_lora, lora_metadata, lora_state_dict
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
-from trainer.families.qwen_image import QWEN_LORA_PRESETS
+from trainer.families.qwen_image.spec import QWEN_LORA_PRESETS
 
 
 def tiny_transformer() -> QwenImageTransformer2DModel:

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from conftest import train_in_process, lora_keys_match, run_entry
 from trainer.engine import Trainer
-from trainer.families.flux import FluxFamily
+from trainer.families.flux.model import FluxFamily
 
 pytestmark = pytest.mark.e2e
 QUICKSTART = "train_configs/quickstart_flux_tiny.yaml"

@@ -15,7 +15,8 @@ from diffusers import FluxPipeline, FluxTransformer2DModel
 
 from trainer.adapters import add_lora
 from trainer.config import TrainConfig
-from trainer.families.flux import FLUX_LORA_PRESETS, FluxFamily
+from trainer.families.flux.model import FluxFamily
+from trainer.families.flux.spec import FLUX_LORA_PRESETS
 from trainer.flow_matching import apply_shift
 
 PROMPT = "a red circle on a yellow background"
@@ -133,7 +134,7 @@ def test_predict_is_the_pipelines_transformer_call(pipe: FluxPipeline, tiny_flux
 
 def test_image_position_ids_are_built_once_per_bucket() -> None:
     """The pipeline builds them on the host; moved to a GPU every step, they synchronized the stream."""
-    from trainer.families.flux import _image_ids
+    from trainer.families.flux.model import _image_ids
 
     cpu = torch.device("cpu")
     ids = _image_ids(5, 8, cpu, torch.bfloat16)

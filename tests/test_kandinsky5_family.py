@@ -13,7 +13,8 @@ from diffusers import Kandinsky5T2IPipeline, Kandinsky5Transformer3DModel
 
 from trainer.adapters import add_lora
 from trainer.config import TrainConfig
-from trainer.families.kandinsky5 import KANDINSKY5_LORA_PRESETS, Kandinsky5Family
+from trainer.families.kandinsky5.model import Kandinsky5Family
+from trainer.families.kandinsky5.spec import KANDINSKY5_LORA_PRESETS
 from trainer.flow_matching import apply_shift
 from utils.qwen_processor import load_qwen_vl_processor
 from utils.tiny_models.kandinsky5 import KANDINSKY5_TEMPLATES

@@ -20,8 +20,8 @@ import torch
 
 from conftest import ROOT
 from trainer.config import TrainConfig
-from trainer.families.flux import FLUX_LORA_PRESETS
-from trainer.families.qwen_image import QWEN_LORA_PRESETS
+from trainer.families.flux.spec import FLUX_LORA_PRESETS
+from trainer.families.qwen_image.spec import QWEN_LORA_PRESETS
 from utils import memory_planner as mp
 from utils.tiny_models import build_tiny_pipeline
 

@@ -17,7 +17,7 @@ from PIL import Image
 from image_datasets.dataset import open_rgb
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
-from trainer.families import get_family
+from trainer.families import load_family
 from trainer.validation import ValidationRenderer
 from utils.qwen_processor import load_qwen_vl_processor
 
@@ -74,7 +74,7 @@ def test_cfg_render_matches_the_pipeline(case: str, request: pytest.FixtureReque
     if family_name == "qwen_image_edit":
         extra["reference_images"] = [str(sorted((edit_data.parent / "control").iterdir())[0])]
     cfg = _config(model, family_name, cfg_scale=scale, negative_prompt=NEGATIVE, **extra)
-    family = get_family(cfg)
+    family = load_family(cfg)
     family.load_text_encoder(torch.device("cpu"), torch.float32)
     family.load_vae(torch.device("cpu"), torch.float32)
     pipe = _reference_pipeline(model, family)
@@ -121,11 +121,11 @@ def _count_latents(transformer: torch.nn.Module) -> Iterator[list[int]]:
 
 def test_default_scales_follow_the_family(tiny_qwen_image: Path, tiny_z_image: Path, tmp_path: Path) -> None:
     qwen_cfg = _config(tiny_qwen_image, "qwen_image")
-    qwen = ValidationRenderer(qwen_cfg, get_family(qwen_cfg), tmp_path, [])
+    qwen = ValidationRenderer(qwen_cfg, load_family(qwen_cfg), tmp_path, [])
     assert (qwen.use_cfg, qwen.cfg_scale) == (True, 4.0)
     assert qwen.text_requests() == [(PROMPT, ()), ("", ())], "the default negative is the empty prompt"
     z_cfg = _config(tiny_z_image, "z_image")
-    z_image = ValidationRenderer(z_cfg, get_family(z_cfg), tmp_path, [])
+    z_image = ValidationRenderer(z_cfg, load_family(z_cfg), tmp_path, [])
     assert (z_image.use_cfg, z_image.cfg_scale) == (False, 0.0)
 
 
@@ -135,7 +135,7 @@ def test_distilled_guidance_is_refused_where_the_model_has_none(case: str, reque
     fixture, family_name, _, _ = CASES[case]
     cfg = _config(request.getfixturevalue(fixture), family_name, guidance=3.5)
     with pytest.raises(ConfigError, match="'validation.guidance'.*validation.cfg_scale"):
-        ValidationRenderer(cfg, get_family(cfg), tmp_path, [])
+        ValidationRenderer(cfg, load_family(cfg), tmp_path, [])
 
 
 def test_negative_cfg_scale_is_a_config_error(tmp_path: Path) -> None:
@@ -157,5 +157,5 @@ def test_trigger_placeholder_in_validation_prompts(prompt: str, trigger: str | N
                                                    tiny_qwen_image: Path, tmp_path: Path) -> None:
     cfg = _config(tiny_qwen_image, "qwen_image", prompts=[prompt])
     cfg.data_config.trigger_word = trigger
-    renderer = ValidationRenderer(cfg, get_family(cfg), tmp_path, [])
+    renderer = ValidationRenderer(cfg, load_family(cfg), tmp_path, [])
     assert renderer.text_requests()[0][0] == expected

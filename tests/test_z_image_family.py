@@ -14,7 +14,8 @@ from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from trainer.adapters import add_lora
 from trainer.config import TrainConfig
 from trainer.families.base import pad_sequences
-from trainer.families.z_image import Z_IMAGE_LORA_PRESETS, ZImageFamily
+from trainer.families.z_image.model import ZImageFamily
+from trainer.families.z_image.spec import Z_IMAGE_LORA_PRESETS
 from trainer.flow_matching import add_noise, apply_shift, velocity_target
 
 PROMPT = "a red circle on a yellow background"

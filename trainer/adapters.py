@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, Mapping
 
 import torch
 from loguru import logger
@@ -17,10 +17,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError, UserError
-
-# A preset is either a list of module-name suffixes (peft's list form) or one regex (peft's str form,
-# matched against the full module name) where a suffix would also hit layers outside the blocks.
-TargetSpec = List[str] | str
+from trainer.families.spec import TargetSpec
 
 
 def resolve_lora_targets(cfg: TrainConfig, presets: Mapping[str, TargetSpec]) -> TargetSpec:

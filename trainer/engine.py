@@ -49,7 +49,7 @@ from trainer.async_step import StepReadout, StepRecord, arm_device_skip, device_
 from trainer.config import TrainConfig, config_to_yaml
 from trainer.errors import ConfigError, DataError, TrainingDiverged, TrainingInterrupted
 from trainer.signals import GracefulStop
-from trainer.families import get_family
+from trainer.families import load_family
 from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.reporting import plot_histogram, plot_losses, read_metrics, write_summary
@@ -121,7 +121,7 @@ class Trainer:
         self.monitor = MemoryMonitor(writer=lambda tag, value, step: self.accelerator.log({tag: value}, step=step))
         if cfg.seed is not None:
             set_seed(cfg.seed)
-        self.family = get_family(cfg)
+        self.family = load_family(cfg)
         self.resume_from = resume_from
         if self.is_main:
             (self.output_dir / "config.yaml").write_text(config_to_yaml(cfg))

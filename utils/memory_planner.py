@@ -466,10 +466,10 @@ BLOCK_LAYOUTS: Dict[Tuple[str, str], Dict[str, Tuple[str, str]]] = {
 def lora_presets(family: str) -> Mapping[str, Any]:
     """The family's LoRA target presets (shared with the trainer, so the plan matches the run)."""
     if family == "flux":
-        from trainer.families.flux import FLUX_LORA_PRESETS
+        from trainer.families.flux.spec import FLUX_LORA_PRESETS
 
         return FLUX_LORA_PRESETS
-    from trainer.families.qwen_image import QWEN_LORA_PRESETS
+    from trainer.families.qwen_image.spec import QWEN_LORA_PRESETS
 
     return QWEN_LORA_PRESETS
 

@@ -2,7 +2,7 @@
 
 Nothing is downloaded. A *model folder* holds only configs (``model_index.json``, the ``transformer/``
 and ``vae/`` configs, ``scheduler/scheduler_config.json``; FLUX adds its two small tokenizers, which its
-family reads at construction), so ``trainer.families.get_family`` builds the real family object. The transformer is
+family reads at construction), so ``trainer.families.load_family`` builds the real family object. The transformer is
 built on the meta device from ``transformer/config.json`` and *materialised* block by block with
 random weights (in host memory when the engine would load it there: quantization, block swap); then
 the engine's own set-up runs on it (``trainer.model_setup.prepare_transformer``: placement,
@@ -39,7 +39,7 @@ from trainer.adapters import trained_weights
 from trainer.async_step import StepReadout, arm_device_skip, device_skip_supported, step_values
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig, load_config
-from trainer.families import get_family
+from trainer.families import load_family
 from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
 from trainer.model_setup import prepare_transformer, transformer_load_device
 from trainer.optim import build_optimizer
@@ -146,7 +146,7 @@ def _scheduler_config(family: str) -> Dict[str, Any]:
 
 
 def write_model_folder(family: str, out: Path | str, scale: Scale = FULL) -> Path:
-    """A weightless diffusers folder for ``family``: enough for ``get_family`` and the planner."""
+    """A weightless diffusers folder for ``family``: enough for ``load_family`` and the planner."""
     import diffusers
 
     out = Path(out)
@@ -367,7 +367,7 @@ def build_rig(family: str, device: torch.device | str = "cuda", dtype: torch.dty
     device = torch.device(device)
     model_dir = Path(model_dir) if model_dir is not None else model_folder(family, scale)
     cfg = train_config(family, model_dir, _precision_overrides(dtype, checkpointing) + list(overrides), profile)
-    fam = get_family(cfg)
+    fam = load_family(cfg)
     spec = quantization_spec(cfg)
     if spec is not None:
         check_available(spec)
@@ -951,7 +951,7 @@ def family_flops(family: str, resolution: int, scale: Scale = FULL, batch_size: 
     """``step_flops`` of the family's meta transformer with its default LoRA (rank 16, attention preset)."""
     model_dir = model_folder(family, scale)
     cfg = train_config(family, model_dir)
-    fam = get_family(cfg)
+    fam = load_family(cfg)
     model = build_meta_transformer(model_dir)
     s = attention_shape(family, resolution, scale)[2]  # joint tokens per sample
     text = text_tokens(family, resolution)

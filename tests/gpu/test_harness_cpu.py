@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import harness
-from trainer.families import get_family
+from trainer.families import load_family
 
 CPU = torch.device("cpu")
 TINY = harness.TINY
@@ -38,7 +38,7 @@ def test_full_size_folder_family_and_conditions(family: str, params: float, bloc
     """The config-only folder builds the real family; the meta transformer has the real size; the
     random conditions have the real shapes at 1024^2."""
     folder = harness.model_folder(family)
-    fam = get_family(harness.train_config(family, folder, ["mixed_precision=bf16"]))
+    fam = load_family(harness.train_config(family, folder, ["mixed_precision=bf16"]))
     model = harness.build_meta_transformer(folder)
     assert all(p.is_meta for p in model.parameters())
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=1e-3)
@@ -85,7 +85,7 @@ def test_token_classes() -> None:
 
 def test_materialise_is_block_wise_and_deterministic() -> None:
     folder = harness.model_folder("qwen_image", TINY)
-    fam = get_family(harness.train_config("qwen_image", folder))
+    fam = load_family(harness.train_config("qwen_image", folder))
     models = [harness.build_transformer(fam, folder, CPU, torch.float32, seed=3) for _ in range(2)]
     assert not any(p.is_meta for p in models[0].parameters())
     assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values(), strict=True))

@@ -1,29 +1,37 @@
-"""Model families behind one interface (see ``base.ModelFamily``)."""
+"""The model families: one package each (``<name>/spec.py`` facts, ``<name>/model.py`` runtime).
+
+``SPECS`` is the one registry. It imports only the light spec modules, so config checks, the memory
+planner, the dataset checker and inference can ask it without loading diffusers; ``load_family``
+imports the runtime class of a run's family by name, when the run needs it.
+"""
 
 from __future__ import annotations
 
-from typing import Dict
+import importlib
+from typing import TYPE_CHECKING, Any, Dict
 
-from trainer.config import TrainConfig
 from trainer.errors import ConfigError
-from trainer.families.base import ModelFamily
-from trainer.families.flux import FluxFamily
-from trainer.families.kandinsky5 import Kandinsky5Family
-from trainer.families.qwen_image import QwenImageFamily
-from trainer.families.qwen_image_edit import QwenImageEditFamily
-from trainer.families.z_image import ZImageFamily
+from trainer.families.flux.spec import SPEC as FLUX
+from trainer.families.kandinsky5.spec import SPEC as KANDINSKY5
+from trainer.families.qwen_image.spec import SPEC as QWEN_IMAGE
+from trainer.families.qwen_image_edit.spec import SPEC as QWEN_IMAGE_EDIT
+from trainer.families.spec import FamilySpec
+from trainer.families.z_image.spec import SPEC as Z_IMAGE
 
-FAMILIES: Dict[str, type] = {
-    QwenImageFamily.name: QwenImageFamily,
-    QwenImageEditFamily.name: QwenImageEditFamily,
-    FluxFamily.name: FluxFamily,
-    Kandinsky5Family.name: Kandinsky5Family,
-    ZImageFamily.name: ZImageFamily,
-}
+if TYPE_CHECKING:
+    from trainer.families.base import ModelFamily
+
+SPECS: Dict[str, FamilySpec] = {spec.name: spec for spec in (QWEN_IMAGE, QWEN_IMAGE_EDIT, FLUX, KANDINSKY5, Z_IMAGE)}
 
 
-def get_family(cfg: TrainConfig) -> ModelFamily:
-    """The family named by ``cfg.family``, for the checkpoint ``cfg.pretrained_model_name_or_path``."""
-    if cfg.family not in FAMILIES:
-        raise ConfigError(f"key 'family': value '{cfg.family}' is not one of {', '.join(FAMILIES)}")
-    return FAMILIES[cfg.family](cfg)
+def family_spec(name: str) -> FamilySpec:
+    """The spec of family ``name``; a ``ConfigError`` naming the known families otherwise."""
+    if name not in SPECS:
+        raise ConfigError(f"key 'family': value '{name}' is not one of {', '.join(SPECS)}")
+    return SPECS[name]
+
+
+def load_family(cfg: Any) -> "ModelFamily":
+    """The runtime family named by ``cfg.family``, for the checkpoint ``cfg.pretrained_model_name_or_path``."""
+    module, _, cls = family_spec(cfg.family).runtime.partition(":")
+    return getattr(importlib.import_module(module), cls)(cfg)

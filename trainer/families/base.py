@@ -15,8 +15,8 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Proto
 
 import torch
 
-from trainer.adapters import TargetSpec
 from trainer.errors import ModelNotFoundError
+from trainer.families.spec import FamilySpec, TargetSpec
 
 Tensors = Dict[str, torch.Tensor]
 
@@ -24,11 +24,11 @@ Tensors = Dict[str, torch.Tensor]
 class ModelFamily(Protocol):
     """What the engine asks of a model family."""
 
-    name: ClassVar[str]
-    pipeline_class: ClassVar[type]  # the diffusers pipeline that renders and loads LoRA files
-    lora_presets: ClassVar[Mapping[str, TargetSpec]]
-
-    uses_references: ClassVar[bool]  # Edit-style: reference images condition the prompt and the latents
+    spec: ClassVar[FamilySpec]  # the family's facts (name, presets, blocks, ...)
+    name: str
+    pipeline_class: type  # the diffusers pipeline that renders and loads LoRA files
+    lora_presets: Mapping[str, TargetSpec]
+    uses_references: bool  # Edit-style: reference images condition the prompt and the latents
 
     model_path: str
     pixel_multiple: int  # image sides must be multiples of this
@@ -77,16 +77,17 @@ class ModelFamily(Protocol):
 
 
 class FamilyBase:
-    """What most families share: loading and freeing the VAE and transformer by class, freeing the
-    text pipeline, and the 2x2 patch packing's token count. A family sets ``vae_class`` and
-    ``transformer_class`` and writes the rest (text encoding, normalisation, ``predict``)."""
+    """What most families share: the facts of its spec, loading and freeing the VAE and transformer by
+    class, freeing the text pipeline, the repeated blocks and the 2x2 patch packing's token count. A
+    family sets ``spec``, ``vae_class`` and ``transformer_class`` and writes the rest (text encoding,
+    normalisation, ``predict``)."""
 
+    spec: ClassVar[FamilySpec]
     vae_class: ClassVar[type]
     transformer_class: ClassVar[type]
     text_pipe: Any = None
     vae: Any = None
 
-    uses_references: ClassVar[bool] = False
     max_references: int = 0
 
     cfg_argument: ClassVar[str] = "true_cfg_scale"
@@ -132,6 +133,22 @@ class FamilyBase:
         return from_pretrained(partial(load_transformer, self.transformer_class), self.model_path, "transformer",
                                revision=self.revision, dtype=dtype, device=device, loader=self.loader,
                                num_threads=self.loader_threads)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def lora_presets(self) -> Mapping[str, TargetSpec]:
+        return self.spec.lora_presets
+
+    @property
+    def uses_references(self) -> bool:
+        return self.spec.uses_references
+
+    def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
+        """The repeated blocks in execution order (units of quantization, block swap, checkpointing)."""
+        return [block for attribute in self.spec.block_attributes for block in getattr(transformer, attribute)]
 
     def image_seq_len(self, latent_shape: Sequence[int]) -> int:
         """Image tokens after 2x2 patch packing."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Optional, Sequence
 
 import torch
 from diffusers import (
@@ -12,40 +12,27 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from trainer.adapters import TargetSpec
 from trainer.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import (
     FamilyBase,
+    FamilySpec,
     Tensors,
     from_pretrained,
     pad_sequences,
     unpack_latents,
 )
+from trainer.families.qwen_image.spec import SPEC
 from trainer.quantization import place, text_encoder_spec
-
-_IMG_ATTN = ["to_q", "to_k", "to_v", "to_out.0"]
-_TXT_ATTN = ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-_MLP = ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
-# Modulation layers (img_mod.1, txt_mod.1, norm_out.linear) hold a third of the weights; peers leave
-# them out of LoRA, and so does every preset here.
-QWEN_LORA_PRESETS: Dict[str, TargetSpec] = {
-    "attention": _IMG_ATTN,  # what FlyMyAI and diffusers' Qwen-Image example train
-    "attention_mlp": _IMG_ATTN + _TXT_ATTN + _MLP,
-    "all_linear": _IMG_ATTN + _TXT_ATTN + _MLP
-    + ["img_in", "txt_in", "proj_out", "timestep_embedder.linear_1", "timestep_embedder.linear_2"],
-}
-
 
 class QwenImageFamily(FamilyBase):
     """Qwen-Image text-to-image (``Qwen/Qwen-Image`` or a folder of the same layout)."""
 
-    name: ClassVar[str] = "qwen_image"
+    spec: ClassVar[FamilySpec] = SPEC
     pipeline_class: ClassVar[type] = QwenImagePipeline
     default_cfg_scale: ClassVar[float] = 4.0  # QwenImagePipeline's true_cfg_scale
     vae_class: ClassVar[type] = AutoencoderKLQwenImage
     transformer_class: ClassVar[type] = QwenImageTransformer2DModel
-    lora_presets: ClassVar[Mapping[str, TargetSpec]] = QWEN_LORA_PRESETS
     max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
 
     def __init__(self, cfg: TrainConfig):
@@ -118,10 +105,6 @@ class QwenImageFamily(FamilyBase):
         return self.vae.decode((latents * std + mean).unsqueeze(2)).sample[:, :, 0]
 
     # -- transformer ------------------------------------------------------------------------------
-    def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
-        """The repeated blocks (units of quantization, block swap and checkpointing)."""
-        return list(transformer.transformer_blocks)
-
     def predict(
         self,
         transformer: torch.nn.Module,

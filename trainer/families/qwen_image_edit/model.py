@@ -23,16 +23,16 @@ from PIL import Image
 
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
-from trainer.families.base import Tensors, from_pretrained
-from trainer.families.qwen_image import QwenImageFamily
+from trainer.families.base import FamilySpec, Tensors, from_pretrained
+from trainer.families.qwen_image.model import QwenImageFamily
+from trainer.families.qwen_image_edit.spec import SPEC
 from utils.qwen_processor import load_qwen_vl_processor
 
 
 class QwenImageEditFamily(QwenImageFamily):
     """Qwen-Image-Edit(-2509/-2511): the checkpoint's ``model_index.json`` says which pipeline."""
 
-    name: ClassVar[str] = "qwen_image_edit"
-    uses_references: ClassVar[bool] = True
+    spec: ClassVar[FamilySpec] = SPEC
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)

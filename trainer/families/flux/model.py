@@ -4,49 +4,24 @@ MMDiT transformer with 2x2 packing, position ids and the distilled-guidance embe
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Optional, Sequence
 
 import torch
 from accelerate.utils import extract_model_from_parallel
 from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-from trainer.adapters import TargetSpec
 from trainer.async_step import to_device
 from trainer.config import TrainConfig
-from trainer.families.base import FamilyBase, ShiftScaleLatents, Tensors, from_pretrained, unpack_latents
-
-T5_MAX_LENGTH = 512  # FLUX.1-dev's T5 context: FluxPipeline's default and its upper limit
-
-# Layer names inside a double-stream block (image + text streams) and a single-stream block (joint).
-_IMG_ATTN = r"attn\.(to_q|to_k|to_v|to_out\.0)"
-_TXT_ATTN = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
-_DOUBLE_MLP = r"(ff|ff_context)\.net\.(0\.proj|2)"
-_SINGLE_ATTN = r"attn\.(to_q|to_k|to_v)"
-# A single block's proj_out maps [attention, MLP] back to the hidden size: attention output and MLP
-# down-projection in one layer, so it belongs with the MLP.
-_SINGLE_MLP = r"proj_mlp|proj_out"
-# Outside the blocks. The guidance embedder is left out: training sees one guidance value, so a LoRA
-# there could only learn a shift that distorts every other value used at render time.
-_OUTER = r"x_embedder|context_embedder|proj_out|time_text_embed\.(timestep_embedder|text_embedder)\.linear_[12]"
-
-
-def _blocks(double: str, single: str, outer: str = "") -> str:
-    """One regex that peft full-matches against module names. Block layers are anchored to their
-    block: a bare ``proj_out`` suffix would also hit the model's final output layer."""
-    pattern = rf"transformer_blocks\.\d+\.({double})|single_transformer_blocks\.\d+\.({single})"
-    return f"{pattern}|{outer}" if outer else pattern
-
-
-# Modulation (norm1.linear, norm1_context.linear, norm.linear, norm_out.linear) is never a target.
-FLUX_LORA_PRESETS: Dict[str, TargetSpec] = {
-    # FlyMyAI's FLUX targets (to_q/to_k/to_v/to_out.0): image-stream attention in double blocks,
-    # joint attention in single blocks.
-    "attention": _blocks(_IMG_ATTN, _SINGLE_ATTN),
-    "attention_mlp": _blocks(f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_ATTN}|{_SINGLE_MLP}"),
-    "all_linear": _blocks(f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_ATTN}|{_SINGLE_MLP}", _OUTER),
-}
-
+from trainer.families.base import (
+    FamilyBase,
+    FamilySpec,
+    ShiftScaleLatents,
+    Tensors,
+    from_pretrained,
+    unpack_latents,
+)
+from trainer.families.flux.spec import SPEC, T5_MAX_LENGTH
 
 @functools.lru_cache(maxsize=32)
 def _image_ids(rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -58,12 +33,11 @@ def _image_ids(rows: int, cols: int, device: torch.device, dtype: torch.dtype) -
 class FluxFamily(ShiftScaleLatents, FamilyBase):
     """FLUX.1-dev text-to-image (``black-forest-labs/FLUX.1-dev`` or a folder of the same layout)."""
 
-    name: ClassVar[str] = "flux"
+    spec: ClassVar[FamilySpec] = SPEC
     pipeline_class: ClassVar[type] = FluxPipeline
     distilled_guidance: ClassVar[bool] = True  # validation.guidance is FLUX.1-dev's guidance_scale
     vae_class: ClassVar[type] = AutoencoderKL
     transformer_class: ClassVar[type] = FluxTransformer2DModel
-    lora_presets: ClassVar[Mapping[str, TargetSpec]] = FLUX_LORA_PRESETS
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
@@ -117,10 +91,6 @@ class FluxFamily(ShiftScaleLatents, FamilyBase):
 
     # -- images -----------------------------------------------------------------------------------
     # -- transformer ------------------------------------------------------------------------------
-    def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
-        """The double- then single-stream blocks (units of quantization, block swap, checkpointing)."""
-        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
-
     def predict(
         self,
         transformer: torch.nn.Module,

@@ -4,7 +4,7 @@ patches channel-last ``(B, 1, h, w, C)`` latents itself and takes ``t = 1000 * s
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Optional, Sequence
 
 import torch
 from diffusers import (
@@ -14,37 +14,22 @@ from diffusers import (
 )
 from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
 
-from trainer.adapters import TargetSpec
 from trainer.async_step import to_device
 from trainer.config import TrainConfig
-from trainer.families.base import FamilyBase, Tensors, pad_sequences
+from trainer.families.base import FamilyBase, FamilySpec, Tensors, pad_sequences
+from trainer.families.kandinsky5.spec import SPEC
 from trainer.quantization import place, text_encoder_spec
 from utils.qwen_processor import load_qwen_vl_processor
-
-_PROJ = r"(to_query|to_key|to_value|out_layer)"
-_VISUAL_ATTN = rf"visual_transformer_blocks\.\d+\.(self_attention|cross_attention)\.{_PROJ}"
-_TEXT_ATTN = rf"text_transformer_blocks\.\d+\.self_attention\.{_PROJ}"
-_MLP = r"(text|visual)_transformer_blocks\.\d+\.feed_forward\.(in_layer|out_layer)"
-_OUTER = r"(time|text|pooled_text|visual)_embeddings\.in_layer|time_embeddings\.out_layer|out_layer\.out_layer"
-# Regexes (peft full-matches them): `out_layer` names attention, MLP, modulation and final layers alike.
-# Modulation (text_modulation, visual_modulation, out_layer.modulation) is never a target.
-KANDINSKY5_LORA_PRESETS: Dict[str, TargetSpec] = {
-    "attention": _VISUAL_ATTN,  # the image stream: the visual blocks' self- and cross-attention
-    "attention_mlp": f"{_VISUAL_ATTN}|{_TEXT_ATTN}|{_MLP}",
-    "all_linear": f"{_VISUAL_ATTN}|{_TEXT_ATTN}|{_MLP}|{_OUTER}",
-}
-
 
 class Kandinsky5Family(FamilyBase):
     """Kandinsky 5 text-to-image (``kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers`` or the same layout)."""
 
-    name: ClassVar[str] = "kandinsky5"
+    spec: ClassVar[FamilySpec] = SPEC
     pipeline_class: ClassVar[type] = Kandinsky5T2IPipeline
     cfg_argument: ClassVar[str] = "guidance_scale"
     default_cfg_scale: ClassVar[float] = 3.5  # the pipeline's default
     vae_class: ClassVar[type] = AutoencoderKL
     transformer_class: ClassVar[type] = Kandinsky5Transformer3DModel
-    lora_presets: ClassVar[Mapping[str, TargetSpec]] = KANDINSKY5_LORA_PRESETS
     max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
 
     def __init__(self, cfg: TrainConfig):
@@ -110,10 +95,6 @@ class Kandinsky5Family(FamilyBase):
         return self.vae.decode(latents.to(self.vae.device, self.vae.dtype) / self.vae_config["scaling_factor"]).sample
 
     # -- transformer ------------------------------------------------------------------------------
-    def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
-        """The text blocks, then the visual blocks (units of quantization, block swap, checkpointing)."""
-        return [*transformer.text_transformer_blocks, *transformer.visual_transformer_blocks]
-
     def predict(
         self,
         transformer: torch.nn.Module,

@@ -5,35 +5,22 @@ variable-length captions. Its clock runs the other way, ``t = 1 - sigma``, and i
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Optional, Sequence
 
 import torch
 from diffusers import AutoencoderKL, ZImagePipeline, ZImageTransformer2DModel
 from transformers import AutoModel, AutoTokenizer
 
-from trainer.adapters import TargetSpec
 from trainer.async_step import to_device
 from trainer.config import TrainConfig
-from trainer.families.base import FamilyBase, ShiftScaleLatents, Tensors, pad_sequences
+from trainer.families.base import FamilyBase, FamilySpec, ShiftScaleLatents, Tensors, pad_sequences
+from trainer.families.z_image.spec import SPEC
 from trainer.quantization import place, text_encoder_spec
-
-_ATTN = r"attention\.(to_q|to_k|to_v|to_out\.0)"
-_MLP = r"feed_forward\.(w1|w2|w3)"
-# noise_refiner: image tokens only; context_refiner: caption tokens only; layers: both, jointly.
-_OUTER = r"all_x_embedder\.[^.]+|all_final_layer\.[^.]+\.linear|cap_embedder\.1|t_embedder\.mlp\.[02]"
-# adaLN_modulation (blocks and final layer) is never a target.
-Z_IMAGE_LORA_PRESETS: Dict[str, TargetSpec] = {
-    # Attention that sees the image: the joint layers and the image refiner (as FLUX's preset).
-    "attention": rf"(layers|noise_refiner)\.\d+\.{_ATTN}",
-    "attention_mlp": rf"(layers|noise_refiner|context_refiner)\.\d+\.({_ATTN}|{_MLP})",
-    "all_linear": rf"(layers|noise_refiner|context_refiner)\.\d+\.({_ATTN}|{_MLP})|{_OUTER}",
-}
-
 
 class ZImageFamily(ShiftScaleLatents, FamilyBase):
     """Z-Image text-to-image (``Tongyi-MAI/Z-Image-Turbo`` or a folder of the same layout)."""
 
-    name: ClassVar[str] = "z_image"
+    spec: ClassVar[FamilySpec] = SPEC
     pipeline_class: ClassVar[type] = ZImagePipeline
     # Z-Image adds scale * (cond - uncond) to cond: 0 is off. Off by default as Z-Image-Turbo
     # renders; set validation.cfg_scale for the undistilled base model.
@@ -42,7 +29,6 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
     default_cfg_scale: ClassVar[float] = 0.0
     vae_class: ClassVar[type] = AutoencoderKL
     transformer_class: ClassVar[type] = ZImageTransformer2DModel
-    lora_presets: ClassVar[Mapping[str, TargetSpec]] = Z_IMAGE_LORA_PRESETS
     max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
 
     def __init__(self, cfg: TrainConfig):
@@ -83,10 +69,6 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
 
     # -- images -----------------------------------------------------------------------------------
     # -- transformer ------------------------------------------------------------------------------
-    def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
-        """Image refiner, caption refiner, joint layers: in execution order."""
-        return [*transformer.noise_refiner, *transformer.context_refiner, *transformer.layers]
-
     def predict(
         self,
         transformer: torch.nn.Module,
