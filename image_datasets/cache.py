@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 
 Tensors = Dict[str, torch.Tensor]
 
@@ -50,7 +50,8 @@ class FeatureCache:
         """The tensors stored under ``key`` (on the CPU)."""
         if self.directory is None:
             return self._memory[key]
-        return load_file(str(self._path(key)))
+        # Read whole, then parse: for files this small a memory map costs more than the read.
+        return load(self._path(key).read_bytes())
 
     def put(self, key: str, tensors: Tensors) -> None:
         """Store CPU copies; on disk through a temporary file renamed into place (never half-written)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from trainer import checkpoint as ckpt
+from trainer import checkpoint as ckpt, run_dir
 from trainer.adapters import final_weights_name, trained_weights
 from trainer.config import load_config
 from trainer.errors import ConfigError
@@ -60,11 +60,14 @@ def test_another_run_is_refused_unless_resumed_or_overwritten(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "the previous run's outputs only are gone"
 
 
-def test_metrics_append_read_and_truncate_on_resume(tmp_path: Path) -> None:
+def test_metrics_append_read_and_truncate_on_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_dir, "METRICS_FLUSH_S", 3600.0)
     folder = RunFolder(tmp_path, LORA)
     for step in (1, 2, 3):
         folder.append_metrics({"step": step, "loss": 1.0 / step})
-    assert [r["step"] for r in RunFolder(tmp_path, LORA).read_metrics()] == [1, 2, 3], "each line is written at once"
+    assert [r["step"] for r in RunFolder(tmp_path, LORA).read_metrics()] == [1], "the first line at once"
+    folder.flush()  # as before every checkpoint
+    assert [r["step"] for r in RunFolder(tmp_path, LORA).read_metrics()] == [1, 2, 3]
     folder.truncate_metrics(2)
     folder.append_metrics({"step": 3, "loss": 0.25})
     folder.close()

@@ -18,10 +18,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, set_seed
 from diffusers.training_utils import EMAModel
 from loguru import logger
 from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from image_datasets.buckets import at_resolutions, bucket_report
@@ -39,9 +42,11 @@ from image_datasets.validation import check_before_training
 from trainer import checkpoint as ckpt
 from trainer.adapters import TrainedWeights, final_weights_name, trained_weights
 from trainer.async_step import StepReadout, StepRecord, arm_device_skip, device_skip_supported, step_values
+from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from trainer.errors import DataError, TrainingDiverged, TrainingInterrupted
 from trainer.families import load_family
+from trainer.families.base import ModelFamily
 from trainer.features import FeatureStore
 from trainer.model_setup import prepare_transformer, transformer_load_device
 from trainer.optim import build_lr_scheduler, build_optimizer
@@ -98,26 +103,26 @@ class Trainer:
         self.device = torch.device("cpu")
         self.weight_dtype = torch.float32
         self.monitor: Optional[MemoryMonitor] = None
-        self.family: Any = None  # a trainer.families.base.ModelFamily
+        self.family: Optional[ModelFamily] = None
         # prepare_data
         self.samples: List[Sample] = []
         self.validation: Optional[ValidationRenderer] = None
         self.features: Optional[FeatureStore] = None
         self.sampler: Optional[SizeGroupedBatchSampler] = None
-        self.dataloader: Any = None  # accelerate's DataLoaderShard
+        self.dataloader: Optional[DataLoader] = None  # accelerate's, sharding batches across processes
         # setup_model
         self.weights: Optional[TrainedWeights] = None
         self.transformer: Optional[torch.nn.Module] = None
         self.params: List[torch.nn.Parameter] = []
-        self.optimizer: Any = None  # accelerate's wrapper (checkpoints)
-        self.raw_optimizer: Optional[torch.optim.Optimizer] = None  # torch's: it steps and reads `found_inf`
-        self.lr_scheduler: Any = None
+        self.optimizer: Optional[AcceleratedOptimizer] = None  # what checkpoints save
+        self.raw_optimizer: Optional[torch.optim.Optimizer] = None  # the one that reads `found_inf`
+        self.lr_scheduler: Optional[AcceleratedScheduler] = None
         self.plain_step = False  # no fp16 loss scaler, DDP or one process: torch's clip and step as they are
         self.skip_on_device = False  # the NaN guard runs on the device (see `_step`)
         self.readout: Optional[StepReadout] = None
         self.ema: Optional[EMAModel] = None
         self.attention: Optional[AttentionChoice] = None
-        self.swapper: Any = None  # trainer.block_swap.BlockSwapper
+        self.swapper: Optional[BlockSwapper] = None
         self.compiled = False
 
     # ---------------------------------------------------------------------------------------------
@@ -193,7 +198,7 @@ class Trainer:
         # The workers read the cached tensors, the loader pins them; the step moves them (non-blocking).
         dataset = ImageCaptionDataset(self.samples, self.features.reader(), not cfg.precompute_image_embeddings,
                                       random_ratio=d.random_ratio, random_crop=d.random_crop)
-        loader = torch.utils.data.DataLoader(
+        loader = DataLoader(
             dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=d.num_workers,
             pin_memory=self.policy.pin_memory, persistent_workers=d.num_workers > 0)
         self.dataloader = self.accelerator.prepare_data_loader(loader, device_placement=False)  # shards batches
@@ -480,6 +485,7 @@ class Trainer:
     # -- checkpoints and output -------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """Trained weights + optimizer/scheduler/RNG state + loop position, written atomically."""
+        self.folder.flush()
         path = ckpt.write_checkpoint(self.output_dir, self.state.step,
                                      lambda folder: self.accelerator.save_state(str(folder)), self.state.saved(),
                                      self.is_main, barrier=self.accelerator.wait_for_everyone)

@@ -39,6 +39,17 @@ class SampleKeys:
     text_drop: Optional[str]  # the empty prompt with this sample's references (caption dropout, Edit)
 
 
+@dataclass(frozen=True)
+class Encoder:
+    """What fills one kind of cache entry: a model loaded for the cache pass and released after it."""
+
+    name: str
+    load: Callable[[], None]
+    encode: Callable[[List[Any]], List[Tensors]]  # requests -> one dict of tensors each
+    unload: Callable[[], None]
+    batch: int  # requests per call
+
+
 class FeatureReader:
     """Sample index -> its cached tensors (``latents``, ``references``, ``text``, ``text_drop``), for
     the dataset. It holds only the caches and the keys, so loader workers can run it."""
@@ -108,20 +119,20 @@ class FeatureStore:
     # -- the cache pass ---------------------------------------------------------------------------
     def cache_pass(self, validation_prompts: Sequence[TextRequest] = ()) -> None:
         """Encode what the config precomputes and the cache lacks, then free the encoder."""
-        f = self.family
+        f, device, dtype = self.family, self.device, self.dtype
         if self.cfg.precompute_text_embeddings:
-            requests = {self.text_key(*r): r for r in self._text_requests(validation_prompts)}
-            self._fill("text", self.text, requests, "text encoder",
-                       lambda: f.load_text_encoder(self.device, self.dtype), self.encode_text, f.unload_text_encoder,
-                       ENCODE_BATCH)
+            requests = self._text_requests(validation_prompts)
+            self._fill("text", self.text, {self.text_key(*r): r for r in requests}, Encoder(
+                "text encoder", lambda: f.load_text_encoder(device, dtype), self.encode_text, f.unload_text_encoder,
+                ENCODE_BATCH))
             if not f.uses_references:
                 self.empty_text = self.text.get(self.text_key(""))
         if self.cfg.precompute_image_embeddings:
             images = [(s.image_path, s.size) for s in self.samples] + \
                 [r for s in self.samples for r in zip(s.references, s.reference_sizes)]
             # One image per call: sizes differ between images, and the VAE is the memory peak here.
-            self._fill("latent", self.latents, {self.image_key(*r): r for r in images}, "VAE",
-                       lambda: f.load_vae(self.device, self.dtype), self._encode_images, f.unload_vae, 1)
+            self._fill("latent", self.latents, {self.image_key(*r): r for r in images}, Encoder(
+                "VAE", lambda: f.load_vae(device, dtype), self._encode_images, f.unload_vae, 1))
 
     def _text_requests(self, validation_prompts: Sequence[TextRequest]) -> List[TextRequest]:
         """Every caption with its references, the empty prompt for caption dropout (once, or per
@@ -133,25 +144,23 @@ class FeatureStore:
             requests.append(("", ()))
         return requests + list(validation_prompts)
 
-    def _fill(self, kind: str, cache: FeatureCache, requests: Dict[str, Hashable], encoder: str,
-              load: Callable[[], None], encode: Callable[[List[Any]], List[Tensors]], unload: Callable[[], None],
-              batch: int) -> None:
-        """Encode the ``requests`` (by key) missing from ``cache``, ``batch`` per encoder call, this
-        process's share of them; every process waits for the others before reading."""
+    def _fill(self, kind: str, cache: FeatureCache, requests: Dict[str, Hashable], encoder: Encoder) -> None:
+        """Encode the ``requests`` (by key) missing from ``cache``, this process's share of them;
+        every process waits for the others before anyone reads."""
         todo = [(key, request) for key, request in requests.items() if key not in cache]
         logger.info(f"{kind} cache: {len(requests) - len(todo)} cached, {len(todo)} to encode")
         todo = self._my_share(todo)
         if todo:
-            load()
-            for start in tqdm(range(0, len(todo), batch), desc=f"{kind} cache",
+            encoder.load()
+            for start in tqdm(range(0, len(todo), encoder.batch), desc=f"{kind} cache",
                               disable=not self.accelerator.is_main_process):
-                chunk = todo[start:start + batch]
-                for (key, _), tensors in zip(chunk, encode([request for _, request in chunk])):
+                chunk = todo[start:start + encoder.batch]
+                for (key, _), tensors in zip(chunk, encoder.encode([request for _, request in chunk])):
                     cache.put(key, tensors)
         self.accelerator.wait_for_everyone()
         if todo and not self.keep_encoders:
-            unload()
-            logger.info(f"{encoder} released")
+            encoder.unload()
+            logger.info(f"{encoder.name} released")
 
     def _my_share(self, todo: List[Any]) -> List[Any]:
         """With a disk cache the processes split the encoding and read each other's entries after;

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import IO, Any, Dict, List, Optional
 
@@ -32,6 +33,7 @@ CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 LOG_NAME = "train.log"
 SUMMARY_NAME = "summary.json"
+METRICS_FLUSH_S = 1.0  # metrics.jsonl lines reach the file within this, and at every checkpoint
 
 
 class RunFolder:
@@ -44,6 +46,7 @@ class RunFolder:
         self.log = self.path / LOG_NAME
         self.summary = self.path / SUMMARY_NAME
         self._metrics_file: Optional[IO[str]] = None
+        self._flushed_at = float("-inf")  # the first line goes out at once
 
     def open(self, resume_from_checkpoint: Optional[str], overwrite: bool) -> Optional[Path]:
         """Create the folder and decide between a fresh run and a resume: returns the checkpoint to
@@ -77,6 +80,13 @@ class RunFolder:
         self.metrics.unlink(missing_ok=True)
         logger.warning(f"overwrite_output_dir: removed the previous run's outputs in {self.path}")
 
+    def flush(self) -> None:
+        """Put the pending ``metrics.jsonl`` lines into the file (before a checkpoint is written, so
+        every step up to it is logged; a resumed run redoes the steps after it)."""
+        if self._metrics_file is not None:
+            self._metrics_file.flush()
+        self._flushed_at = time.monotonic()
+
     def close(self) -> None:
         """Flush and close what the run keeps open."""
         if self._metrics_file is not None:
@@ -89,10 +99,13 @@ class RunFolder:
         return _write_atomic(self.path / CONFIG_NAME, config_to_yaml(cfg))
 
     def append_metrics(self, record: Dict[str, Any]) -> None:
-        """One line of ``metrics.jsonl`` (kept open, line-buffered: each line reaches the file at once)."""
+        """One line of ``metrics.jsonl``; the file stays open and is flushed every ``METRICS_FLUSH_S``
+        (one write a second instead of one per step)."""
         if self._metrics_file is None:
-            self._metrics_file = open(self.metrics, "a", buffering=1)
+            self._metrics_file = open(self.metrics, "a")
         self._metrics_file.write(json.dumps(record) + "\n")
+        if time.monotonic() - self._flushed_at >= METRICS_FLUSH_S:
+            self.flush()
 
     def read_metrics(self) -> List[Dict[str, Any]]:
         """The per-step records of ``metrics.jsonl`` (empty when there are none)."""
