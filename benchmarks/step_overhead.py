@@ -5,7 +5,8 @@
 
 Both sides train the same tiny Qwen-Image transformer (built offline unless ``--model``) with a peft
 LoRA of rank 4 on the attention projections, torch's fused AdamW, gradient clipping at 1.0, fp32,
-no gradient checkpointing, on the same cached latents and text embeddings (the engine's own cache).
+no gradient checkpointing, on the same cached latents and text embeddings (the engine's own cache),
+on the device the engine picks (a GPU where there is one: small models are launch-bound there too).
 
 * **engine**: ``Trainer.train`` as a run calls it: batches from its data loader, its training step
   (seeded noise and timesteps, caption dropout, the family's forward), accelerate's
@@ -90,27 +91,27 @@ def run_engine(trainer, steps: int) -> float:
 
 
 class BareStep:
-    """The same model, LoRA and optimizer, driven by a plain loop (no engine)."""
+    """The same model, LoRA and optimizer, driven by a plain loop (no engine), on ``device``."""
 
-    def __init__(self, model: Path, batches: List[Batch]):
+    def __init__(self, model: Path, batches: List[Batch], device: torch.device):
         torch.manual_seed(0)
         self.transformer = QwenImageTransformer2DModel.from_pretrained(model, subfolder="transformer")
         self.transformer.requires_grad_(False)
         self.transformer.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian",
                                                 target_modules=TARGETS))
-        self.transformer.train()
+        self.transformer.to(device).train()
         self.params = [p for p in self.transformer.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=LR, fused=True)
-        self.batches = batches
-        self.gen = torch.Generator().manual_seed(0)
+        self.batches = [(latents.to(device), embeds.to(device)) for latents, embeds in batches]
+        self.gen = torch.Generator(device).manual_seed(0)
         self.count = 0
 
     def step(self) -> float:
         latents, embeds = self.batches[self.count % len(self.batches)]
         self.count += 1
         b, c, h, w = latents.shape
-        noise = torch.randn(latents.shape, generator=self.gen)
-        sigmas = torch.sigmoid(torch.randn(b, generator=self.gen))
+        noise = torch.randn(latents.shape, generator=self.gen, device=latents.device)
+        sigmas = torch.sigmoid(torch.randn(b, generator=self.gen, device=latents.device))
         s = sigmas.view(b, 1, 1, 1)
         noisy = (1 - s) * latents + s * noise
         packed = QwenImagePipeline._pack_latents(noisy, b, c, h, w)
@@ -146,7 +147,7 @@ def main(argv: List[str] | None = None) -> Dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
         model, data = build_inputs(Path(tmp), args.model, args.data)
         trainer = engine_trainer(model, data, Path(tmp) / "run", args.workers)
-        bare = BareStep(model, cached_batches(trainer))
+        bare = BareStep(model, cached_batches(trainer), trainer.device)
         logger.remove()  # the engine's per-block "trained N steps" lines would interleave the table
         run_engine(trainer, max(args.steps // 5, 2))  # warm-up: first-iteration costs of both sides
         run_bare(bare, max(args.steps // 5, 2))
@@ -156,7 +157,8 @@ def main(argv: List[str] | None = None) -> Dict[str, float]:
             bare_s.append(run_bare(bare, args.steps))
     ratios = [e / b for e, b in zip(engine_s, bare_s)]
     engine_ms, bare_ms = 1e3 * statistics.median(engine_s), 1e3 * statistics.median(bare_s)
-    print(f"\nstep overhead, tiny Qwen-Image on {torch.get_num_threads()} CPU thread(s), LoRA rank {RANK}, "
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{torch.get_num_threads()} CPU thread(s)"
+    print(f"\nstep overhead, tiny Qwen-Image on {where}, LoRA rank {RANK}, "
           f"{args.rounds} rounds x {args.steps} steps, {args.workers} loader worker(s)")
     print(f"  engine  {engine_ms:7.2f} ms/step   (rounds: {', '.join(f'{1e3 * s:.2f}' for s in engine_s)})")
     print(f"  bare    {bare_ms:7.2f} ms/step   (rounds: {', '.join(f'{1e3 * s:.2f}' for s in bare_s)})")

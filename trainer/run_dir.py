@@ -10,8 +10,8 @@ the engine keeps in it besides checkpoints (``trainer/checkpoint.py``) and the t
       checkpoint-N/               complete checkpoints only
       pytorch_lora_weights.safetensors | adapter_model.safetensors | final_model/   the final artefact
 
-``open`` is where a run takes the folder and ``close`` where it lets go; files written whole go
-through ``_write_atomic``.
+``open`` is where a run takes the folder and ``close`` (also on errors) where it lets go: the place
+for a one-run-per-folder lock. Files written whole go through ``_write_atomic``.
 """
 
 from __future__ import annotations
