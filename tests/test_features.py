@@ -16,6 +16,7 @@ from conftest import ROOT
 from image_datasets.dataset import ImageCaptionDataset, collate, load_image, scan_image_folder
 from trainer.config import load_config
 from trainer.families import load_family
+from trainer import features
 from trainer.features import FeatureStore
 
 CONFIGS = {"qwen_image": "train_configs/quickstart_tiny.yaml",
@@ -148,3 +149,23 @@ def test_live_encoding_serves_pixels(tiny_qwen_image_edit: Path, edit_data: Path
     store.family.load_vae(torch.device("cpu"), torch.float32)
     refs = store.batch_references(collate([item]))
     assert len(refs) == 1 and torch.equal(refs[0], store.family.encode_images(item["reference_pixels"][0][None]))
+
+
+def test_a_small_disk_cache_is_read_once_and_held(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
+                                                  accelerator: Accelerator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to ``HOLD_BYTES`` the run's entries are read when the loader is built, so no step reads a
+    file; above it every sample is read from disk when it is served."""
+    cache = tmp_path / "cache"
+    store = make_store("qwen_image", tiny_qwen_image, sample_data, accelerator, tmp_path, f"cache_dir={cache}")
+    store.cache_pass()
+    before = ImageCaptionDataset(store.samples, store.reader())[3]
+    monkeypatch.setattr(features, "HOLD_BYTES", 0)
+    unheld = ImageCaptionDataset(store.samples, make_store(
+        "qwen_image", tiny_qwen_image, sample_data, accelerator, tmp_path, f"cache_dir={cache}").reader())
+    held = ImageCaptionDataset(store.samples, store.reader())  # the first store holds its entries
+    shutil.rmtree(cache)
+    after = held[3]
+    assert torch.equal(after["latents"], before["latents"]) and torch.equal(
+        after["text"]["prompt_embeds"], before["text"]["prompt_embeds"])
+    with pytest.raises(FileNotFoundError):
+        unheld[3]

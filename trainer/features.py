@@ -25,6 +25,7 @@ from trainer.async_step import to_device
 from trainer.config import TrainConfig
 
 ENCODE_BATCH = 8  # prompts per text-encoder call in the cache pass (the memory planner plans for it)
+HOLD_BYTES = 1 << 30  # a run's disk-cache entries up to this size are read once and held in memory
 TextRequest = Tuple[str, Tuple[Path, ...]]  # a caption and the reference images it is encoded with
 ImageRequest = Tuple[Path, Tuple[int, int]]  # an image file and the (width, height) it is encoded at
 
@@ -183,8 +184,18 @@ class FeatureStore:
 
     # -- reads ------------------------------------------------------------------------------------
     def reader(self) -> FeatureReader:
-        """What the dataset calls per sample: the cached kinds only."""
-        return FeatureReader(self.latents, self.text, [self.sample_keys(s) for s in self.samples])
+        """What the dataset calls per sample: the cached kinds only. A dataset's entries that fit
+        ``HOLD_BYTES`` (a LoRA's tens or hundreds of images) are read now and served from memory, so
+        no step reads a file; larger ones are read per sample, by the loader's workers."""
+        keys = [self.sample_keys(s) for s in self.samples]
+        latents = {key for k in keys for key in (k.latents, *k.references) if key is not None}
+        text = {key for k in keys for key in (k.text, k.text_drop) if key is not None}
+        size = self.latents.nbytes(latents) + self.text.nbytes(text)
+        if 0 < size <= HOLD_BYTES:
+            self.latents.hold(latents)
+            self.text.hold(text)
+            logger.info(f"feature cache: the run's {size / 2**20:.1f} MiB held in memory")
+        return FeatureReader(self.latents, self.text, keys)
 
     def cached_text(self, caption: str, references: Tuple[Path, ...] = ()) -> Optional[Tensors]:
         """The cached condition of a caption, or None."""
