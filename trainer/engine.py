@@ -14,7 +14,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 from accelerate import Accelerator
@@ -47,7 +47,7 @@ from trainer.config import TrainConfig
 from trainer.errors import DataError, TrainingDiverged, TrainingInterrupted
 from trainer.families import load_family
 from trainer.families.base import ModelFamily
-from trainer.features import FeatureStore
+from trainer.features import FeatureStore, latent_shape
 from trainer.model_setup import prepare_transformer, transformer_load_device
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.platform import RunPolicy, configure_device, prepare_environment
@@ -206,7 +206,8 @@ class Trainer:
     def _plot_timestep_density(self) -> None:
         """What the configured sampler and shift draw, at the most common training size."""
         cfg, size = self.cfg, max({s.size for s in self.samples}, key=[s.size for s in self.samples].count)
-        sigmas = draw_sigmas(cfg, self.family, self._latent_shape(size, 20_000), torch.Generator().manual_seed(0))
+        gen = torch.Generator().manual_seed(0)
+        sigmas = draw_sigmas(cfg, self.family, latent_shape(self.family, size, 20_000), gen)
         plot_histogram(sigmas.tolist(), self.output_dir / "timestep_density.png",
                        f"{cfg.timestep_sampling} + shift {cfg.timestep_shift} at {size[0]}x{size[1]}")
 
@@ -270,23 +271,8 @@ class Trainer:
             self._resume(self.resume_from)
 
     def _attention_tokens(self) -> Optional[int]:
-        """The run's longest joint sequence (the largest bucket's image tokens, its references', a
-        caption's text tokens): the attention kernels are timed at it on a GPU. None on the CPU."""
-        if self.device.type != "cuda":
-            return None
-        image = lambda s: self._image_tokens(s.size) + sum(map(self._image_tokens, s.reference_sizes))  # noqa: E731
-        sample = max(self.samples, key=image)
-        cond = self.features.cached_text(sample.caption, sample.references)
-        text = 256 if cond is None else max(t.shape[0] for t in cond.values() if t.ndim >= 2)  # 256: live captions
-        return image(sample) + text
-
-    def _latent_shape(self, size: Tuple[int, int], batch: int = 1) -> Tuple[int, int, int, int]:
-        """The latent shape of ``batch`` images of ``(width, height)`` pixels (``2 / pixel_multiple`` of it)."""
-        multiple = self.family.pixel_multiple
-        return batch, 1, size[1] * 2 // multiple, size[0] * 2 // multiple
-
-    def _image_tokens(self, size: Tuple[int, int]) -> int:
-        return self.family.image_seq_len(self._latent_shape(size))
+        """The run's longest joint sequence: the attention kernels are timed at it on a GPU. None elsewhere."""
+        return self.features.longest_sequence() if self.device.type == "cuda" else None
 
     def _save_model_hook(self, models: List[torch.nn.Module], weights: List[Any], output_dir: str) -> None:
         """Save what trains (LoRA file, or the sharded transformer) instead of accelerate's default."""

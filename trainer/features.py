@@ -30,6 +30,12 @@ TextRequest = Tuple[str, Tuple[Path, ...]]  # a caption and the reference images
 ImageRequest = Tuple[Path, Tuple[int, int]]  # an image file and the (width, height) it is encoded at
 
 
+def latent_shape(family: Any, size: Tuple[int, int], batch: int = 1) -> Tuple[int, int, int, int]:
+    """The latent shape of ``batch`` images of ``(width, height)`` pixels (``2 / pixel_multiple`` of them;
+    one channel stands for all)."""
+    return batch, 1, size[1] * 2 // family.pixel_multiple, size[0] * 2 // family.pixel_multiple
+
+
 @dataclass(frozen=True)
 class SampleKeys:
     """The cache keys of one sample's tensors."""
@@ -196,6 +202,15 @@ class FeatureStore:
             self.text.hold(text)
             logger.info(f"feature cache: the run's {size / 2**20:.1f} MiB held in memory")
         return FeatureReader(self.latents, self.text, keys)
+
+    def longest_sequence(self) -> int:
+        """The run's longest joint sequence in tokens: the largest sample's image tokens (references
+        included) plus its caption's text tokens (cached, else 256)."""
+        image = lambda s: sum(self.family.image_seq_len(latent_shape(self.family, size))  # noqa: E731
+                              for size in (s.size, *s.reference_sizes))
+        sample = max(self.samples, key=image)
+        cond = self.cached_text(sample.caption, sample.references)
+        return image(sample) + (256 if cond is None else max(t.shape[0] for t in cond.values() if t.ndim >= 2))
 
     def cached_text(self, caption: str, references: Tuple[Path, ...] = ()) -> Optional[Tensors]:
         """The cached condition of a caption, or None."""
