@@ -20,9 +20,12 @@ import torch
 
 from conftest import ROOT
 from trainer.config import TrainConfig
+import trainer.planner as mp
+from trainer.families import SPECS
 from trainer.families.flux.spec import FLUX_LORA_PRESETS
 from trainer.families.qwen_image.spec import QWEN_LORA_PRESETS
-from utils import memory_planner as mp
+from trainer.planner.model import _build, _transformer_spec, published_configs
+from trainer.planner.settings import HOST_BASELINE_CPU_GIB
 from utils.tiny_models import build_tiny_pipeline
 
 GIB = 2**30
@@ -249,7 +252,8 @@ def test_builtin_configs_plan_the_real_models_without_downloads() -> None:
     assert [b.count for b in flux.transformer.blocks] == [19, 38]
     assert [e.params for e in flux.text_encoders] == [123_060_480, 4_762_310_656]  # CLIP-L, T5-XXL (tied)
     assert mp.model_spec("Qwen/Qwen-Image-Edit-2511").transformer.zero_cond_t
-    assert mp.model_spec("Qwen/Qwen-Image-Edit-2509").edit_plus
+    plus = mp.model_spec("Qwen/Qwen-Image-Edit-2509").pipeline_class  # planned as Edit-Plus: 384^2 references
+    assert SPECS["qwen_image_edit"].references[plus].condition_area == 384 * 384
 
 
 def test_hf_cache_is_read_before_the_builtin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -259,7 +263,7 @@ def test_hf_cache_is_read_before_the_builtin(tmp_path: Path, monkeypatch: pytest
     (snapshot / "transformer").mkdir(parents=True)
     (tmp_path / "models--Qwen--Qwen-Image" / "refs").mkdir()
     (tmp_path / "models--Qwen--Qwen-Image" / "refs" / "main").write_text("0" * 40)
-    cached = {**mp.BUILTIN_CONFIGS["Qwen/Qwen-Image"]["transformer/config.json"], "num_layers": 2}
+    cached = {**published_configs("Qwen/Qwen-Image")["transformer/config.json"], "num_layers": 2}
     (snapshot / "transformer" / "config.json").write_text(json.dumps(cached))
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
     configs = mp.read_model_configs("Qwen/Qwen-Image")
@@ -365,7 +369,7 @@ def traced_training_bytes(class_name: str, config: Dict[str, Any], targets: Any,
 def planned_training_bytes(family: str, class_name: str, config: Dict[str, Any], targets: Any, n_img: int,
                            n_txt: int, checkpointing: bool) -> float:
     """The planner's training items minus the frozen weights and the GPU-only allowances."""
-    tspec = mp._transformer_spec(mp._build(["diffusers", class_name], config))
+    tspec = _transformer_spec(_build(["diffusers", class_name], config), SPECS[family])
     spec = mp.ModelSpec("traced", "test", "", tspec, (), None, 0)
     cfg = train_config(family, mixed_precision="bf16", disable_gradient_checkpointing=not checkpointing,
                        data_img_size=int(n_img ** 0.5) * 16)
@@ -374,8 +378,8 @@ def planned_training_bytes(family: str, class_name: str, config: Dict[str, Any],
     return sum(i.gib for i in plan.section("training") if not i.name.startswith("transformer weights")) * GIB
 
 
-QWEN_FULL = mp.BUILTIN_CONFIGS["Qwen/Qwen-Image"]["transformer/config.json"]
-FLUX_FULL = mp.BUILTIN_CONFIGS["black-forest-labs/FLUX.1-dev"]["transformer/config.json"]
+QWEN_FULL = published_configs("Qwen/Qwen-Image")["transformer/config.json"]
+FLUX_FULL = published_configs("black-forest-labs/FLUX.1-dev")["transformer/config.json"]
 TRACE_CASES = [
     # full-width blocks (only a few of them, which is what the per-block formulas need)
     ("qwen_image", "QwenImageTransformer2DModel", {**QWEN_FULL, "num_layers": 3}, "attention", 4096, 128, True),
@@ -489,7 +493,7 @@ def test_per_block_formula_matches_saved_tensors(family: str, preset: str, preci
     exclude = [*model.parameters(), *model.buffers(), *rope]
     measured = [saved_block_bytes(block, kwargs, exclude, half) for _, block in blocks]
 
-    tspec = mp._transformer_spec(mp._build(["diffusers", config["_class_name"]], config))
+    tspec = _transformer_spec(_build(["diffusers", config["_class_name"]], config), SPECS[family])
     spec = mp.ModelSpec("small", "test", "", tspec, (), None, 0)
     cfg = train_config(family, mixed_precision=precision, rank=8, lora_target=preset, data_img_size=256)
     s = mp.resolve_settings(cfg, spec, quantization=backend or "none", text_tokens=n_txt, device="cpu")
@@ -576,7 +580,7 @@ def test_print_plan_exit_codes(capsys: pytest.CaptureFixture) -> None:
 def test_cli_plans_a_profile_in_seconds_without_data_or_weights() -> None:
     start = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "utils.memory_planner", "--config", "train_configs/train_lora.yaml",
+        [sys.executable, "-m", "trainer.planner", "--config", "train_configs/train_lora.yaml",
          "--gpu-memory", "24GiB", "data_config.img_dir=/nonexistent/dataset", "rank=32"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     elapsed = time.perf_counter() - start
@@ -617,7 +621,7 @@ def test_host_estimate_matches_the_measured_tiny_cpu_run(tiny_qwen_image: Path, 
                             "open('/proc/self/status').read()).group(1))"], cwd=ROOT, capture_output=True, text=True,
                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     baseline = int(probe.stdout.strip().splitlines()[-1]) / 2**20
-    planned = plan.host_gib - mp.HOST_BASELINE_CPU_GIB + baseline
+    planned = plan.host_gib - HOST_BASELINE_CPU_GIB + baseline
     print(plan.format())
     print(f"tiny CPU run: measured host peak {measured:.3f} GiB, planned {planned:.3f} GiB "
           f"(baseline measured {baseline:.3f}), ratio {planned / measured:.3f}")

@@ -64,7 +64,7 @@ def test_fp8_without_support_says_so(logs: list) -> None:
     cfg.cuda_features.enable_fp8_training = True
     if torch.cuda.is_available():
         pytest.skip("checks the message on machines without fp8 support")
-    assert maybe_fp8(cfg, torch.nn.Linear(16, 16)) is False
+    assert maybe_fp8(cfg, torch.nn.Linear(16, 16), []) is False
     assert any("fp8 training needs an sm_89+ GPU" in line for line in logs)
     assert "fp8" in requested_features(cfg)
 
@@ -130,7 +130,7 @@ def test_fp8_is_refused_without_compile(monkeypatch: pytest.MonkeyPatch) -> None
     cfg = TrainConfig()
     cfg.cuda_features.enable_fp8_training = True
     with pytest.raises(ConfigError, match="4.37 s/step against 1.04 s/step"):
-        maybe_fp8(cfg, torch.nn.Linear(16, 16), compiled=False)
+        maybe_fp8(cfg, torch.nn.Linear(16, 16), [], compiled=False)
     with pytest.raises(ConfigError, match="enable_fp8_training.*compile"):
         load_config(None, ["pretrained_model_name_or_path=x/y", f"data_config.img_dir={Path.cwd()}",
                            "cuda_features.enable_fp8_training=true", "compile=false"])
