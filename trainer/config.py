@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.errors import ConfigError
+from trainer.families import SPECS
 
 # Choices checked by `validate`; kept here so docs, errors and tests share one list.
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16")
@@ -431,9 +432,13 @@ def validate(cfg: TrainConfig) -> List[str]:
         area = getattr(d, key)
         if area is not None and area < 32 * 32:
             p.append(f"key 'data_config.{key}': value {area} must be at least 1024 (32x32 pixels)")
-    if (d.control_dir or d.control_dirs) and cfg.family not in (None, "qwen_image_edit"):
-        p.append(f"key 'data_config.control_dir': reference images are only used by the qwen_image_edit "
-                 f"family, not '{cfg.family}' (use train_qwen_edit_lora.py)")
+    if cfg.family is not None:
+        choice("family", cfg.family, tuple(SPECS))
+    if (d.control_dir or d.control_dirs) and cfg.family in SPECS and not SPECS[cfg.family].uses_references:
+        users = [spec for spec in SPECS.values() if spec.uses_references]
+        p.append(f"key 'data_config.control_dir': reference images are only used by the "
+                 f"{', '.join(u.name for u in users)} family, not '{cfg.family}' "
+                 f"(use {', '.join(u.entry_script for u in users)})")
     if d.control_dir is not None and d.control_dirs is not None:
         p.append("keys 'data_config.control_dir' and 'data_config.control_dirs': set one of them")
     for folder in ([d.control_dir] if d.control_dir else []) + list(d.control_dirs or []):
