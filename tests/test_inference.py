@@ -109,3 +109,13 @@ def test_true_cfg_runs_by_default_where_the_pipeline_defaults_to_it(fixture: str
     args.true_cfg = 1.0  # asked off: no negative prompt, one pass
     pipe(**inference.call_kwargs(pipe, args), output_type="np")
     assert len(calls) == 3
+
+
+def test_family_picks_one_of_its_pipelines() -> None:
+    """--family keeps the checkpoint's pipeline when it is one of the family's (Edit-Plus stays Plus),
+    else takes the family's first; without --family the checkpoint decides."""
+    assert inference.pipeline_name("QwenImageEditPlusPipeline", "qwen_image_edit") == "QwenImageEditPlusPipeline"
+    assert inference.pipeline_name("QwenImagePipeline", "qwen_image_edit") == "QwenImageEditPipeline"
+    assert inference.pipeline_name("ZImagePipeline", None) == "ZImagePipeline"
+    assert inference.parse_args(["--model", "m", "--prompt", "p", "--out", "o.png", "--family", "z_image"]).family \
+        == "z_image"
