@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import inference
 from conftest import ROOT, train_in_process
 
 pytestmark = pytest.mark.e2e
@@ -96,8 +97,6 @@ def test_true_cfg_runs_by_default_where_the_pipeline_defaults_to_it(fixture: str
     """QwenImagePipeline defaults to true_cfg_scale 4 but skips CFG without a negative prompt:
     inference.py supplies the empty one, so the transformer runs twice per step; FLUX.1-dev's true
     CFG is off by default and stays off."""
-    import inference
-
     args = inference.parse_args(["--model", str(request.getfixturevalue(fixture)), "--prompt", "a red circle",
                                  "--out", "unused.png", "--width", "64", "--height", "64", "--steps", "3"])
     pipe, _ = inference.load_pipeline(args.model, None, "fp32")
