@@ -69,6 +69,35 @@ def test_fp8_without_support_says_so(logs: list) -> None:
     assert "fp8" in requested_features(cfg)
 
 
+@pytest.mark.parametrize("family, blocks_named", [("flux", ("transformer_blocks", "single_transformer_blocks")),
+                                                  ("z_image", ("noise_refiner", "context_refiner", "layers"))])
+def test_fp8_converts_the_linears_of_the_familys_blocks(family: str, blocks_named: tuple,
+                                                        request: pytest.FixtureRequest) -> None:
+    """fp8 picks the linears inside ``family.blocks`` (full-size, meta device): every block list's,
+    nothing outside the blocks. Z-Image has no ``transformer_blocks``, so the old name filter converted
+    none of its linears while logging "converted"."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    from trainer.families import SPECS, load_family
+    from trainer.platform import fp8_linears
+
+    fam = load_family(TrainConfig(family=family, pretrained_model_name_or_path=str(request.getfixturevalue(
+        f"tiny_{family}"))))
+    config = SPECS[family].reference_checkpoint()["transformer/config.json"]
+    with init_empty_weights():
+        model = getattr(diffusers, config["_class_name"]).from_config(config)
+    names = fp8_linears(model, fam.blocks(model))
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert names and names <= linears
+    assert {n.split(".")[0] for n in names} == set(blocks_named)
+    in_blocks = {n for n in linears if n.split(".")[0] in blocks_named}
+    assert names == {n for n in in_blocks if model.get_submodule(n).in_features % 16 == 0
+                     and model.get_submodule(n).out_features % 16 == 0}
+    print(f"{family}: {len(names)} of {len(linears)} linears converted; "
+          f"{sum('transformer_blocks' in n for n in linears)} carry 'transformer_blocks' in their name")
+
+
 def test_engine_honours_offload_and_checkpointing_switches(tiny_qwen_image: Path, sample_data: Path,
                                                            tmp_path: Path) -> None:
     trainer = train_in_process(
