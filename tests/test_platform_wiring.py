@@ -6,19 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from loguru import logger
 
 from conftest import train_in_process
 from trainer.config import TrainConfig
 from trainer.platform import choose_attention, maybe_fp8, prepare_environment, requested_features
-
-
-@pytest.fixture
-def logs():
-    lines: list = []
-    sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
-    yield lines
-    logger.remove(sink)
 
 
 def test_unified_memory_sets_allocator_and_policy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,7 +37,7 @@ def test_attention_switches(logs: list, monkeypatch: pytest.MonkeyPatch) -> None
 
     model = torch.nn.Linear(2, 2)
     assert choose_attention(TrainConfig(attention_backend="math"), model).name == "math"
-    assert any("Attention backend: math" in line for line in logs)
+    assert any("Attention backend: math" in r["message"] for r in logs)
     seen = []
     real = platform.select_attention_backend
     monkeypatch.setattr(platform, "select_attention_backend",
@@ -65,7 +56,7 @@ def test_fp8_without_support_says_so(logs: list) -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the message on machines without fp8 support")
     assert maybe_fp8(cfg, torch.nn.Linear(16, 16), []) is False
-    assert any("fp8 training needs an sm_89+ GPU" in line for line in logs)
+    assert any("fp8 training needs an sm_89+ GPU" in r["message"] for r in logs)
     assert "fp8" in requested_features(cfg)
 
 
