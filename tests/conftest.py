@@ -110,6 +110,24 @@ def lora_keys_match(pipe, lora_dir: Path, adapter: str) -> None:
     assert saved and created == saved
 
 
+def family_pipeline(name: str, model: Path) -> Any:
+    """The family's own diffusers pipeline on ``model`` (the class its model_index.json names: Edit or
+    Edit-Plus), with the Qwen2-VL processors loaded without torchvision, rendering 64x64 (Kandinsky 5
+    would snap other sizes to its ~1 Mpx list)."""
+    import diffusers
+
+    from trainer.families import SPECS
+    from utils.qwen_processor import load_qwen_vl_processor
+
+    pipeline = json.loads((Path(model) / "model_index.json").read_text())["_class_name"]
+    extra = {component: load_qwen_vl_processor(model, component) for component in SPECS[name].vl_processors}
+    pipe = getattr(diffusers, pipeline).from_pretrained(model, **extra)
+    pipe.set_progress_bar_config(disable=True)
+    if hasattr(pipe, "resolutions"):
+        pipe.resolutions = [(64, 64)]
+    return pipe
+
+
 def run_entry(script: str, config: str, overrides: List[str], launcher: bool = True,
               timeout: int = 600) -> subprocess.CompletedProcess:
     """Run an entry script as a user would (through ``accelerate launch`` on the CPU)."""
