@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from trainer.config import TrainConfig
+from trainer.config import QuantizationConfig, TrainConfig
 import trainer.planner as mp
 from trainer.families import SPECS
 from trainer.families.flux.spec import FLUX_LORA_PRESETS
@@ -627,3 +627,75 @@ def test_host_estimate_matches_the_measured_tiny_cpu_run(tiny_qwen_image: Path, 
           f"(baseline measured {baseline:.3f}), ratio {planned / measured:.3f}")
     assert HOST_BAND[0] <= planned / measured <= HOST_BAND[1], \
         f"planned {planned:.3f} GiB vs measured {measured:.3f} GiB"
+
+
+# --------------------------------------------------------------------------- the trainer's own rules
+
+TORCHAO_INT8 = {"quantize": True, "quantization": QuantizationConfig("torchao", "int8_weight_only")}
+RULE_CASES = [{}, {"quantize": True}, TORCHAO_INT8, {"quantize_text_encoder": True},
+              {"quantize": True, "quantize_text_encoder": True, "disable_quantization": True},
+              {"lora_target": "attention_mlp"}, {"lora_target_modules": ["to_q", "to_k"]},
+              {"disable_cpu_offload": True}, {"unified_memory": True},
+              {"gradient_checkpointing_cpu_offload": True},
+              {"gradient_checkpointing_cpu_offload": True, "unified_memory": True},
+              {"gradient_checkpointing_cpu_offload": True, "disable_gradient_checkpointing": True}]
+
+
+@pytest.mark.parametrize("keys", RULE_CASES, ids=lambda keys: ",".join(keys) or "defaults")
+def test_the_plan_takes_each_decision_as_the_trainer_does(keys: Dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                          edit_data_two_refs: Path, tmp_path: Path) -> None:
+    """Quantization, LoRA targets, reference folders, kept encoders and checkpoint offload: the planner's
+    settings are the decisions of the functions the trainer runs (on a machine that detects no unified
+    memory), so the two cannot drift apart."""
+    import trainer.platform as platform
+    from image_datasets.dataset import find_control_dirs
+    from trainer.activation_offload import checkpointing_func
+    from trainer.adapters import resolve_lora_targets
+    from trainer.quantization import quantization_spec, text_encoder_spec
+
+    monkeypatch.setattr(platform, "is_unified_memory_system", lambda: False)
+    monkeypatch.setattr(platform, "setup_unified_memory_env", lambda **kw: None)  # no allocator settings here
+    cfg = train_config("qwen_image_edit", model="Qwen/Qwen-Image-Edit-2509", data_img_dir=str(edit_data_two_refs),
+                       **keys)
+    s = mp.resolve_settings(cfg, mp.model_spec(cfg.pretrained_model_name_or_path))
+    quant, te_quant = quantization_spec(cfg), text_encoder_spec(cfg)
+    assert (s.quantization, s.backend) == ((quant.weights, quant.backend) if quant else (None, None))
+    assert s.text_encoder_quantization == (te_quant.weights if te_quant else None)
+    assert s.lora_targets == resolve_lora_targets(cfg, SPECS["qwen_image_edit"].lora_presets)
+    d = cfg.data_config
+    assert s.references == len(find_control_dirs(d.img_dir, d.control_dir, d.control_dirs)) == 2
+    policy = platform.prepare_environment(cfg)
+    assert s.keep_encoders == policy.keep_encoders
+    assert s.offload_checkpoints == (s.checkpointing and checkpointing_func(cfg, policy.unified_memory) is not None)
+
+
+# --------------------------------------------------------------------------- families without block layouts
+
+
+@pytest.mark.parametrize("family, hub_id, params, blocks, attention", [
+    ("kandinsky5", "kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers", 6_022_080_576,
+     {"text_transformer_blocks": 2, "visual_transformer_blocks": 50},
+     {"text_transformer_blocks": 0, "visual_transformer_blocks": 8}),
+    ("z_image", "Tongyi-MAI/Z-Image-Turbo", 6_154_908_736, {"noise_refiner": 2, "context_refiner": 2, "layers": 30},
+     {"noise_refiner": 4, "context_refiner": 0, "layers": 4}),
+])
+def test_kandinsky5_and_z_image_are_built_but_refused_in_one_line(
+        family: str, hub_id: str, params: int, blocks: Dict[str, int], attention: Dict[str, int],
+        capsys: pytest.CaptureFixture) -> None:
+    """Their published configs build on the meta device (6B each) with their own blocks and LoRA
+    presets; a plan refuses them in one line instead of a number from Qwen-Image's formulas."""
+    spec = mp.model_spec(hub_id)
+    assert spec.transformer.params == params and spec.source in ("built-in", "HF cache", "HF cache + built-in")
+    assert {kind.prefix: kind.count for kind in spec.transformer.blocks} == blocks
+    layout = mp.lora_layout(spec.transformer, SPECS[family].lora_presets["attention"])
+    assert {prefix: len(linears) for prefix, linears in layout.per_block.items()} == attention
+    cfg = train_config(family, model=hub_id, mixed_precision="bf16")
+    line = rf"^{family}: the memory planner does not model the activations of its .+ blocks yet$"
+    with pytest.raises(ValueError, match=line):
+        mp.plan_memory(cfg, 24.0)
+    from trainer.cli import main
+
+    profile = f"train_configs/train_{family}_lora.yaml"
+    assert main("qwen_image", "plan", ["--config", str(ROOT / profile), "--plan", "--gpu-memory", "24GiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.match(line, err.removeprefix("error: ")) and "\n" not in err
