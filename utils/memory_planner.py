@@ -660,12 +660,12 @@ def resolve_settings(cfg, spec: ModelSpec, *, blocks_to_swap: Optional[int] = No
         raise ValueError(f"blocks_to_swap {swap} is not between 0 and the transformer's "
                          f"{spec.transformer.num_blocks} blocks")
     return Settings(
-        family=family, img_size=side, batch=cfg.batch_size, text_tokens=tokens.text,
+        family=family, img_size=side, batch=cfg.data_config.train_batch_size, text_tokens=tokens.text,
         caption_tokens=tokens.caption, image_tokens=tokens.image, target_tokens=tokens.target,
         act_bytes=2 if precision in ("bf16", "fp16") else 4, precision=precision, rank=cfg.rank,
         lora_targets=_targets(cfg, family), lora_dropout=cfg.lora_dropout > 0,
         checkpointing=not cfg.disable_gradient_checkpointing, quantization=quant,
-        text_encoder_quantization=te_quant, optimizer=cfg.optimizer_name,
+        text_encoder_quantization=te_quant, optimizer=cfg.optimizer,
         blocks_to_swap=swap, precompute_text=cfg.precompute_text_embeddings,
         precompute_image=cfg.precompute_image_embeddings, cache_on_disk=cfg.save_cache_on_disk,
         keep_encoders=bool(cfg.disable_cpu_offload or cfg.unified_memory), device=device,
