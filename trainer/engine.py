@@ -42,7 +42,7 @@ from image_datasets.dataset import (
     scan_image_folder,
     shuffle_tags,
 )
-from image_datasets.validation import check_before_training
+from image_datasets.checks import check_before_training
 from trainer import checkpoint as ckpt
 from trainer.adapters import trained_weights
 from trainer.async_step import StepReadout, StepRecord, arm_device_skip, device_skip_supported, step_values, to_device
