@@ -281,3 +281,11 @@ def test_weight_formats_have_one_home() -> None:
 
     assert set(TORCHAO_CONFIGS) == set(TORCHAO_WEIGHTS)
     assert QUANTO_WEIGHTS == ("qfloat8", "qint8", "qint4")
+
+
+def test_attention_backend_choices_are_the_platform_layers() -> None:
+    """The schema lists them without importing torch; they must stay utils.attention's."""
+    from utils.attention import BACKEND_CHOICES
+
+    (backend,) = [f for f in dataclasses.fields(TrainConfig) if f.name == "attention_backend"]
+    assert backend.metadata["choices"] == BACKEND_CHOICES
