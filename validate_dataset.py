@@ -81,15 +81,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # Heavy imports (torch, through the dataset module) after the arguments and config are known good.
+    from image_datasets.checks import ERROR, Problem, check_dataset
     from image_datasets.dataset import find_control_dirs
-    from image_datasets.validation import ERROR, Problem, validate_dataset
 
     if s.family is None and not s.control_dirs and find_control_dirs(args.path, None, None):
         users = " or ".join(name for name, spec in SPECS.items() if spec.uses_references)
         print(f"note: reference folders found beside {args.path}; pass --family {users} to check "
               "them as reference images", file=sys.stderr)
-    report = validate_dataset(args.path, s.caption_ext, s.img_size, control_dirs=s.control_dirs,
-                              min_size=args.min_size)
+    report = check_dataset(args.path, s.caption_ext, s.img_size, control_dirs=s.control_dirs,
+                           min_size=args.min_size)
     if _uses_references(s.family) and not s.control_dirs:  # the trainer refuses this before anything else
         report.problems.insert(0, Problem(Path(args.path), ERROR, f"{s.family} trains on reference images, "
                                           "and no control/ or control_0/ folder is beside this one",

@@ -4,7 +4,7 @@ import pytest
 
 import utils.compat as compat
 from utils.compat import check_requirements, get_deprecation_warnings, show_compatibility_warnings
-from utils.cuda_utils import ARCH_LIST_CU126_ARM, simulate_device
+from utils.device_report import ARCH_LIST_CU126_ARM, simulate_device
 
 EVERYTHING = frozenset({"flash_attn", "flash_attn_interface", "torchao", "bitsandbytes",
                         "optimum.quanto", "fastsafetensors"})

@@ -246,6 +246,19 @@ def test_every_family_is_covered() -> None:
     assert set(E2E_CASES) == set(SPECS), f"end-to-end cases differ from the registry: {set(E2E_CASES) ^ set(SPECS)}"
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tiny_models_schedule_as_the_published_checkpoint(name: str, tiny_model: Callable[[str], Path]) -> None:
+    """The tiny model's scheduler config is the one the spec publishes (where it holds one), so the
+    shifts the tests check are the real model's."""
+    import json
+
+    published = SPECS[name].reference_checkpoint().get("scheduler/scheduler_config.json")
+    if published is None:
+        pytest.skip(f"{name}: the spec holds no published scheduler config")
+    tiny = json.loads((tiny_model(name) / "scheduler" / "scheduler_config.json").read_text())
+    assert {key: tiny[key] for key in published} == published
+
+
 @pytest.mark.parametrize("preset", ["attention", "attention_mlp", "all_linear"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_presets_hit_the_intended_layers_and_never_modulation(name: str, preset: str,

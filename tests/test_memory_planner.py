@@ -117,7 +117,7 @@ def test_weights_lora_and_optimizer_bytes(small_model) -> None:
     assert got["LoRA parameters (fp32)"] * GIB == 4 * lora
     assert got["LoRA gradients (fp32)"] * GIB == 4 * lora
     assert got["optimizer state (AdamW)"] * GIB == 8 * lora  # two fp32 moments
-    plan8 = mp.plan_memory(dataclasses.replace(cfg, adam8bit=True), spec=spec)
+    plan8 = mp.plan_memory(dataclasses.replace(cfg, optimizer="adamw8bit"), spec=spec)
     assert items(plan8)["optimizer state (8-bit AdamW)"] * GIB == 2 * lora  # two 8-bit moments
     fp32 = items(mp.plan_memory(dataclasses.replace(cfg, mixed_precision="no"), spec=spec))
     assert fp32["transformer weights (fp32)"] * GIB == 4 * params
@@ -514,14 +514,14 @@ def test_full_size_qwen_image_bf16_does_not_fit_24gib_and_says_what_to_change() 
     assert plan.advice and plan.advice[0].startswith("quantize: true")
     assert "does NOT fit 24.00 GiB" in plan.format()
 
-    low = mp.plan_memory(dataclasses.replace(cfg, quantize=True, adam8bit=True, quantize_text_encoder=True), 24.0)
+    low_memory = dataclasses.replace(cfg, quantize=True, optimizer="adamw8bit", quantize_text_encoder=True)
+    low = mp.plan_memory(low_memory, 24.0)
     print(f"Qwen-Image 1024^2 batch 1, qfloat8 + 8-bit AdamW + checkpointing: training {low.training_gib:.2f} GiB, "
           f"cache pass {low.cache_pass_gib:.2f} GiB, host {low.host_gib:.2f} GiB")
     assert 18 < low.training_gib < plan.training_gib / 1.5
     assert low.fits, low.format()
 
-    swap = mp.plan_memory(dataclasses.replace(cfg, quantize=True, adam8bit=True, quantize_text_encoder=True), 16.0,
-                          blocks_to_swap=20)
+    swap = mp.plan_memory(low_memory, 16.0, blocks_to_swap=20)
     print(f"... + blocks_to_swap 20: training {swap.training_gib:.2f} GiB; advice {swap.advice}")
     assert swap.training_gib < low.training_gib - 5
     if not swap.fits:
@@ -530,7 +530,7 @@ def test_full_size_qwen_image_bf16_does_not_fit_24gib_and_says_what_to_change() 
 
 
 def test_advice_finds_the_smallest_swap_that_fits() -> None:
-    cfg = train_config(mixed_precision="bf16", quantize=True, adam8bit=True, quantize_text_encoder=True)
+    cfg = train_config(mixed_precision="bf16", quantize=True, optimizer="adamw8bit", quantize_text_encoder=True)
     plan = mp.plan_memory(cfg, 16.0)
     # The cheaper setting comes first; the swap is the smallest on top of it.
     assert plan.advice[0].startswith("gradient_checkpointing_cpu_offload: true"), plan.advice
@@ -552,7 +552,8 @@ def test_full_size_flux_dev_plan() -> None:
 
 
 def test_checkpointing_off_costs_all_blocks_activations() -> None:
-    cfg = train_config(mixed_precision="bf16", quantize=True, adam8bit=True, disable_gradient_checkpointing=True)
+    cfg = train_config(mixed_precision="bf16", quantize=True, optimizer="adamw8bit",
+                       disable_gradient_checkpointing=True)
     plan = mp.plan_memory(cfg, 80.0)
     assert items(plan)["activations: all blocks (no checkpointing)"] > 30  # 60 x ~0.6 GiB at 1024^2
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import utils.unified_memory as um
-from utils.cuda_utils import simulate_device
+from utils.device_report import simulate_device
 from utils.unified_memory import (
     ENV_OVERRIDE,
     MemoryPolicy,

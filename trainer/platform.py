@@ -56,7 +56,7 @@ def keeps_encoders(cfg: TrainConfig, unified_memory: bool) -> bool:
 def requested_features(cfg: TrainConfig) -> List[str]:
     """Optional features the config asks for (their packages and hardware are checked)."""
     wanted = {"flash_attention_3": cfg.cuda_features.enable_flash_attention_3 or cfg.attention_backend == "flash3",
-              "fp8": cfg.cuda_features.enable_fp8_training, "adam8bit": cfg.optimizer_name == "adamw8bit",
+              "fp8": cfg.cuda_features.enable_fp8_training, "adam8bit": cfg.optimizer == "adamw8bit",
               "fastsafetensors": cfg.use_fastsafetensors}
     return [name for name, on in wanted.items() if on]
 

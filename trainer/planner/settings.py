@@ -20,14 +20,14 @@ from omegaconf import OmegaConf
 from image_datasets.dataset import IMAGE_EXTENSIONS, find_control_dirs
 from trainer.activation_offload import offloads_block_inputs
 from trainer.adapters import resolve_lora_targets
-from trainer.config import TrainConfig, load_config
+from trainer.config import TORCHAO_WEIGHTS, TrainConfig, load_config
 from trainer.engine import ENCODE_BATCH  # the cache pass's prompts per encoder call (moving to trainer.features)
 from trainer.errors import ConfigError
 from trainer.families import family_spec
 from trainer.families.spec import IMAGE_PIXELS_PER_TOKEN, FamilySpec, ReferenceTokens
 from trainer.planner.model import ModelSpec
 from trainer.platform import keeps_encoders
-from trainer.quantization import TORCHAO_WEIGHTS, QuantizationSpec, quantization_spec, text_encoder_spec
+from trainer.quantization import QuantizationSpec, quantization_spec, text_encoder_spec
 
 GIB = 2**30
 
@@ -143,12 +143,12 @@ def resolve_settings(cfg: TrainConfig, spec: ModelSpec, *, blocks_to_swap: Optio
     unified = bool(cfg.unified_memory)  # the planned machine's, as the config says (nothing is detected)
     checkpointing = not cfg.disable_gradient_checkpointing
     return Settings(
-        family=family.name, img_size=side, batch=cfg.batch_size, text_tokens=tokens.text,
+        family=family.name, img_size=side, batch=cfg.data_config.train_batch_size, text_tokens=tokens.text,
         caption_tokens=tokens.caption, image_tokens=tokens.image, target_tokens=tokens.target,
         act_bytes=2 if precision in ("bf16", "fp16") else 4, precision=precision, rank=cfg.rank,
         lora_targets=resolve_lora_targets(cfg, family.lora_presets), lora_dropout=cfg.lora_dropout > 0,
         checkpointing=checkpointing, quantization=quant,
-        text_encoder_quantization=te_quant, optimizer=cfg.optimizer_name,
+        text_encoder_quantization=te_quant, optimizer=cfg.optimizer,
         blocks_to_swap=swap, precompute_text=cfg.precompute_text_embeddings,
         precompute_image=cfg.precompute_image_embeddings, cache_on_disk=cfg.save_cache_on_disk,
         keep_encoders=keeps_encoders(cfg, unified), device=device,

@@ -8,7 +8,6 @@ from typing import Any
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from trainer.families import SPECS
 from ._common import init_model, save_pipeline
 from .tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
@@ -16,8 +15,16 @@ LATENT_CHANNELS = 16  # as FLUX's VAE; transformer in_channels = 4 * 16 (2x2 pac
 CLIP_HIDDEN = 32  # == transformer pooled_projection_dim
 T5_HIDDEN = 32  # == transformer joint_attention_dim
 
-# The published scheduler config of black-forest-labs/FLUX.1-dev (the family spec holds it).
-FLUX_DEV_SCHEDULER_CONFIG: dict[str, Any] = dict(SPECS["flux"].reference_checkpoint()["scheduler/scheduler_config.json"])
+# black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json.
+FLUX_DEV_SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
 
 
 def build_tiny_flux(out_dir: str | Path, seed: int = 0) -> Path:

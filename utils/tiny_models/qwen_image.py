@@ -13,15 +13,29 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from trainer.families import SPECS
 from ._common import init_model, save_pipeline
 from .tokenizers import build_qwen_tokenizer
 
 TEXT_HIDDEN = 16  # text encoder width == transformer joint_attention_dim
 Z_DIM = 4  # VAE latent channels; transformer in_channels = 4 * Z_DIM (2x2 packing)
 
-# The published scheduler config of Qwen/Qwen-Image (the family spec holds it).
-QWEN_IMAGE_SCHEDULER_CONFIG: dict[str, Any] = dict(SPECS["qwen_image"].reference_checkpoint()["scheduler/scheduler_config.json"])
+# Qwen/Qwen-Image's scheduler/scheduler_config.json.
+QWEN_IMAGE_SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 0.9,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 8192,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+    "invert_sigmas": False,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "stochastic_sampling": False,
+}
 
 
 def tiny_qwen_vl_config(tokenizer) -> Qwen2_5_VLConfig:

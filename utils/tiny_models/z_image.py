@@ -10,15 +10,14 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from transformers import Qwen3Config, Qwen3Model
 
-from trainer.families import SPECS
 from ._common import init_model, save_pipeline
 from .tokenizers import build_qwen_tokenizer
 
 TEXT_HIDDEN = 16  # Qwen3 width == transformer cap_feat_dim
 LATENT_CHANNELS = 16  # as the FLUX VAE Z-Image uses
 
-# Tongyi-MAI/Z-Image-Turbo's scheduler config (the family spec holds it): a fixed shift, no resolution dependence.
-Z_IMAGE_SCHEDULER_CONFIG: dict[str, Any] = dict(SPECS["z_image"].reference_checkpoint()["scheduler/scheduler_config.json"])
+# Tongyi-MAI/Z-Image-Turbo scheduler/scheduler_config.json: a fixed shift, no resolution dependence.
+Z_IMAGE_SCHEDULER_CONFIG: dict[str, Any] = {"num_train_timesteps": 1000, "use_dynamic_shifting": False, "shift": 3.0}
 
 # Qwen3's chat template reduced to what ZImagePipeline uses: one user turn, the generation prompt, and the
 # empty think block that `enable_thinking=False` adds (the pipeline passes True: no block).

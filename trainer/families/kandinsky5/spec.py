@@ -20,12 +20,11 @@ KANDINSKY5_LORA_PRESETS: Dict[str, TargetSpec] = {
     "all_linear": f"{_VISUAL_ATTN}|{_TEXT_ATTN}|{_MLP}|{_OUTER}",
 }
 
-# kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers (6B): transformer/config.json as published (read from
-# a third-party config review of that file: model_dim 2560, ff_dim 10240, 2 text + 50 visual blocks,
-# 16 latent channels; the rest are Kandinsky5Transformer3DModel's defaults in diffusers 0.42, whose
-# in_text_dim 3584 and in_text_dim2 768 are Qwen2.5-VL-7B's and CLIP-L's widths). The text encoders are
-# Qwen2.5-VL-7B-Instruct and CLIP-L; the VAE is FLUX's (Kandinsky5T2IPipeline's docs, the pipeline's
-# latent scaling). Its scheduler config is not reproduced here.
+# kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers: transformer/config.json as published (the values of a
+# third-party review that compared that file key by key; they build 6.02B parameters, the model card's
+# "6B"; in_text_dim 3584 and in_text_dim2 768 are Qwen2.5-VL-7B's and CLIP-L's widths). Text encoders:
+# Qwen2.5-VL-7B-Instruct and CLIP-L; VAE: FLUX's (Kandinsky5T2IPipeline's docs; the family scales its
+# latents without the shift). Its scheduler config is not reproduced here (not checked).
 _T2I_LITE: Dict[str, Any] = {
     "model_index.json": model_index(
         "Kandinsky5T2IPipeline", scheduler="diffusers.FlowMatchEulerDiscreteScheduler",
