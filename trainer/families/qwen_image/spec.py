@@ -44,7 +44,7 @@ _VAE: Dict[str, Any] = {"_class_name": "AutoencoderKLQwenImage", "attn_scales": 
                         "dim_mult": [1, 2, 4, 4], "dropout": 0.0, "num_res_blocks": 2,
                         "temperal_downsample": [False, True, True], "z_dim": 16}
 # Qwen/Qwen-Image scheduler/scheduler_config.json (the Edit checkpoints' is taken to be the same).
-QWEN_IMAGE_SCHEDULER: Dict[str, Any] = {
+_SCHEDULER: Dict[str, Any] = {
     "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
     "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
     "time_shift_type": "exponential", "invert_sigmas": False, "use_karras_sigmas": False,
@@ -62,7 +62,7 @@ def qwen_checkpoint(pipeline: str, zero_cond_t: bool = False) -> Dict[str, Any]:
             transformer=f"diffusers.{QWEN_TRANSFORMER}", vae="diffusers.AutoencoderKLQwenImage"),
         "transformer/config.json": {**_TRANSFORMER, **({"zero_cond_t": True} if zero_cond_t else {})},
         "text_encoder/config.json": QWEN2_5_VL_7B, "vae/config.json": _VAE,
-        "scheduler/scheduler_config.json": QWEN_IMAGE_SCHEDULER, "_shards": {"transformer": 9},
+        "scheduler/scheduler_config.json": _SCHEDULER, "_shards": {"transformer": 9},
     }
 
 
