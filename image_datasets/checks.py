@@ -1,6 +1,6 @@
 """Dataset checks: every problem of an image folder in one pass, with the file and what to do.
 
-``check_dataset`` is the full check behind ``utils/validate_dataset.py``. ``check_before_training``
+``check_dataset`` is the full check behind ``validate_dataset.py``. ``check_before_training``
 runs the same checks in their fast form before any model loads: it refuses the data, or, when the
 user allows it, returns the bad samples to skip.
 
@@ -256,7 +256,7 @@ def _cli_command(img_dir: str | Path, caption_ext: str, img_size: int, control_d
     flags = [f"--path {img_dir}", f"--img-size {img_size}"] + [f"--control-dir {d}" for d in control_dirs]
     if caption_ext != "txt":
         flags.append(f"--caption-ext {caption_ext}")
-    return "python utils/validate_dataset.py " + " ".join(flags)
+    return "python validate_dataset.py " + " ".join(flags)
 
 
 def _error_message(report: DatasetReport, cli: str) -> str:

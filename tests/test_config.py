@@ -250,7 +250,7 @@ def choice_fields(schema: type = TrainConfig, prefix: str = ""):
 def test_every_fixed_set_of_values_is_in_field_metadata() -> None:
     """A form built from dataclasses.fields(TrainConfig) sees every choice list."""
     assert {key for key, _, _ in choice_fields()} == {
-        "training_mode", "report_to", "lr_scheduler", "optimizer", "mixed_precision", "timestep_sampling",
+        "family", "training_mode", "report_to", "lr_scheduler", "optimizer", "mixed_precision", "timestep_sampling",
         "timestep_shift", "loss_weighting", "adapter_type", "lora_init", "lora_target", "lora_export_formats",
         "attention_backend", "data_config.bucket_mode", "quantization.backend", "quantization.weights"}
     assert dict((key, f.metadata["choices"]) for key, _, f in choice_fields())["adapter_type"] == ("lora", "lokr", "loha")

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.errors import ConfigError
+from trainer.families import SPECS
 
 # Weight formats of each quantization backend (their implementations: trainer/quantization.py).
 QUANTO_WEIGHTS = ("qfloat8", "qint8", "qint4")
@@ -187,7 +188,7 @@ class TrainConfig:
     # Model
     pretrained_model_name_or_path: str = ""
     revision: Optional[str] = None
-    family: Optional[str] = None  # set by the entry script; may be given to override
+    family: Optional[str] = one_of(None, tuple(SPECS), "set by the entry script; may be given to override")
     training_mode: str = one_of("lora", ("lora", "full"), "lora, or full fine-tuning (train_full_qwen_image.py)")
     trainable_modules: Optional[List[str]] = None  # full mode: regexes of parameter names to train
     max_shard_size: str = "5GB"  # full mode: shard size of saved transformer weights
@@ -490,9 +491,11 @@ def _data_problems(cfg: TrainConfig) -> List[str]:
          "key 'data_config.shuffle_caption_tags': shuffled captions change every step; "
          "set precompute_text_embeddings: false"),
     )
-    if (d.control_dir or d.control_dirs) and cfg.family not in (None, "qwen_image_edit"):
-        p.append(f"key 'data_config.control_dir': reference images are only used by the qwen_image_edit "
-                 f"family, not '{cfg.family}' (use train_qwen_edit_lora.py)")
+    if (d.control_dir or d.control_dirs) and cfg.family in SPECS and not SPECS[cfg.family].uses_references:
+        users = [spec for spec in SPECS.values() if spec.uses_references]
+        p.append(f"key 'data_config.control_dir': reference images are only used by the "
+                 f"{', '.join(u.name for u in users)} family, not '{cfg.family}' "
+                 f"(use {', '.join(u.entry_script for u in users)})")
     return p
 
 
