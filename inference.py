@@ -1,11 +1,12 @@
-"""Render an image with a base model and an optional LoRA (Qwen-Image, Qwen-Image-Edit, FLUX.1-dev).
+"""Render an image with a base model and an optional LoRA (any family of ``trainer.families.SPECS``).
 
     python inference.py --model Qwen/Qwen-Image --lora output/pytorch_lora_weights.safetensors \
         --prompt "a red circle" --out out.png [--steps 30] [--width 1024 --height 1024] [--seed 0]
     python inference.py --model Qwen/Qwen-Image-Edit-2509 --image ref1.png --image ref2.png \
         --prompt "put the cat on the sofa" --out edit.png
 
-The family (pipeline class) is read from the model's ``model_index.json`` unless ``--family`` names it.
+The pipeline class is read from the model's ``model_index.json``; ``--family`` makes it one of that
+family's pipelines.
 """
 
 from __future__ import annotations
@@ -18,19 +19,15 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import trainer  # noqa: F401  (quiets optional backends' import-time warnings)
+from trainer.families import SPECS, spec_for_pipeline  # the light specs (also quiets optional backends)
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-PIPELINES = {"qwen_image": "QwenImagePipeline", "qwen_image_edit": "QwenImageEditPipeline",
-             "qwen_image_edit_plus": "QwenImageEditPlusPipeline", "flux": "FluxPipeline",
-             "kandinsky5": "Kandinsky5T2IPipeline", "z_image": "ZImagePipeline"}
-EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="diffusers folder or hub id")
-    p.add_argument("--family", choices=list(PIPELINES), help="default: from the model's model_index.json")
+    p.add_argument("--family", choices=list(SPECS), help="default: from the model's model_index.json")
     p.add_argument("--image", action="append", type=Path, default=[],
                    help="reference image for Qwen-Image-Edit (repeat for Edit-2509/2511, up to 3)")
     p.add_argument("--lora", help="LoRA file (pytorch_lora_weights.safetensors) or its folder")
@@ -57,22 +54,27 @@ def load_pipeline(model: str, family: Optional[str], dtype_name: Optional[str]):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, DTYPES[dtype_name or ("bf16" if device == "cuda" else "fp32")])
+    from utils.qwen_processor import load_qwen_vl_processor  # imports transformers: not for --help
+
     try:
-        name = PIPELINES[family] if family else diffusers.DiffusionPipeline.load_config(model)["_class_name"]
-        extra = {}
-        if name in EDIT_PIPELINES:
-            from utils.qwen_processor import load_qwen_vl_processor
-
-            extra["processor"] = load_qwen_vl_processor(model)  # works without torchvision too
-        if name == "Kandinsky5T2IPipeline":  # its "tokenizer" is a Qwen2-VL processor
-            from utils.qwen_processor import load_qwen_vl_processor
-
-            extra["tokenizer"] = load_qwen_vl_processor(model, "tokenizer")
+        name = pipeline_name(diffusers.DiffusionPipeline.load_config(model)["_class_name"], family)
+        spec = spec_for_pipeline(name)
+        # Components that are Qwen2-VL processors load without torchvision too.
+        extra = {component: load_qwen_vl_processor(model, component)
+                 for component in (spec.vl_processors if spec is not None else ())}
         pipe = getattr(diffusers, name).from_pretrained(model, dtype=dtype, **extra)
     except OSError as exc:
         raise SystemExit(f"error: cannot load '{model}': {str(exc).splitlines()[0]}\n"
                          "Download it first or point --model at a local diffusers folder.") from None
     return pipe.to(device), device
+
+
+def pipeline_name(in_checkpoint: str, family: Optional[str]) -> str:
+    """The checkpoint's pipeline class, or with ``family`` the first of the family's pipelines when the
+    checkpoint names none of them."""
+    if family is None or in_checkpoint in SPECS[family].pipelines:
+        return in_checkpoint
+    return SPECS[family].pipelines[0]
 
 
 def add_lora(pipe, lora: str, scale: float) -> None:
@@ -104,15 +106,19 @@ def call_kwargs(pipe, args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def reference_images(pipe, paths: List[Path]):
-    """The ``image`` argument of an Edit pipeline: one image, or a list for Edit-Plus."""
+    """The ``image`` argument of a pipeline that takes references (Edit): one image, or a list where
+    it takes several (Edit-Plus)."""
     from PIL import Image
 
     name = type(pipe).__name__
-    if name not in EDIT_PIPELINES:
+    spec = spec_for_pipeline(name)
+    facts = spec.references.get(name) if spec is not None else None
+    if facts is None:
         if paths:
-            raise SystemExit(f"error: --image is for Qwen-Image-Edit models; {name} takes no reference")
+            users = ", ".join(s.title for s in SPECS.values() if s.uses_references)
+            raise SystemExit(f"error: --image is for {users} models; {name} takes no reference")
         return None
-    limit = 3 if name == "QwenImageEditPlusPipeline" else 1
+    limit = facts.max_references
     if not 1 <= len(paths) <= limit:
         raise SystemExit(f"error: {name} takes 1 to {limit} --image reference(s), got {len(paths)}")
     for path in paths:

@@ -42,14 +42,15 @@ for _path in (ROOT, ROOT / "tests" / "gpu"):
 import torch  # noqa: E402
 
 import harness  # noqa: E402
+from trainer.families import SPECS  # noqa: E402
 from utils import page_cache  # noqa: E402
 
 TARGET_S_PER_STEP = 0.45  # issue 10: H100, 1024^2, batch 1, checkpointing on
-TARGET_FAMILIES = ("qwen_image", "flux")
+TARGET_FAMILIES = ("qwen_image", "flux")  # the families issue 10's speed target names
 SECTIONS = ("machine", "steps", "memory", "attention", "fp8", "loading", "startup")
 DEFAULT_OUT = ROOT / "docs" / "GPU_RESULTS.md"
 FULL_QWEN_BYTES = 20.43e9 * 2  # the bf16 Qwen-Image transformer, for load-time extrapolation
-FAMILY_NAMES = {"qwen_image": "Qwen-Image", "qwen_image_edit": "Qwen-Image-Edit", "flux": "FLUX.1-dev"}
+FAMILY_NAMES = {name: spec.title for name, spec in SPECS.items()}
 
 
 @dataclass
@@ -310,9 +311,17 @@ def memory_section(run: Run) -> str:
 # =========================================================================== attention, fp8
 
 
+def one_per_transformer(families: Sequence[str]) -> List[str]:
+    """The first of the families sharing each transformer class: they share its attention."""
+    first: Dict[str, str] = {}
+    for family in families:
+        first.setdefault(SPECS[family].transformer, family)
+    return list(first.values())
+
+
 def attention_section(run: Run) -> str:
     parts = []
-    for family in [f for f in run.families if f != "qwen_image_edit"] or run.families:
+    for family in one_per_transformer(run.families):
         try:
             rep = harness.compare_attention_backends(family, run.device, torch.bfloat16, run.resolution,
                                                      scale=run.scale)

@@ -11,9 +11,12 @@ MODEL=models/tiny-qwen-image
 OUT=output/quickstart
 [ -f "$MODEL/model_index.json" ] || python -m utils.tiny_models --family qwen_image --out "$MODEL"
 python -m image_datasets.sample_data --out data/sample_dataset
+# Every launcher setting given, so accelerate has no defaults to warn about (the CPU threads are its own
+# default: one per physical core).
+THREADS=$(python -c "import psutil; print(psutil.cpu_count(logical=False) or 1)")
 start=$(date +%s)
 accelerate launch --cpu --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
-  train.py --config train_configs/quickstart_tiny.yaml
+  --num_cpu_threads_per_process "$THREADS" train.py --config train_configs/quickstart_tiny.yaml
 PROMPT="a red circle on a yellow background"
 python inference.py --model "$MODEL" --prompt "$PROMPT" --width 64 --height 64 --steps 8 \
   --out "$OUT/sample_base.png"

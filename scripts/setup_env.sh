@@ -21,4 +21,4 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 python -m pip install -q -r requirements.txt
-python -c "import torch, diffusers, transformers, peft, accelerate; print(f'torch {torch.__version__}, diffusers {diffusers.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, accelerate {accelerate.__version__}')"
+python -c "import utils.quiet, torch, diffusers, transformers, peft, accelerate; print(f'torch {torch.__version__}, diffusers {diffusers.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, accelerate {accelerate.__version__}')"

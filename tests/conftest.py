@@ -7,51 +7,53 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
+from loguru import logger
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from image_datasets.sample_data import make_edit_dataset, make_sample_dataset  # noqa: E402
-from utils.tiny_models import build_tiny_pipeline  # noqa: E402
+from utils.tiny_models import FAMILIES as TINY_BUILDERS, build_tiny_pipeline  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Qwen-Image pipeline folder (real classes, diffusers layout)."""
-    return build_tiny_pipeline("qwen_image", tmp_path_factory.mktemp("models") / "tiny-qwen-image", seed=0)
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_model(name)``: the folder of the tiny random pipeline ``name`` (a family of the registry,
+    or ``qwen_image_edit_plus``), built offline with the real classes once per session."""
+    built: Dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name not in built:
+            built[name] = build_tiny_pipeline(name, tmp_path_factory.mktemp("models") / f"tiny-{name}", seed=0)
+        return built[name]
+
+    return build
 
 
-@pytest.fixture(scope="session")
-def tiny_flux(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random FLUX.1-dev-like pipeline folder (guidance embedding, CLIP + T5)."""
-    return build_tiny_pipeline("flux", tmp_path_factory.mktemp("models") / "tiny-flux", seed=0)
+def _tiny_fixture(name: str) -> Callable[..., Path]:
+    @pytest.fixture(scope="session", name=f"tiny_{name}")
+    def fixture(tiny_model: Callable[[str], Path]) -> Path:
+        return tiny_model(name)
+
+    fixture.__doc__ = f"The tiny {name} pipeline folder: ``tiny_model('{name}')``."
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def tiny_kandinsky5(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Kandinsky 5 T2I pipeline folder (Qwen2.5-VL + CLIP, text and visual blocks)."""
-    return build_tiny_pipeline("kandinsky5", tmp_path_factory.mktemp("models") / "tiny-kandinsky5", seed=0)
+# tiny_qwen_image, tiny_qwen_image_edit, tiny_qwen_image_edit_plus, tiny_flux, tiny_kandinsky5, tiny_z_image
+for _name in TINY_BUILDERS:
+    globals()[f"tiny_{_name}"] = _tiny_fixture(_name)
 
 
-@pytest.fixture(scope="session")
-def tiny_z_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Z-Image pipeline folder (Qwen3 text encoder, single-stream DiT)."""
-    return build_tiny_pipeline("z_image", tmp_path_factory.mktemp("models") / "tiny-z-image", seed=0)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen_image_edit(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Qwen-Image-Edit pipeline folder (one reference)."""
-    return build_tiny_pipeline("qwen_image_edit", tmp_path_factory.mktemp("models") / "tiny-edit", seed=0)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen_image_edit_plus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Qwen-Image-Edit-2509-like pipeline folder (1-3 references)."""
-    return build_tiny_pipeline("qwen_image_edit_plus", tmp_path_factory.mktemp("models") / "tiny-edit-plus", seed=0)
+@pytest.fixture
+def logs() -> Iterator[List[Dict[str, Any]]]:
+    """The records loguru emits at INFO and above while the test runs."""
+    records: List[Dict[str, Any]] = []
+    handler = logger.add(lambda message: records.append(message.record), level="INFO")
+    yield records
+    logger.remove(handler)
 
 
 @pytest.fixture(scope="session")
@@ -106,6 +108,24 @@ def lora_keys_match(pipe, lora_dir: Path, adapter: str) -> None:
                .replace(f".{adapter}.weight", ".weight")
                for name, _ in pipe.transformer.named_parameters() if "lora_" in name}
     assert saved and created == saved
+
+
+def family_pipeline(name: str, model: Path) -> Any:
+    """The family's own diffusers pipeline on ``model`` (the class its model_index.json names: Edit or
+    Edit-Plus), with the Qwen2-VL processors loaded without torchvision, rendering 64x64 (Kandinsky 5
+    would snap other sizes to its ~1 Mpx list)."""
+    import diffusers
+
+    from trainer.families import SPECS
+    from utils.qwen_processor import load_qwen_vl_processor
+
+    pipeline = json.loads((Path(model) / "model_index.json").read_text())["_class_name"]
+    extra = {component: load_qwen_vl_processor(model, component) for component in SPECS[name].vl_processors}
+    pipe = getattr(diffusers, pipeline).from_pretrained(model, **extra)
+    pipe.set_progress_bar_config(disable=True)
+    if hasattr(pipe, "resolutions"):
+        pipe.resolutions = [(64, 64)]
+    return pipe
 
 
 def run_entry(script: str, config: str, overrides: List[str], launcher: bool = True,

@@ -14,7 +14,7 @@ from utils.attention import (
     sdpa_context,
     select_attention_backend,
 )
-from utils.cuda_utils import simulate_device
+from utils.device_report import simulate_device
 
 FA3 = frozenset({"flash_attn_interface"})
 

@@ -44,7 +44,7 @@ def test_missing_caption_and_unreadable_image(tiny_qwen_image: Path, sample_data
     result = run(f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={data}",
                  f"output_dir={tmp_path}/out")
     assert_clear_error(result, "img2.jpg: caption file img2.txt is missing", "img4.png: empty file (0 bytes)",
-                       "data_config.skip_bad_samples: true", "python utils/validate_dataset.py --path")
+                       "data_config.skip_bad_samples: true", "python validate_dataset.py --path")
     # Allowed to skip them, training runs on the four good samples.
     result = run(f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={data}",
                  f"output_dir={tmp_path}/out2", "data_config.skip_bad_samples=true")

@@ -1,22 +1,13 @@
 """utils.compat: each environment problem produces one message that says what to do."""
 
 import pytest
-from loguru import logger
 
 import utils.compat as compat
 from utils.compat import check_requirements, get_deprecation_warnings, show_compatibility_warnings
-from utils.cuda_utils import ARCH_LIST_CU126_ARM, simulate_device
+from utils.device_report import ARCH_LIST_CU126_ARM, simulate_device
 
 EVERYTHING = frozenset({"flash_attn", "flash_attn_interface", "torchao", "bitsandbytes",
                         "optimum.quanto", "fastsafetensors"})
-
-
-@pytest.fixture
-def logs():
-    records = []
-    handler = logger.add(lambda message: records.append(message.record), level="INFO")
-    yield records
-    logger.remove(handler)
 
 
 def _one(messages, *needles):

@@ -1,12 +1,15 @@
 """The config schema: shipped YAMLs load, overrides apply, mistakes name the key and value."""
 
+import copy
+import dataclasses
 import itertools
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from trainer.config import TrainConfig, load_config
+from trainer.config import (FLYMYAI_KEYS, QUANTO_WEIGHTS, TORCHAO_WEIGHTS, TrainConfig, config_to_yaml, flymyai_compat,
+                            load_config)
 from trainer.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,8 +117,8 @@ cuda_features:
     assert cfg.learning_rate == pytest.approx(1e-4)
     assert cfg.adam_epsilon == pytest.approx(1e-8)
     assert cfg.mixed_precision == "bf16"
-    assert cfg.optimizer_name == "adamw8bit"
-    assert cfg.batch_size == 1 and cfg.rank == 16 and cfg.report_to is None
+    assert cfg.optimizer == "adamw8bit"
+    assert cfg.data_config.train_batch_size == 1 and cfg.rank == 16 and cfg.report_to is None
 
 
 def test_overrides_apply_with_types(data_dir: Path) -> None:
@@ -179,3 +182,110 @@ def test_defaults_are_sane() -> None:
     cfg = TrainConfig()
     assert cfg.lora_alpha is None and cfg.rank == 16
     assert cfg.precompute_text_embeddings and cfg.precompute_image_embeddings
+
+
+# --------------------------------------------------------------------------- FlyMyAI's keys
+
+@pytest.mark.parametrize("flymyai, canonical", [
+    (["train_batch_size=1"], []),
+    (["train_batch_size=2", "data_config.train_batch_size=2"], ["data_config.train_batch_size=2"]),
+    (["adam8bit=true"], ["optimizer=adamw8bit"]),
+    (["adam8bit=true", "optimizer=adafactor"], ["optimizer=adamw8bit"]),  # the switch wins, as before
+    (["adam8bit=false"], []),
+    (["disable_sampling=false", "sample_every=50", "sample_width=512", "sample_height=768", "sample_steps=12"],
+     ["validation.every_n_steps=50", "validation.width=512", "validation.height=768", "validation.steps=12"]),
+    (["disable_sampling=false"], ["validation.every_n_steps=250", "validation.steps=20"]),
+    (["disable_sampling=false", "sample_every=50", "validation.every_n_steps=7"], ["validation.every_n_steps=7"]),
+    (["disable_sampling=true", "sample_every=50", "sample_width=512"], []),
+    (["double_blocks=null"], []),
+], ids=lambda keys: " ".join(keys) or "-")
+def test_each_flymyai_key_resolves_as_its_canonical_form(data_dir: Path, flymyai: list, canonical: list) -> None:
+    old = load_config(None, base(data_dir) + flymyai)
+    new = load_config(None, base(data_dir) + canonical)
+    assert config_to_yaml(old) == config_to_yaml(new)
+    written = OmegaConf.create(config_to_yaml(old))
+    assert not set(written) & set(FLYMYAI_KEYS), "config.yaml shows the canonical names only"
+
+
+def test_flymyai_keys_in_an_entry_scripts_defaults_are_translated_too(data_dir: Path) -> None:
+    """train_4090.py passes `adam8bit: true` beneath the YAML; the YAML can still turn it off."""
+    defaults = {"quantize": True, "adam8bit": True}
+    assert load_config(None, base(data_dir), profile_defaults=defaults).optimizer == "adamw8bit"
+    assert load_config(None, base(data_dir) + ["adam8bit=false"], profile_defaults=defaults).optimizer == "adamw"
+
+
+def test_flymyai_key_mistakes_name_the_flymyai_key(data_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'adam8bt' \(did you mean 'adam8bit'\?\)"):
+        load_config(None, base(data_dir) + ["adam8bt=true"])
+    with pytest.raises(ConfigError, match=r"key 'sample_every': value 'often' is not a valid integer"):
+        load_config(None, base(data_dir) + ["disable_sampling=false", "sample_every=often"])
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base(data_dir) + ["double_blocks=[0,1]", "train_batch_size=3", "rank=0"])
+    msg = str(err.value)
+    assert "key 'double_blocks': choosing FLUX blocks is not yet supported" in msg
+    assert "key 'train_batch_size': value 3 differs from data_config.train_batch_size 1" in msg
+    assert "key 'rank': value 0 must be >= 1" in msg, "compat problems come with every other problem"
+
+
+def test_flymyai_compat_leaves_its_input_alone() -> None:
+    raw = {"adam8bit": True, "disable_sampling": False, "data_config": {"img_dir": "x"}}
+    before = copy.deepcopy(raw)
+    translated, problems = flymyai_compat(raw)
+    assert raw == before and problems == []
+    assert translated == {"optimizer": "adamw8bit", "data_config": {"img_dir": "x"},
+                          "validation": {"every_n_steps": 250, "width": 1024, "height": 1024, "steps": 20}}
+
+
+# --------------------------------------------------------------------------- choices beside their fields
+
+def choice_fields(schema: type = TrainConfig, prefix: str = ""):
+    """(dotted key, section class, field) of every field with metadata["choices"], sections included."""
+    for f in dataclasses.fields(schema):
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+            yield from choice_fields(f.default_factory, f"{prefix}{f.name}.")
+        elif "choices" in f.metadata:
+            yield f"{prefix}{f.name}", schema, f
+
+
+def test_every_fixed_set_of_values_is_in_field_metadata() -> None:
+    """A form built from dataclasses.fields(TrainConfig) sees every choice list."""
+    assert {key for key, _, _ in choice_fields()} == {
+        "family", "training_mode", "report_to", "lr_scheduler", "optimizer", "mixed_precision", "timestep_sampling",
+        "timestep_shift", "loss_weighting", "adapter_type", "lora_init", "lora_target", "lora_export_formats",
+        "attention_backend", "data_config.bucket_mode", "quantization.backend", "quantization.weights"}
+    assert dict((key, f.metadata["choices"]) for key, _, f in choice_fields())["adapter_type"] == ("lora", "lokr", "loha")
+
+
+@pytest.mark.parametrize("key", [key for key, _, _ in choice_fields()])
+def test_choices_come_from_field_metadata(data_dir: Path, key: str) -> None:
+    """Each listed value loads; any other is refused with the metadata's list in the message."""
+    _, section, f = next(c for c in choice_fields() if c[0] == key)
+    by = f.metadata.get("choices_by")
+    prefix = key.rpartition(".")[0] + "." if "." in key else ""
+    # A field whose choices depend on this one (the weight formats on the backend) takes a fitting value.
+    dependents = [g for g in dataclasses.fields(section) if g.metadata.get("choices_by", ("",))[0] == f.name]
+    listy = key == "lora_export_formats"
+    for value in f.metadata["choices"]:
+        context = [f"{prefix}{by[0]}={b}" for b, formats in by[1].items() if value in formats] if by else []
+        context += [f"{prefix}{g.name}={g.metadata['choices_by'][1][value][0]}" for g in dependents]
+        cfg = load_config(None, base(data_dir) + context + [f"{key}=[{value}]" if listy else f"{key}={value}"])
+        assert OmegaConf.select(OmegaConf.structured(cfg), key) == ([value] if listy else value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base(data_dir) + [f"{key}=[diffusers,bogus]" if listy else f"{key}=bogus"])
+    listed = by[1][getattr(section(), by[0])] if by else f.metadata["choices"]
+    assert f"key '{key}': value 'bogus' is not one of {', '.join(listed)}" in str(err.value)
+
+
+def test_weight_formats_have_one_home() -> None:
+    from trainer.quantization import TORCHAO_CONFIGS
+
+    assert set(TORCHAO_CONFIGS) == set(TORCHAO_WEIGHTS)
+    assert QUANTO_WEIGHTS == ("qfloat8", "qint8", "qint4")
+
+
+def test_attention_backend_choices_are_the_platform_layers() -> None:
+    """The schema lists them without importing torch; they must stay utils.attention's."""
+    from utils.attention import BACKEND_CHOICES
+
+    (backend,) = [f for f in dataclasses.fields(TrainConfig) if f.name == "attention_backend"]
+    assert backend.metadata["choices"] == BACKEND_CHOICES

@@ -14,11 +14,11 @@ from utils.cuda_utils import (
     enable_tf32,
     get_cuda_version,
     get_device_capability,
-    get_optimal_settings,
     get_recommended_dtype,
     read_device_facts,
     supports_feature,
 )
+from utils.device_report import get_optimal_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "setup_cuda13.sh"

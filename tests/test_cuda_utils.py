@@ -1,4 +1,5 @@
-"""utils.cuda_utils: versions, capability, arch support and feature rules on mocked and real machines."""
+"""utils.cuda_utils: versions, capability, arch support and feature rules on mocked and real machines
+(the reference machines of utils.device_report)."""
 
 import json
 import platform
@@ -7,10 +8,7 @@ import pytest
 import torch
 
 from utils.cuda_utils import (
-    ARCH_LIST_CU126_ARM,
-    ARCH_LIST_CU126_X86,
     OPTIONAL_PACKAGES,
-    REFERENCE_DEVICES,
     DeviceFacts,
     arch_support_mode,
     compare_versions,
@@ -19,17 +17,22 @@ from utils.cuda_utils import (
     get_cuda_version,
     get_device_capability,
     get_features,
-    get_optimal_settings,
     get_recommended_dtype,
     get_recommended_mixed_precision,
     is_ampere_or_newer,
     is_hopper_or_newer,
     parse_version,
     read_device_facts,
-    simulate_device,
     supports_feature,
     torch_supports_arch,
     version_at_least,
+)
+from utils.device_report import (
+    ARCH_LIST_CU126_ARM,
+    ARCH_LIST_CU126_X86,
+    REFERENCE_DEVICES,
+    get_optimal_settings,
+    simulate_device,
 )
 
 ALL_PACKAGES = frozenset({"flash_attn", "flash_attn_interface", "torchao"})
@@ -314,3 +317,12 @@ def test_driver_gpu_names_are_read_without_cuda(tmp_path):
 def test_simulate_unknown_device():
     with pytest.raises(ValueError, match="unknown device"):
         simulate_device("v100")
+
+
+def test_device_report_command_line_prints_a_reference_machine(capsys):
+    """``python -m utils.device_report --simulate gb10``: the JSON report of that machine."""
+    from utils.device_report import main
+
+    main(["--simulate", "gb10"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["sm"] == "sm_121" and report["is_integrated"] is True and report["host_arch"] == "aarch64"

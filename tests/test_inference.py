@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import inference
 from conftest import ROOT, train_in_process
 
 pytestmark = pytest.mark.e2e
@@ -96,8 +97,6 @@ def test_true_cfg_runs_by_default_where_the_pipeline_defaults_to_it(fixture: str
     """QwenImagePipeline defaults to true_cfg_scale 4 but skips CFG without a negative prompt:
     inference.py supplies the empty one, so the transformer runs twice per step; FLUX.1-dev's true
     CFG is off by default and stays off."""
-    import inference
-
     args = inference.parse_args(["--model", str(request.getfixturevalue(fixture)), "--prompt", "a red circle",
                                  "--out", "unused.png", "--width", "64", "--height", "64", "--steps", "3"])
     pipe, _ = inference.load_pipeline(args.model, None, "fp32")
@@ -109,3 +108,13 @@ def test_true_cfg_runs_by_default_where_the_pipeline_defaults_to_it(fixture: str
     args.true_cfg = 1.0  # asked off: no negative prompt, one pass
     pipe(**inference.call_kwargs(pipe, args), output_type="np")
     assert len(calls) == 3
+
+
+def test_family_picks_one_of_its_pipelines() -> None:
+    """--family keeps the checkpoint's pipeline when it is one of the family's (Edit-Plus stays Plus),
+    else takes the family's first; without --family the checkpoint decides."""
+    assert inference.pipeline_name("QwenImageEditPlusPipeline", "qwen_image_edit") == "QwenImageEditPlusPipeline"
+    assert inference.pipeline_name("QwenImagePipeline", "qwen_image_edit") == "QwenImageEditPipeline"
+    assert inference.pipeline_name("ZImagePipeline", None) == "ZImagePipeline"
+    assert inference.parse_args(["--model", "m", "--prompt", "p", "--out", "o.png", "--family", "z_image"]).family \
+        == "z_image"

@@ -75,7 +75,7 @@ def test_adamw8bit_tracks_adamw() -> None:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(2)]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    eight = build_optimizer(TrainConfig(adam8bit=True, learning_rate=1e-3), params)
+    eight = build_optimizer(TrainConfig(optimizer="adamw8bit", learning_rate=1e-3), params)
     plain = build_optimizer(TrainConfig(learning_rate=1e-3), twins)
     assert type(eight).__name__ == "AdamW8bit" and isinstance(plain, torch.optim.AdamW)
     start = [p.detach().clone() for p in params]
@@ -107,7 +107,7 @@ def test_adam8bit_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -
     lines: list = []
     sink = logger.add(lambda m: lines.append(str(m)), level="WARNING")
     try:
-        opt = build_optimizer(TrainConfig(adam8bit=True), [torch.nn.Parameter(torch.zeros(2))])
+        opt = build_optimizer(TrainConfig(optimizer="adamw8bit"), [torch.nn.Parameter(torch.zeros(2))])
     finally:
         logger.remove(sink)
     assert isinstance(opt, torch.optim.AdamW) and len(lines) == 1 and "8-bit AdamW unavailable" in lines[0]

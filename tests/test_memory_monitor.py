@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from loguru import logger
 
 from utils.memory_monitor import (
     MemoryMonitor,
@@ -18,14 +17,6 @@ from utils.memory_monitor import (
 
 LINUX = sys.platform.startswith("linux")
 BLOCK = 256 * 2**20  # bytes touched inside a phase
-
-
-@pytest.fixture
-def logs():
-    records = []
-    handler = logger.add(lambda message: records.append(message.record), level="INFO")
-    yield records
-    logger.remove(handler)
 
 
 def _allocate(nbytes: int = BLOCK) -> mmap.mmap:

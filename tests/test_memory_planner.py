@@ -19,10 +19,13 @@ import pytest
 import torch
 
 from conftest import ROOT
-from trainer.config import TrainConfig
+from trainer.config import QuantizationConfig, TrainConfig
+import trainer.planner as mp
+from trainer.families import SPECS
 from trainer.families.flux.spec import FLUX_LORA_PRESETS
 from trainer.families.qwen_image.spec import QWEN_LORA_PRESETS
-from utils import memory_planner as mp
+from trainer.planner.model import _build, _transformer_spec, published_configs
+from trainer.planner.settings import HOST_BASELINE_CPU_GIB
 from utils.tiny_models import build_tiny_pipeline
 
 GIB = 2**30
@@ -114,7 +117,7 @@ def test_weights_lora_and_optimizer_bytes(small_model) -> None:
     assert got["LoRA parameters (fp32)"] * GIB == 4 * lora
     assert got["LoRA gradients (fp32)"] * GIB == 4 * lora
     assert got["optimizer state (AdamW)"] * GIB == 8 * lora  # two fp32 moments
-    plan8 = mp.plan_memory(dataclasses.replace(cfg, adam8bit=True), spec=spec)
+    plan8 = mp.plan_memory(dataclasses.replace(cfg, optimizer="adamw8bit"), spec=spec)
     assert items(plan8)["optimizer state (8-bit AdamW)"] * GIB == 2 * lora  # two 8-bit moments
     fp32 = items(mp.plan_memory(dataclasses.replace(cfg, mixed_precision="no"), spec=spec))
     assert fp32["transformer weights (fp32)"] * GIB == 4 * params
@@ -249,7 +252,8 @@ def test_builtin_configs_plan_the_real_models_without_downloads() -> None:
     assert [b.count for b in flux.transformer.blocks] == [19, 38]
     assert [e.params for e in flux.text_encoders] == [123_060_480, 4_762_310_656]  # CLIP-L, T5-XXL (tied)
     assert mp.model_spec("Qwen/Qwen-Image-Edit-2511").transformer.zero_cond_t
-    assert mp.model_spec("Qwen/Qwen-Image-Edit-2509").edit_plus
+    plus = mp.model_spec("Qwen/Qwen-Image-Edit-2509").pipeline_class  # planned as Edit-Plus: 384^2 references
+    assert SPECS["qwen_image_edit"].references[plus].condition_area == 384 * 384
 
 
 def test_hf_cache_is_read_before_the_builtin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -259,7 +263,7 @@ def test_hf_cache_is_read_before_the_builtin(tmp_path: Path, monkeypatch: pytest
     (snapshot / "transformer").mkdir(parents=True)
     (tmp_path / "models--Qwen--Qwen-Image" / "refs").mkdir()
     (tmp_path / "models--Qwen--Qwen-Image" / "refs" / "main").write_text("0" * 40)
-    cached = {**mp.BUILTIN_CONFIGS["Qwen/Qwen-Image"]["transformer/config.json"], "num_layers": 2}
+    cached = {**published_configs("Qwen/Qwen-Image")["transformer/config.json"], "num_layers": 2}
     (snapshot / "transformer" / "config.json").write_text(json.dumps(cached))
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
     configs = mp.read_model_configs("Qwen/Qwen-Image")
@@ -365,7 +369,7 @@ def traced_training_bytes(class_name: str, config: Dict[str, Any], targets: Any,
 def planned_training_bytes(family: str, class_name: str, config: Dict[str, Any], targets: Any, n_img: int,
                            n_txt: int, checkpointing: bool) -> float:
     """The planner's training items minus the frozen weights and the GPU-only allowances."""
-    tspec = mp._transformer_spec(mp._build(["diffusers", class_name], config))
+    tspec = _transformer_spec(_build(["diffusers", class_name], config), SPECS[family])
     spec = mp.ModelSpec("traced", "test", "", tspec, (), None, 0)
     cfg = train_config(family, mixed_precision="bf16", disable_gradient_checkpointing=not checkpointing,
                        data_img_size=int(n_img ** 0.5) * 16)
@@ -374,8 +378,8 @@ def planned_training_bytes(family: str, class_name: str, config: Dict[str, Any],
     return sum(i.gib for i in plan.section("training") if not i.name.startswith("transformer weights")) * GIB
 
 
-QWEN_FULL = mp.BUILTIN_CONFIGS["Qwen/Qwen-Image"]["transformer/config.json"]
-FLUX_FULL = mp.BUILTIN_CONFIGS["black-forest-labs/FLUX.1-dev"]["transformer/config.json"]
+QWEN_FULL = published_configs("Qwen/Qwen-Image")["transformer/config.json"]
+FLUX_FULL = published_configs("black-forest-labs/FLUX.1-dev")["transformer/config.json"]
 TRACE_CASES = [
     # full-width blocks (only a few of them, which is what the per-block formulas need)
     ("qwen_image", "QwenImageTransformer2DModel", {**QWEN_FULL, "num_layers": 3}, "attention", 4096, 128, True),
@@ -489,7 +493,7 @@ def test_per_block_formula_matches_saved_tensors(family: str, preset: str, preci
     exclude = [*model.parameters(), *model.buffers(), *rope]
     measured = [saved_block_bytes(block, kwargs, exclude, half) for _, block in blocks]
 
-    tspec = mp._transformer_spec(mp._build(["diffusers", config["_class_name"]], config))
+    tspec = _transformer_spec(_build(["diffusers", config["_class_name"]], config), SPECS[family])
     spec = mp.ModelSpec("small", "test", "", tspec, (), None, 0)
     cfg = train_config(family, mixed_precision=precision, rank=8, lora_target=preset, data_img_size=256)
     s = mp.resolve_settings(cfg, spec, quantization=backend or "none", text_tokens=n_txt, device="cpu")
@@ -510,14 +514,14 @@ def test_full_size_qwen_image_bf16_does_not_fit_24gib_and_says_what_to_change() 
     assert plan.advice and plan.advice[0].startswith("quantize: true")
     assert "does NOT fit 24.00 GiB" in plan.format()
 
-    low = mp.plan_memory(dataclasses.replace(cfg, quantize=True, adam8bit=True, quantize_text_encoder=True), 24.0)
+    low_memory = dataclasses.replace(cfg, quantize=True, optimizer="adamw8bit", quantize_text_encoder=True)
+    low = mp.plan_memory(low_memory, 24.0)
     print(f"Qwen-Image 1024^2 batch 1, qfloat8 + 8-bit AdamW + checkpointing: training {low.training_gib:.2f} GiB, "
           f"cache pass {low.cache_pass_gib:.2f} GiB, host {low.host_gib:.2f} GiB")
     assert 18 < low.training_gib < plan.training_gib / 1.5
     assert low.fits, low.format()
 
-    swap = mp.plan_memory(dataclasses.replace(cfg, quantize=True, adam8bit=True, quantize_text_encoder=True), 16.0,
-                          blocks_to_swap=20)
+    swap = mp.plan_memory(low_memory, 16.0, blocks_to_swap=20)
     print(f"... + blocks_to_swap 20: training {swap.training_gib:.2f} GiB; advice {swap.advice}")
     assert swap.training_gib < low.training_gib - 5
     if not swap.fits:
@@ -526,7 +530,7 @@ def test_full_size_qwen_image_bf16_does_not_fit_24gib_and_says_what_to_change() 
 
 
 def test_advice_finds_the_smallest_swap_that_fits() -> None:
-    cfg = train_config(mixed_precision="bf16", quantize=True, adam8bit=True, quantize_text_encoder=True)
+    cfg = train_config(mixed_precision="bf16", quantize=True, optimizer="adamw8bit", quantize_text_encoder=True)
     plan = mp.plan_memory(cfg, 16.0)
     # The cheaper setting comes first; the swap is the smallest on top of it.
     assert plan.advice[0].startswith("gradient_checkpointing_cpu_offload: true"), plan.advice
@@ -548,7 +552,8 @@ def test_full_size_flux_dev_plan() -> None:
 
 
 def test_checkpointing_off_costs_all_blocks_activations() -> None:
-    cfg = train_config(mixed_precision="bf16", quantize=True, adam8bit=True, disable_gradient_checkpointing=True)
+    cfg = train_config(mixed_precision="bf16", quantize=True, optimizer="adamw8bit",
+                       disable_gradient_checkpointing=True)
     plan = mp.plan_memory(cfg, 80.0)
     assert items(plan)["activations: all blocks (no checkpointing)"] > 30  # 60 x ~0.6 GiB at 1024^2
 
@@ -576,7 +581,7 @@ def test_print_plan_exit_codes(capsys: pytest.CaptureFixture) -> None:
 def test_cli_plans_a_profile_in_seconds_without_data_or_weights() -> None:
     start = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "utils.memory_planner", "--config", "train_configs/train_lora.yaml",
+        [sys.executable, "-m", "trainer.planner", "--config", "train_configs/train_lora.yaml",
          "--gpu-memory", "24GiB", "data_config.img_dir=/nonexistent/dataset", "rank=32"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     elapsed = time.perf_counter() - start
@@ -617,9 +622,81 @@ def test_host_estimate_matches_the_measured_tiny_cpu_run(tiny_qwen_image: Path, 
                             "open('/proc/self/status').read()).group(1))"], cwd=ROOT, capture_output=True, text=True,
                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     baseline = int(probe.stdout.strip().splitlines()[-1]) / 2**20
-    planned = plan.host_gib - mp.HOST_BASELINE_CPU_GIB + baseline
+    planned = plan.host_gib - HOST_BASELINE_CPU_GIB + baseline
     print(plan.format())
     print(f"tiny CPU run: measured host peak {measured:.3f} GiB, planned {planned:.3f} GiB "
           f"(baseline measured {baseline:.3f}), ratio {planned / measured:.3f}")
     assert HOST_BAND[0] <= planned / measured <= HOST_BAND[1], \
         f"planned {planned:.3f} GiB vs measured {measured:.3f} GiB"
+
+
+# --------------------------------------------------------------------------- the trainer's own rules
+
+TORCHAO_INT8 = {"quantize": True, "quantization": QuantizationConfig("torchao", "int8_weight_only")}
+RULE_CASES = [{}, {"quantize": True}, TORCHAO_INT8, {"quantize_text_encoder": True},
+              {"quantize": True, "quantize_text_encoder": True, "disable_quantization": True},
+              {"lora_target": "attention_mlp"}, {"lora_target_modules": ["to_q", "to_k"]},
+              {"disable_cpu_offload": True}, {"unified_memory": True},
+              {"gradient_checkpointing_cpu_offload": True},
+              {"gradient_checkpointing_cpu_offload": True, "unified_memory": True},
+              {"gradient_checkpointing_cpu_offload": True, "disable_gradient_checkpointing": True}]
+
+
+@pytest.mark.parametrize("keys", RULE_CASES, ids=lambda keys: ",".join(keys) or "defaults")
+def test_the_plan_takes_each_decision_as_the_trainer_does(keys: Dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                          edit_data_two_refs: Path, tmp_path: Path) -> None:
+    """Quantization, LoRA targets, reference folders, kept encoders and checkpoint offload: the planner's
+    settings are the decisions of the functions the trainer runs (on a machine that detects no unified
+    memory), so the two cannot drift apart."""
+    import trainer.platform as platform
+    from image_datasets.dataset import find_control_dirs
+    from trainer.activation_offload import checkpointing_func
+    from trainer.adapters import resolve_lora_targets
+    from trainer.quantization import quantization_spec, text_encoder_spec
+
+    monkeypatch.setattr(platform, "is_unified_memory_system", lambda: False)
+    monkeypatch.setattr(platform, "setup_unified_memory_env", lambda **kw: None)  # no allocator settings here
+    cfg = train_config("qwen_image_edit", model="Qwen/Qwen-Image-Edit-2509", data_img_dir=str(edit_data_two_refs),
+                       **keys)
+    s = mp.resolve_settings(cfg, mp.model_spec(cfg.pretrained_model_name_or_path))
+    quant, te_quant = quantization_spec(cfg), text_encoder_spec(cfg)
+    assert (s.quantization, s.backend) == ((quant.weights, quant.backend) if quant else (None, None))
+    assert s.text_encoder_quantization == (te_quant.weights if te_quant else None)
+    assert s.lora_targets == resolve_lora_targets(cfg, SPECS["qwen_image_edit"].lora_presets)
+    d = cfg.data_config
+    assert s.references == len(find_control_dirs(d.img_dir, d.control_dir, d.control_dirs)) == 2
+    policy = platform.prepare_environment(cfg)
+    assert s.keep_encoders == policy.keep_encoders
+    assert s.offload_checkpoints == (s.checkpointing and checkpointing_func(cfg, policy.unified_memory) is not None)
+
+
+# --------------------------------------------------------------------------- families without block layouts
+
+
+@pytest.mark.parametrize("family, hub_id, params, blocks, attention", [
+    ("kandinsky5", "kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers", 6_022_080_576,
+     {"text_transformer_blocks": 2, "visual_transformer_blocks": 50},
+     {"text_transformer_blocks": 0, "visual_transformer_blocks": 8}),
+    ("z_image", "Tongyi-MAI/Z-Image-Turbo", 6_154_908_736, {"noise_refiner": 2, "context_refiner": 2, "layers": 30},
+     {"noise_refiner": 4, "context_refiner": 0, "layers": 4}),
+])
+def test_kandinsky5_and_z_image_are_built_but_refused_in_one_line(
+        family: str, hub_id: str, params: int, blocks: Dict[str, int], attention: Dict[str, int],
+        capsys: pytest.CaptureFixture) -> None:
+    """Their published configs build on the meta device (6B each) with their own blocks and LoRA
+    presets; a plan refuses them in one line instead of a number from Qwen-Image's formulas."""
+    spec = mp.model_spec(hub_id)
+    assert spec.transformer.params == params and spec.source in ("built-in", "HF cache", "HF cache + built-in")
+    assert {kind.prefix: kind.count for kind in spec.transformer.blocks} == blocks
+    layout = mp.lora_layout(spec.transformer, SPECS[family].lora_presets["attention"])
+    assert {prefix: len(linears) for prefix, linears in layout.per_block.items()} == attention
+    cfg = train_config(family, model=hub_id, mixed_precision="bf16")
+    line = rf"^{family}: the memory planner does not model the activations of its .+ blocks yet$"
+    with pytest.raises(ValueError, match=line):
+        mp.plan_memory(cfg, 24.0)
+    from trainer.cli import main
+
+    profile = f"train_configs/train_{family}_lora.yaml"
+    assert main("qwen_image", "plan", ["--config", str(ROOT / profile), "--plan", "--gpu-memory", "24GiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.match(line, err.removeprefix("error: ")) and "\n" not in err

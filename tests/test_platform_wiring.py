@@ -6,19 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from loguru import logger
 
 from conftest import train_in_process
 from trainer.config import TrainConfig
 from trainer.platform import choose_attention, maybe_fp8, prepare_environment, requested_features
-
-
-@pytest.fixture
-def logs():
-    lines: list = []
-    sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
-    yield lines
-    logger.remove(sink)
 
 
 def test_unified_memory_sets_allocator_and_policy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,7 +37,7 @@ def test_attention_switches(logs: list, monkeypatch: pytest.MonkeyPatch) -> None
 
     model = torch.nn.Linear(2, 2)
     assert choose_attention(TrainConfig(attention_backend="math"), model).name == "math"
-    assert any("Attention backend: math" in line for line in logs)
+    assert any("Attention backend: math" in r["message"] for r in logs)
     seen = []
     real = platform.select_attention_backend
     monkeypatch.setattr(platform, "select_attention_backend",
@@ -64,9 +55,38 @@ def test_fp8_without_support_says_so(logs: list) -> None:
     cfg.cuda_features.enable_fp8_training = True
     if torch.cuda.is_available():
         pytest.skip("checks the message on machines without fp8 support")
-    assert maybe_fp8(cfg, torch.nn.Linear(16, 16)) is False
-    assert any("fp8 training needs an sm_89+ GPU" in line for line in logs)
+    assert maybe_fp8(cfg, torch.nn.Linear(16, 16), []) is False
+    assert any("fp8 training needs an sm_89+ GPU" in r["message"] for r in logs)
     assert "fp8" in requested_features(cfg)
+
+
+@pytest.mark.parametrize("family, blocks_named", [("flux", ("transformer_blocks", "single_transformer_blocks")),
+                                                  ("z_image", ("noise_refiner", "context_refiner", "layers"))])
+def test_fp8_converts_the_linears_of_the_familys_blocks(family: str, blocks_named: tuple,
+                                                        request: pytest.FixtureRequest) -> None:
+    """fp8 picks the linears inside ``family.blocks`` (full-size, meta device): every block list's,
+    nothing outside the blocks. Z-Image has no ``transformer_blocks``, so the old name filter converted
+    none of its linears while logging "converted"."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    from trainer.families import SPECS, load_family
+    from trainer.platform import fp8_linears
+
+    fam = load_family(TrainConfig(family=family, pretrained_model_name_or_path=str(request.getfixturevalue(
+        f"tiny_{family}"))))
+    config = SPECS[family].reference_checkpoint()["transformer/config.json"]
+    with init_empty_weights():
+        model = getattr(diffusers, config["_class_name"]).from_config(config)
+    names = fp8_linears(model, fam.blocks(model))
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert names and names <= linears
+    assert {n.split(".")[0] for n in names} == set(blocks_named)
+    in_blocks = {n for n in linears if n.split(".")[0] in blocks_named}
+    assert names == {n for n in in_blocks if model.get_submodule(n).in_features % 16 == 0
+                     and model.get_submodule(n).out_features % 16 == 0}
+    print(f"{family}: {len(names)} of {len(linears)} linears converted; "
+          f"{sum('transformer_blocks' in n for n in linears)} carry 'transformer_blocks' in their name")
 
 
 def test_engine_honours_offload_and_checkpointing_switches(tiny_qwen_image: Path, sample_data: Path,
@@ -130,7 +150,7 @@ def test_fp8_is_refused_without_compile(monkeypatch: pytest.MonkeyPatch) -> None
     cfg = TrainConfig()
     cfg.cuda_features.enable_fp8_training = True
     with pytest.raises(ConfigError, match="4.37 s/step against 1.04 s/step"):
-        maybe_fp8(cfg, torch.nn.Linear(16, 16), compiled=False)
+        maybe_fp8(cfg, torch.nn.Linear(16, 16), [], compiled=False)
     with pytest.raises(ConfigError, match="enable_fp8_training.*compile"):
         load_config(None, ["pretrained_model_name_or_path=x/y", f"data_config.img_dir={Path.cwd()}",
                            "cuda_features.enable_fp8_training=true", "compile=false"])

@@ -1,4 +1,5 @@
-"""End to end on the tiny Qwen-Image model: the real train.py, the LoRA file in diffusers, caching."""
+"""End to end on the tiny Qwen-Image model: learning, caching, resuming (train.py and the LoRA file in
+QwenImagePipeline: test_family_e2e.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ from typing import Dict, List
 import numpy as np
 import pytest
 import torch
-from diffusers import QwenImagePipeline
-from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import train_in_process, run_entry
+from conftest import train_in_process
 from trainer.engine import Trainer
 
 pytestmark = pytest.mark.e2e
@@ -32,49 +31,8 @@ def metrics(out: Path) -> List[Dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def render(pipe: QwenImagePipeline, seed: int = 0) -> np.ndarray:
-    image = pipe(prompt="a red circle on a yellow background", width=64, height=64, num_inference_steps=4,
-                 generator=torch.Generator().manual_seed(seed), output_type="np").images[0]
-    return np.asarray(image, dtype=np.float64)
-
-
 def run_in_process(*override_list: str) -> Trainer:
     return train_in_process(QUICKSTART, "qwen_image", *override_list)
-
-
-def test_train_py_end_to_end_lora_loads_in_diffusers(tiny_qwen_image: Path, sample_data: Path,
-                                                      tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    result = run_entry("train.py", QUICKSTART, overrides(
-        tiny_qwen_image, sample_data, out, "max_train_steps=8", "checkpointing_steps=3", "learning_rate=5e-3",
-        "checkpoints_total_limit=2", "rank=4", "lora_alpha=8", "report_to=tensorboard"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = metrics(out)
-    assert [m["step"] for m in log] == list(range(1, 9))
-    assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in log)
-    # Checkpoints every 3 steps and at the end, pruned to the newest two; each holds the LoRA file.
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
-    assert (out / "checkpoint-8" / "pytorch_lora_weights.safetensors").is_file()
-    assert list((out / "logs").rglob("events.out.tfevents.*")), "tensorboard scalars were asked for"
-
-    lora = out / "pytorch_lora_weights.safetensors"
-    with safe_open(str(lora), "pt") as fh:
-        keys = set(fh.keys())
-        metadata = fh.metadata()
-    assert keys and all(k.startswith("transformer.") for k in keys)
-    assert not any("_mod." in k for k in keys), "modulation layers are not LoRA targets"
-
-    pipe = QwenImagePipeline.from_pretrained(tiny_qwen_image)
-    base = render(pipe)
-    pipe.load_lora_weights(str(out), adapter_name="trained")
-    loaded = {f"transformer.{k}" for k, _ in pipe.transformer.named_parameters() if "lora_" in k}
-    loaded = {k.replace(".trained.weight", ".weight") for k in loaded}
-    assert loaded == keys, "every saved key maps to a LoRA parameter, and every LoRA parameter was saved"
-    assert pipe.transformer.peft_config["trained"].lora_alpha == 8, "alpha survives the reload"
-    saved = json.loads(metadata["lora_adapter_metadata"])
-    assert (saved["transformer.r"], saved["transformer.lora_alpha"]) == (4, 8)
-    with_lora = render(pipe)
-    assert np.abs(with_lora - base).mean() > 1e-3, "the LoRA changes the render"
 
 
 def test_overfit_one_image_lowers_the_loss(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:

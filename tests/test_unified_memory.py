@@ -5,10 +5,9 @@ import os
 
 import pytest
 import torch
-from loguru import logger
 
 import utils.unified_memory as um
-from utils.cuda_utils import simulate_device
+from utils.device_report import simulate_device
 from utils.unified_memory import (
     ENV_OVERRIDE,
     MemoryPolicy,
@@ -26,14 +25,6 @@ def clean_env(monkeypatch):
     for name in (ENV_OVERRIDE, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(um, "_pending_fraction", None)
-
-
-@pytest.fixture
-def logs():
-    records = []
-    handler = logger.add(lambda message: records.append(message.record), level="INFO")
-    yield records
-    logger.remove(handler)
 
 
 # --------------------------------------------------------------------------- detection

@@ -14,12 +14,12 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import family_pipeline
 from image_datasets.dataset import open_rgb
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
 from trainer.families import load_family
 from trainer.validation import ValidationRenderer
-from utils.qwen_processor import load_qwen_vl_processor
 
 PROMPT, NEGATIVE = "a red circle on a yellow background", "blurry, low quality"
 
@@ -51,20 +51,6 @@ def _render(renderer: ValidationRenderer, family: Any, pipe: Any, step: int) -> 
     return np.asarray(Image.open(path), dtype=np.int16)
 
 
-def _reference_pipeline(model: Path, family: Any) -> Any:
-    """The family's pipeline with its text encoders (Qwen2-VL processors load without torchvision)."""
-    extra: dict[str, Any] = {}
-    if family.name == "qwen_image_edit":
-        extra["processor"] = load_qwen_vl_processor(model, "processor")
-    if family.name == "kandinsky5":
-        extra["tokenizer"] = load_qwen_vl_processor(model, "tokenizer")
-    pipe = family.pipeline_class.from_pretrained(str(model), **extra)
-    pipe.set_progress_bar_config(disable=True)
-    if hasattr(pipe, "resolutions"):  # Kandinsky 5 snaps other sizes to its list; the renderer asks for 64x64
-        pipe.resolutions = [(64, 64)]
-    return pipe
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_cfg_render_matches_the_pipeline(case: str, request: pytest.FixtureRequest, tmp_path: Path,
                                          edit_data: Path) -> None:
@@ -77,7 +63,7 @@ def test_cfg_render_matches_the_pipeline(case: str, request: pytest.FixtureReque
     family = load_family(cfg)
     family.load_text_encoder(torch.device("cpu"), torch.float32)
     family.load_vae(torch.device("cpu"), torch.float32)
-    pipe = _reference_pipeline(model, family)
+    pipe = family_pipeline(family_name, model)  # with its text encoders
     renderer = ValidationRenderer(cfg, family, tmp_path, [])
     assert renderer.text_requests()[-1][0] == NEGATIVE
     ours = _render(renderer, family, pipe, 1)

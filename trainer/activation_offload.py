@@ -21,13 +21,18 @@ from torch.utils.checkpoint import checkpoint
 CheckpointFunc = Callable[..., Any]
 
 
+def offloads_block_inputs(cfg: Any, unified_memory: bool) -> bool:
+    """Whether checkpointed block inputs go to host memory: ``gradient_checkpointing_cpu_offload``,
+    except on unified memory, where host and GPU share one pool (the memory planner asks this too)."""
+    return bool(cfg.gradient_checkpointing_cpu_offload) and not unified_memory
+
+
 def checkpointing_func(cfg: Any, unified_memory: bool) -> Optional[CheckpointFunc]:
     """What to hand ``enable_gradient_checkpointing``: the offloading checkpoint when
     ``gradient_checkpointing_cpu_offload`` is on, else None (diffusers' default)."""
-    if not cfg.gradient_checkpointing_cpu_offload:
-        return None
-    if unified_memory:
-        logger.warning("gradient_checkpointing_cpu_offload ignored: host and GPU share one memory here")
+    if not offloads_block_inputs(cfg, unified_memory):
+        if cfg.gradient_checkpointing_cpu_offload:
+            logger.warning("gradient_checkpointing_cpu_offload ignored: host and GPU share one memory here")
         return None
     logger.info("gradient checkpointing keeps the block inputs in host memory (gradient_checkpointing_cpu_offload)")
     return offloading_checkpoint()

@@ -50,7 +50,7 @@ def main(default_family: str, description: str, argv: Optional[List[str]] = None
 
 
 def _plan(args: argparse.Namespace, family: str, profile_defaults: Optional[Dict[str, Any]]) -> int:
-    from utils.memory_planner import load_plan_config, print_plan
+    from trainer.planner import load_plan_config, print_plan  # imports diffusers: only for --plan
 
     try:
         cfg = load_plan_config(args.config, args.overrides, family, profile_defaults)

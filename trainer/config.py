@@ -1,48 +1,84 @@
 """Typed schema of a training profile, loaded from YAML with ``key=value`` overrides.
 
 Key names follow the FlyMyAI trainer so that its users' YAML files run unchanged
-(``pretrained_model_name_or_path``, ``data_config.img_dir``, ``rank``, ``adam_beta1``, ...).
-Every problem found is reported at once, naming the key, the value and what to do.
+(``pretrained_model_name_or_path``, ``data_config.img_dir``, ``rank``, ``adam_beta1``, ...). FlyMyAI's
+keys for things this schema names otherwise (``adam8bit``, the top-level ``train_batch_size``,
+``disable_sampling`` + ``sample_*``, ``double_blocks``) are translated once, before the schema, by
+``flymyai_compat``, so ``TrainConfig`` has one name per thing.
+
+A field with a fixed set of values carries it in ``metadata["choices"]`` (one loop checks them all,
+and a form can be generated from ``dataclasses.fields``). Each section checks its own values
+(``problems``); ``config_problems`` adds the rules across sections. Every problem found is reported at
+once, naming the key, the value and what to do.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.errors import ConfigError
+from trainer.families import SPECS
 
-# Choices checked by `validate`; kept here so docs, errors and tests share one list.
-MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16")
-LR_SCHEDULER_CHOICES = (
-    "constant",
-    "constant_with_warmup",
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-)
-OPTIMIZER_CHOICES = ("adamw", "adamw8bit", "adafactor")
-TRAINING_MODES = ("lora", "full")
-TIMESTEP_SAMPLING_CHOICES = ("uniform", "logit_normal", "mode", "cosmap", "sigmoid")
-TIMESTEP_SHIFT_CHOICES = ("auto", "fixed", "none")
-LOSS_WEIGHTING_CHOICES = ("none", "sigma_sqrt", "cosmap")
-LORA_TARGET_PRESETS = ("attention", "attention_mlp", "all_linear")
-LORA_INIT_CHOICES = ("default", "gaussian")
-REPORT_TO_CHOICES = ("none", "tensorboard", "wandb", "all")
-ATTENTION_BACKEND_CHOICES = ("auto", "flash3", "flash", "cudnn", "efficient", "math")
+# Weight formats of each quantization backend (their implementations: trainer/quantization.py).
+QUANTO_WEIGHTS = ("qfloat8", "qint8", "qint4")
+TORCHAO_WEIGHTS = ("int8_weight_only", "int4_weight_only", "float8_weight_only")
+WEIGHT_FORMATS = {"quanto": QUANTO_WEIGHTS, "torchao": TORCHAO_WEIGHTS}
+
+
+def one_of(default: Any, choices: Sequence[str], help: str = "", **metadata: Any) -> Any:
+    """A field whose value must be one of ``choices`` (for a list: each item). ``None`` stays allowed
+    where the field is Optional: it means auto or off."""
+    meta = {"choices": tuple(choices), **({"help": help} if help else {}), **metadata}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def choice_problems(section: Any, prefix: str = "") -> List[str]:
+    """Values of ``section``'s fields outside their ``metadata["choices"]``. A field with
+    ``metadata["choices_by"] = (other_field, {value: choices})`` takes the choices of the other
+    field's value (the weight formats of the chosen backend)."""
+    problems: List[str] = []
+    for f in dataclasses.fields(section):
+        choices, value, note = f.metadata.get("choices"), getattr(section, f.name), ""
+        if choices is None or value is None:
+            continue
+        if "choices_by" in f.metadata:
+            other, table = f.metadata["choices_by"]
+            if getattr(section, other) not in table:
+                continue  # the other field's own problem
+            choices, note = table[getattr(section, other)], f" (for {other} {getattr(section, other)})"
+        for item in value if isinstance(value, list) else [value]:
+            if item not in choices:
+                problems.append(f"key '{prefix}{f.name}': value '{item}' is not one of {', '.join(choices)}{note}")
+    return problems
+
+
+def _failed(*checks: Tuple[bool, str]) -> List[str]:
+    """The messages of the checks that do not hold."""
+    return [message for ok, message in checks if not ok]
+
+
+class Section:
+    """A group of keys under one YAML key; it checks its own values."""
+
+    def problems(self, prefix: str) -> List[str]:
+        """Every bad value of this section, each naming its key (``prefix`` + the field's name)."""
+        return choice_problems(self, prefix)
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     """Where the images are and how they are turned into training samples."""
 
     img_dir: str = ""
@@ -51,7 +87,8 @@ class DataConfig:
     num_workers: int = 2
     caption_dropout_rate: float = 0.0
     random_ratio: bool = False  # random aspect crop (16:9, 4:3, 1:1); needs live image encoding
-    bucket_mode: str = "longest_side"  # longest_side (FlyMyAI) | area (aspect buckets at img_size^2)
+    bucket_mode: str = one_of("longest_side", ("longest_side", "area"),
+                              "longest_side (FlyMyAI) or area (aspect buckets at img_size^2)")
     resolutions: Optional[List[int]] = None  # multi-resolution training, e.g. [512, 768, 1024]
     random_crop: bool = False  # crop window at random instead of centred (needs live image encoding)
     caption_type: str = "txt"  # caption file extension
@@ -65,9 +102,37 @@ class DataConfig:
     reference_condition_area: Optional[int] = None
     reference_vae_area: Optional[int] = None
 
+    def problems(self, prefix: str) -> List[str]:
+        areas = {key: getattr(self, key) for key in ("reference_condition_area", "reference_vae_area")}
+        folders = ([self.control_dir] if self.control_dir else []) + list(self.control_dirs or [])
+        return super().problems(prefix) + _failed(
+            (bool(self.img_dir), f"key '{prefix}img_dir' is required (the folder of images and captions)"),
+            (not self.img_dir or Path(self.img_dir).is_dir(),
+             f"key '{prefix}img_dir': folder '{self.img_dir}' does not exist"),
+            (self.img_size >= 16, f"key '{prefix}img_size': value {self.img_size} must be at least 16"),
+            (self.train_batch_size >= 1,
+             f"key '{prefix}train_batch_size': value {self.train_batch_size} must be >= 1"),
+            (self.num_workers >= 0, f"key '{prefix}num_workers': value {self.num_workers} must be >= 0"),
+            (0.0 <= self.caption_dropout_rate <= 1.0,
+             f"key '{prefix}caption_dropout_rate': value {self.caption_dropout_rate} must be in [0, 1]"),
+            (bool(re.fullmatch(r"[A-Za-z0-9_]+", self.caption_type)),
+             f"key '{prefix}caption_type': value '{self.caption_type}' must be a file extension such as txt"),
+            *[(res >= 16, f"key '{prefix}resolutions': value {res} must be at least 16")
+              for res in self.resolutions or []],
+            (not (self.random_ratio and self.train_batch_size > 1),
+             f"key '{prefix}random_ratio': random aspect crops give each image its own size; "
+             "use train_batch_size: 1"),
+            *[(area is None or area >= 32 * 32, f"key '{prefix}{key}': value {area} must be at least 1024 "
+               "(32x32 pixels)") for key, area in areas.items()],
+            (self.control_dir is None or self.control_dirs is None,
+             f"keys '{prefix}control_dir' and '{prefix}control_dirs': set one of them"),
+            *[(Path(folder).is_dir(), f"key '{prefix}control_dir(s)': folder '{folder}' does not exist")
+              for folder in folders],
+        )
+
 
 @dataclass
-class ValidationConfig:
+class ValidationConfig(Section):
     """Sample images rendered with the current weights during training."""
 
     prompts: List[str] = field(default_factory=list)  # "[trigger]" stands for data_config.trigger_word
@@ -84,9 +149,21 @@ class ValidationConfig:
     negative_prompt: str = ""  # "" reuses the caption-dropout embedding
     reference_images: List[str] = field(default_factory=list)  # Edit: the references for every prompt
 
+    def problems(self, prefix: str) -> List[str]:
+        return super().problems(prefix) + _failed(
+            (self.every_n_steps >= 0, f"key '{prefix}every_n_steps': value {self.every_n_steps} must be >= 0"),
+            (self.steps >= 2, f"key '{prefix}steps': value {self.steps} must be >= 2"),
+            (self.cfg_scale is None or self.cfg_scale >= 0,
+             f"key '{prefix}cfg_scale': value {self.cfg_scale} must be >= 0"),
+            (self.width >= 16, f"key '{prefix}width': value {self.width} must be >= 16"),
+            (self.height >= 16, f"key '{prefix}height': value {self.height} must be >= 16"),
+            *[(Path(ref).is_file(), f"key '{prefix}reference_images': file '{ref}' does not exist")
+              for ref in self.reference_images],
+        )
+
 
 @dataclass
-class CudaFeatures:
+class CudaFeatures(Section):
     """GPU feature switches of the user's CUDA 13 plan (applied by the platform layer)."""
 
     enable_flash_attention_3: bool = False
@@ -96,11 +173,12 @@ class CudaFeatures:
 
 
 @dataclass
-class QuantizationConfig:
+class QuantizationConfig(Section):
     """Weight quantization of the frozen transformer (used when ``quantize: true``)."""
 
-    backend: str = "quanto"  # quanto (optimum-quanto) | torchao
-    weights: str = "qfloat8"  # quanto: qfloat8 | qint8 | qint4; torchao: int8_weight_only | ...
+    backend: str = one_of("quanto", tuple(WEIGHT_FORMATS), "quanto (optimum-quanto) or torchao")
+    weights: str = one_of("qfloat8", QUANTO_WEIGHTS + TORCHAO_WEIGHTS, "the weight format of the backend",
+                          choices_by=("backend", WEIGHT_FORMATS))
 
 
 @dataclass
@@ -110,8 +188,8 @@ class TrainConfig:
     # Model
     pretrained_model_name_or_path: str = ""
     revision: Optional[str] = None
-    family: Optional[str] = None  # set by the entry script; may be given to override
-    training_mode: str = "lora"  # lora | full (train_full_qwen_image.py)
+    family: Optional[str] = one_of(None, tuple(SPECS), "set by the entry script; may be given to override")
+    training_mode: str = one_of("lora", ("lora", "full"), "lora, or full fine-tuning (train_full_qwen_image.py)")
     trainable_modules: Optional[List[str]] = None  # full mode: regexes of parameter names to train
     max_shard_size: str = "5GB"  # full mode: shard size of saved transformer weights
     fused_backward: bool = False  # full mode: step each weight in backward and free its gradient
@@ -127,7 +205,7 @@ class TrainConfig:
     output_dir: str = "./output"
     logging_dir: str = "logs"
     overwrite_output_dir: bool = False
-    report_to: Optional[str] = None
+    report_to: Optional[str] = one_of(None, ("none", "tensorboard", "wandb", "all"), "experiment trackers")
     tracker_project_name: str = "lora_training"
     wandb_project: Optional[str] = None
     wandb_entity: Optional[str] = None
@@ -137,17 +215,17 @@ class TrainConfig:
     # Schedule
     seed: Optional[int] = 42
     max_train_steps: int = 1000
-    train_batch_size: Optional[int] = None  # FlyMyAI duplicate of data_config.train_batch_size
     gradient_accumulation_steps: int = 1
     learning_rate: float = 1e-4
-    lr_scheduler: str = "constant"
+    lr_scheduler: str = one_of("constant", ("constant", "constant_with_warmup", "linear", "cosine",
+                                            "cosine_with_restarts", "polynomial"), "diffusers' get_scheduler")
     lr_warmup_steps: int = 0
     lr_num_cycles: int = 1
     lr_power: float = 1.0
 
     # Optimizer
-    optimizer: str = "adamw"
-    adam8bit: bool = False  # FlyMyAI switch; same as optimizer: adamw8bit
+    optimizer: str = one_of("adamw", ("adamw", "adamw8bit", "adafactor"),
+                            "adamw8bit needs bitsandbytes (FlyMyAI's adam8bit: true)")
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_weight_decay: float = 0.01
@@ -156,38 +234,46 @@ class TrainConfig:
     max_nonfinite_steps: int = 5  # non-finite loss/gradient steps in a row before stopping
 
     # Precision and memory
-    mixed_precision: Optional[str] = None  # the launcher's --mixed_precision wins when given
+    mixed_precision: Optional[str] = one_of(None, ("no", "fp16", "bf16"),
+                                            "the launcher's --mixed_precision wins when given")
     disable_gradient_checkpointing: bool = False
     # Keep the checkpointed block inputs in host memory (1.45 GiB for Qwen-Image at 1024^2), for PCIe traffic.
     gradient_checkpointing_cpu_offload: bool = False
-    quantize: bool = False  # FlyMyAI switch: quantize the transformer's block weights
+    # Quantize the transformer's block weights (FlyMyAI's switch, kept as the schema's own: the README
+    # and every low-memory profile use it; the `quantization` section says how, this says whether).
+    quantize: bool = False
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     quantize_text_encoder: bool = False  # also for the cache pass (Qwen's encoder is 16 GB in bf16)
     disable_quantization: bool = False  # wins over quantize (the DGX Spark switch)
     blocks_to_swap: int = 0  # transformer blocks kept in host memory, brought in just in time
 
     # Flow matching
-    timestep_sampling: str = "logit_normal"
+    timestep_sampling: str = one_of("logit_normal", ("uniform", "logit_normal", "mode", "cosmap", "sigmoid"),
+                                    "how noise levels are drawn")
     logit_mean: float = 0.0
     logit_std: float = 1.0
     mode_scale: float = 1.29
     sigmoid_scale: float = 1.0  # "sigmoid" sampling: sigmoid(scale * N(0, 1))
-    timestep_shift: str = "auto"  # auto: the resolution-dependent shift of the family's scheduler
+    timestep_shift: str = one_of("auto", ("auto", "fixed", "none"),
+                                 "auto: the resolution-dependent shift of the family's scheduler; fixed: shift")
     shift: float = 3.0  # used when timestep_shift is "fixed"
-    loss_weighting: str = "none"
+    loss_weighting: str = one_of("none", ("none", "sigma_sqrt", "cosmap"), "loss weight per noise level")
     guidance_scale: float = 1.0  # distilled-guidance input of guidance-embedding models (FLUX.1-dev)
 
     # LoRA
-    adapter_type: str = "lora"  # lora | lokr | loha (peft); LoKr/LoHa save in peft's own format
+    adapter_type: str = one_of("lora", ("lora", "lokr", "loha"),
+                               "peft adapter; LoKr/LoHa save in peft's own format")
     rank: int = 16
     lora_alpha: Optional[float] = None  # default: rank (scale 1.0)
     lora_dropout: float = 0.0
-    lora_init: str = "default"
-    lora_target: str = "attention"
+    lora_init: str = one_of("default", ("default", "gaussian"), "initialisation of the LoRA weights")
+    lora_target: str = one_of("attention", ("attention", "attention_mlp", "all_linear"),
+                              "the family's preset of layers to adapt")
     lora_target_modules: Optional[List[str]] = None  # explicit list; overrides the preset
     use_dora: bool = False  # weight-decomposed LoRA (peft)
     use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(rank) (peft)
-    lora_export_formats: List[str] = field(default_factory=lambda: ["diffusers"])  # + "comfyui"
+    lora_export_formats: List[str] = one_of(["diffusers"], ("diffusers", "comfyui"),
+                                            "files written beside the weights")
     ema_decay: Optional[float] = None  # EMA of the trained weights (e.g. 0.999); saved beside them
 
     # Checkpoints
@@ -195,18 +281,13 @@ class TrainConfig:
     checkpoints_total_limit: Optional[int] = None
     resume_from_checkpoint: Optional[str] = None  # "latest" or a checkpoint folder
 
-    # Validation samples during training (FlyMyAI's FLUX keys map onto `validation`)
+    # Sample images during training (FlyMyAI's disable_sampling + sample_* keys are translated into it)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
-    disable_sampling: bool = True
-    sample_every: int = 250
-    sample_width: int = 1024
-    sample_height: int = 1024
-    sample_steps: int = 20
-    double_blocks: Optional[List[int]] = None
 
     # Platform layer (CUDA features, unified memory, loading)
     cuda_features: CudaFeatures = field(default_factory=CudaFeatures)
-    attention_backend: str = "auto"  # auto: the fastest correct kernel, timed at start-up on a GPU
+    attention_backend: str = one_of("auto", ("auto", "flash3", "flash", "cudnn", "efficient", "math"),
+                                    "auto: the fastest correct kernel, timed at start-up on a GPU")
     # torch.compile of the transformer's repeated blocks. null (auto): on for CUDA with triton and runs
     # of 100+ steps, off on the CPU and for quanto-quantized blocks; the first step pays the compilation.
     compile: Optional[bool] = None
@@ -219,19 +300,26 @@ class TrainConfig:
     fastsafetensors_num_threads: int = 8
 
     @property
-    def batch_size(self) -> int:
-        """Per-device batch size (``data_config.train_batch_size``)."""
-        return self.data_config.train_batch_size
-
-    @property
-    def optimizer_name(self) -> str:
-        """The optimizer actually used, folding the FlyMyAI ``adam8bit`` switch in."""
-        return "adamw8bit" if self.adam8bit else self.optimizer
-
-    @property
     def resolved_cache_dir(self) -> Path:
         """Folder of the on-disk embedding cache."""
         return Path(self.cache_dir) if self.cache_dir else Path(self.output_dir) / "cache"
+
+
+@dataclass
+class FlyMyAIKeys:
+    """FlyMyAI's keys for things ``TrainConfig`` names otherwise; ``flymyai_compat`` translates them."""
+
+    train_batch_size: Optional[int] = None  # data_config.train_batch_size, which it must equal
+    adam8bit: bool = False  # true: optimizer: adamw8bit
+    disable_sampling: bool = True  # false: sample images every sample_every steps (the validation section)
+    sample_every: int = 250  # validation.every_n_steps
+    sample_width: int = 1024  # validation.width
+    sample_height: int = 1024  # validation.height
+    sample_steps: int = 20  # validation.steps
+    double_blocks: Optional[List[int]] = None  # FLUX block choice: not built, so anything but null is refused
+
+
+FLYMYAI_KEYS = tuple(f.name for f in dataclasses.fields(FlyMyAIKeys))
 
 
 def load_config(
@@ -252,11 +340,13 @@ def load_config(
     if overrides:
         user = OmegaConf.merge(user, _parse_overrides(overrides))
     source = str(path) if path is not None else "<overrides>"
-    unknown = _unknown_keys(OmegaConf.to_container(user, resolve=False), TrainConfig)
+    raw = OmegaConf.to_container(user, resolve=False)
+    unknown = _unknown_keys(raw, TrainConfig, also=FLYMYAI_KEYS)
     if unknown:
         raise ConfigError(f"{source}: " + "; ".join(unknown))
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), user)
+        raw, problems = flymyai_compat(raw)
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), raw)
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{source}: {_describe_type_error(exc)}") from None
@@ -264,18 +354,36 @@ def load_config(
         cfg.family = default_family
     if cfg.mixed_precision in ("False", "false"):  # YAML 1.1 reads a bare `no` as false
         cfg.mixed_precision = "no"
-    _map_flymyai_sampling(cfg)
-    problems = validate(cfg)
+    problems += config_problems(cfg)
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
     return cfg
 
 
-def _map_flymyai_sampling(cfg: TrainConfig) -> None:
-    """FlyMyAI's ``disable_sampling: false`` + ``sample_*`` keys drive the validation section."""
-    v = cfg.validation
-    if not cfg.disable_sampling and v.every_n_steps == 0:
-        v.every_n_steps, v.width, v.height, v.steps = cfg.sample_every, cfg.sample_width, cfg.sample_height, cfg.sample_steps
+def flymyai_compat(raw: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+    """``raw`` (the merged YAML and overrides, as plain containers) with FlyMyAI's keys rewritten to
+    this schema's, and the problems found on the way. ``raw`` itself is left unchanged; a value of the
+    wrong type raises OmegaConf's error naming the FlyMyAI key."""
+    raw = copy.deepcopy(raw)
+    given = {key: raw.pop(key) for key in FLYMYAI_KEYS if key in raw}
+    old: FlyMyAIKeys = OmegaConf.to_object(  # type: ignore[assignment]
+        OmegaConf.merge(OmegaConf.structured(FlyMyAIKeys), given))
+    problems: List[str] = []
+    data = raw.get("data_config") if isinstance(raw.get("data_config"), dict) else {}
+    batch = data.get("train_batch_size", DataConfig.train_batch_size)
+    if old.train_batch_size is not None and old.train_batch_size != batch:
+        problems.append(f"key 'train_batch_size': value {old.train_batch_size} differs from "
+                        f"data_config.train_batch_size {batch}; set one of them")
+    if old.adam8bit:
+        raw["optimizer"] = "adamw8bit"
+    if not old.disable_sampling:
+        validation = raw.setdefault("validation", {})
+        if isinstance(validation, dict) and validation.get("every_n_steps", 0) == 0:
+            validation.update(every_n_steps=old.sample_every, width=old.sample_width, height=old.sample_height,
+                              steps=old.sample_steps)
+    if old.double_blocks is not None:
+        problems.append("key 'double_blocks': choosing FLUX blocks is not yet supported (set double_blocks: null)")
+    return raw, problems
 
 
 def config_to_yaml(cfg: TrainConfig) -> str:
@@ -306,16 +414,18 @@ def _parse_overrides(overrides: List[str]) -> DictConfig:
         raise ConfigError(f"cannot parse overrides {overrides}: {exc}") from None
 
 
-def _unknown_keys(data: Any, schema: type, prefix: str = "") -> List[str]:
-    """Keys not in the schema, each with the closest valid key when there is one."""
+def _unknown_keys(data: Any, schema: type, prefix: str = "", also: Sequence[str] = ()) -> List[str]:
+    """Keys neither in the schema nor in ``also``, each with the closest valid key when there is one."""
     if not isinstance(data, dict):
         return []
     fields = {f.name: f for f in dataclasses.fields(schema)}
     problems: List[str] = []
     for key, value in data.items():
         full = f"{prefix}{key}"
+        if key in also:
+            continue
         if key not in fields:
-            guess = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            guess = difflib.get_close_matches(str(key), [*fields, *also], n=1, cutoff=0.6)
             hint = f" (did you mean '{prefix}{guess[0]}'?)" if guess else ""
             problems.append(f"unknown key '{full}'{hint}")
             continue
@@ -335,161 +445,131 @@ def _describe_type_error(exc: OmegaConfBaseException) -> str:
     return f"key '{key}': {message}"
 
 
-def validate(cfg: TrainConfig) -> List[str]:
-    """Value checks the type system cannot express. Returns a list of problems (empty when fine)."""
-    p: List[str] = []
+# --------------------------------------------------------------------------- checks
 
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            p.append(msg)
 
-    def choice(key: str, value: Optional[str], choices: tuple) -> None:
-        need(value in choices, f"key '{key}': value '{value}' is not one of {', '.join(choices)}")
+def config_problems(cfg: TrainConfig) -> List[str]:
+    """Every value the types cannot rule out, each naming its key (empty when the config is fine):
+    the top level's choices, each section's own checks, then the rules of each concern."""
+    problems = choice_problems(cfg)
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if isinstance(section, Section):
+            problems += section.problems(f"{f.name}.")
+    for concern in (_model_problems, _data_problems, _schedule_problems, _optimizer_problems, _lora_problems,
+                    _memory_problems, _platform_problems, _output_problems):
+        problems += concern(cfg)
+    return problems
 
-    d = cfg.data_config
-    need(bool(cfg.pretrained_model_name_or_path), "key 'pretrained_model_name_or_path' is required "
-         "(a hub id such as Qwen/Qwen-Image or a local folder)")
-    need(bool(d.img_dir), "key 'data_config.img_dir' is required (the folder of images and captions)")
-    if d.img_dir and not Path(d.img_dir).is_dir():
-        p.append(f"key 'data_config.img_dir': folder '{d.img_dir}' does not exist")
-    need(d.img_size >= 16, f"key 'data_config.img_size': value {d.img_size} must be at least 16")
-    need(d.train_batch_size >= 1, f"key 'data_config.train_batch_size': value {d.train_batch_size} must be >= 1")
-    need(d.num_workers >= 0, f"key 'data_config.num_workers': value {d.num_workers} must be >= 0")
-    need(0.0 <= d.caption_dropout_rate <= 1.0,
-         f"key 'data_config.caption_dropout_rate': value {d.caption_dropout_rate} must be in [0, 1]")
-    need(bool(re.fullmatch(r"[A-Za-z0-9_]+", d.caption_type)),
-         f"key 'data_config.caption_type': value '{d.caption_type}' must be a file extension such as txt")
-    if cfg.train_batch_size is not None and cfg.train_batch_size != d.train_batch_size:
-        p.append(f"key 'train_batch_size': value {cfg.train_batch_size} differs from "
-                 f"data_config.train_batch_size {d.train_batch_size}; set one of them")
-    need(cfg.max_train_steps >= 1, f"key 'max_train_steps': value {cfg.max_train_steps} must be >= 1")
-    need(cfg.gradient_accumulation_steps >= 1,
-         f"key 'gradient_accumulation_steps': value {cfg.gradient_accumulation_steps} must be >= 1")
-    need(cfg.learning_rate > 0, f"key 'learning_rate': value {cfg.learning_rate} must be > 0")
-    need(cfg.lr_warmup_steps >= 0, f"key 'lr_warmup_steps': value {cfg.lr_warmup_steps} must be >= 0")
-    choice("lr_scheduler", cfg.lr_scheduler, LR_SCHEDULER_CHOICES)
-    choice("optimizer", cfg.optimizer, OPTIMIZER_CHOICES)
-    choice("training_mode", cfg.training_mode, TRAINING_MODES)
-    if cfg.training_mode == "full" and (cfg.quantize and not cfg.disable_quantization):
-        p.append("key 'quantize': a quantized transformer cannot be fully fine-tuned (use LoRA, or quantize: false)")
-    if cfg.fused_backward and (cfg.training_mode != "full" or cfg.gradient_accumulation_steps != 1
-                               or cfg.max_grad_norm != 0):
-        p.append("key 'fused_backward': needs training_mode: full, gradient_accumulation_steps: 1 and "
-                 "max_grad_norm: 0 (each weight steps before the others' gradients exist)")
-    if cfg.training_mode == "full" and cfg.blocks_to_swap:
-        p.append("key 'blocks_to_swap': block swap moves frozen weights only; full fine-tuning has none")
-    need(0 <= cfg.adam_beta1 < 1, f"key 'adam_beta1': value {cfg.adam_beta1} must be in [0, 1)")
-    need(0 <= cfg.adam_beta2 < 1, f"key 'adam_beta2': value {cfg.adam_beta2} must be in [0, 1)")
-    need(cfg.adam_weight_decay >= 0, f"key 'adam_weight_decay': value {cfg.adam_weight_decay} must be >= 0")
-    need(cfg.adam_epsilon > 0, f"key 'adam_epsilon': value {cfg.adam_epsilon} must be > 0")
-    need(cfg.max_nonfinite_steps >= 1,
-         f"key 'max_nonfinite_steps': value {cfg.max_nonfinite_steps} must be >= 1")
-    need(cfg.max_grad_norm >= 0, f"key 'max_grad_norm': value {cfg.max_grad_norm} must be >= 0 (0 disables)")
-    if cfg.mixed_precision is not None:
-        choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION_CHOICES)
-    choice("timestep_sampling", cfg.timestep_sampling, TIMESTEP_SAMPLING_CHOICES)
-    choice("timestep_shift", cfg.timestep_shift, TIMESTEP_SHIFT_CHOICES)
-    choice("loss_weighting", cfg.loss_weighting, LOSS_WEIGHTING_CHOICES)
-    need(cfg.logit_std > 0, f"key 'logit_std': value {cfg.logit_std} must be > 0")
-    need(cfg.shift > 0, f"key 'shift': value {cfg.shift} must be > 0")
-    need(cfg.rank >= 1, f"key 'rank': value {cfg.rank} must be >= 1")
-    if cfg.lora_alpha is not None:
-        need(cfg.lora_alpha > 0, f"key 'lora_alpha': value {cfg.lora_alpha} must be > 0")
-    need(0 <= cfg.lora_dropout < 1, f"key 'lora_dropout': value {cfg.lora_dropout} must be in [0, 1)")
-    choice("lora_init", cfg.lora_init, LORA_INIT_CHOICES)
-    choice("adapter_type", cfg.adapter_type, ("lora", "lokr", "loha"))
-    if cfg.adapter_type != "lora" and (cfg.use_dora or cfg.use_rslora or "comfyui" in cfg.lora_export_formats):
-        p.append(f"key 'adapter_type': {cfg.adapter_type} takes no use_dora / use_rslora / comfyui export "
-                 "(those are LoRA options)")
-    choice("lora_target", cfg.lora_target, LORA_TARGET_PRESETS)
-    if cfg.lora_target_modules is not None:
-        need(len(cfg.lora_target_modules) > 0, "key 'lora_target_modules': the list is empty")
-    need(cfg.checkpointing_steps >= 1, f"key 'checkpointing_steps': value {cfg.checkpointing_steps} must be >= 1")
-    if cfg.checkpoints_total_limit is not None:
-        need(cfg.checkpoints_total_limit >= 1,
-             f"key 'checkpoints_total_limit': value {cfg.checkpoints_total_limit} must be >= 1 (or null)")
-    if Path(cfg.logging_dir).is_absolute() or ".." in Path(cfg.logging_dir).parts:
-        p.append(f"key 'logging_dir': value '{cfg.logging_dir}' must be a folder inside output_dir "
-                 "(relative, without '..')")
-    need(cfg.log_every_n_steps >= 1, f"key 'log_every_n_steps': value {cfg.log_every_n_steps} must be >= 1")
-    report = cfg.report_to if cfg.report_to is not None else "none"
-    choice("report_to", report, REPORT_TO_CHOICES)
-    choice("attention_backend", cfg.attention_backend, ATTENTION_BACKEND_CHOICES)
-    need(0 < cfg.memory_fraction <= 1, f"key 'memory_fraction': value {cfg.memory_fraction} must be in (0, 1]")
-    need(cfg.fastsafetensors_num_threads >= 1,
-         f"key 'fastsafetensors_num_threads': value {cfg.fastsafetensors_num_threads} must be >= 1")
-    choice("data_config.bucket_mode", d.bucket_mode, ("longest_side", "area"))
-    for res in d.resolutions or []:
-        need(res >= 16, f"key 'data_config.resolutions': value {res} must be at least 16")
-    if d.random_crop and cfg.precompute_image_embeddings:
-        p.append("key 'data_config.random_crop': a random crop needs live image encoding; "
-                 "set precompute_image_embeddings: false (a cached latent has one fixed crop)")
-    if d.random_ratio and d.train_batch_size > 1:
-        p.append("key 'data_config.random_ratio': random aspect crops give each image its own size; "
-                 "use train_batch_size: 1")
-    for key in ("reference_condition_area", "reference_vae_area"):
-        area = getattr(d, key)
-        if area is not None and area < 32 * 32:
-            p.append(f"key 'data_config.{key}': value {area} must be at least 1024 (32x32 pixels)")
-    if (d.control_dir or d.control_dirs) and cfg.family not in (None, "qwen_image_edit"):
-        p.append(f"key 'data_config.control_dir': reference images are only used by the qwen_image_edit "
-                 f"family, not '{cfg.family}' (use train_qwen_edit_lora.py)")
-    if d.control_dir is not None and d.control_dirs is not None:
-        p.append("keys 'data_config.control_dir' and 'data_config.control_dirs': set one of them")
-    for folder in ([d.control_dir] if d.control_dir else []) + list(d.control_dirs or []):
-        if not Path(folder).is_dir():
-            p.append(f"key 'data_config.control_dir(s)': folder '{folder}' does not exist")
-    if d.shuffle_caption_tags and cfg.precompute_text_embeddings:
-        p.append("key 'data_config.shuffle_caption_tags': shuffled captions change every step; "
-                 "set precompute_text_embeddings: false")
-    for fmt in cfg.lora_export_formats:
-        choice("lora_export_formats", fmt, ("diffusers", "comfyui"))
-    if cfg.use_dora and "comfyui" in cfg.lora_export_formats:
-        p.append("key 'lora_export_formats': the ComfyUI export does not carry DoRA magnitudes; "
-                 "use diffusers only with use_dora: true")
-    if d.random_ratio and cfg.precompute_image_embeddings:
-        p.append("key 'data_config.random_ratio': a random crop needs live image encoding; "
-                 "set precompute_image_embeddings: false (a cached latent has one fixed crop)")
-    if cfg.gradient_checkpointing_cpu_offload and cfg.disable_gradient_checkpointing:
-        p.append("key 'gradient_checkpointing_cpu_offload': offloads the inputs gradient checkpointing keeps; "
-                 "set disable_gradient_checkpointing: false")
-    v = cfg.validation
-    need(v.every_n_steps >= 0, f"key 'validation.every_n_steps': value {v.every_n_steps} must be >= 0")
-    need(v.steps >= 2, f"key 'validation.steps': value {v.steps} must be >= 2")
-    need(v.cfg_scale is None or v.cfg_scale >= 0, f"key 'validation.cfg_scale': value {v.cfg_scale} must be >= 0")
-    for key in ("width", "height"):
-        need(getattr(v, key) >= 16, f"key 'validation.{key}': value {getattr(v, key)} must be >= 16")
-    for ref in v.reference_images:
-        need(Path(ref).is_file(), f"key 'validation.reference_images': file '{ref}' does not exist")
-    if cfg.ema_decay is not None:
-        need(0 < cfg.ema_decay < 1, f"key 'ema_decay': value {cfg.ema_decay} must be in (0, 1) (or null: off)")
-    if cfg.cuda_features.enable_fp8_training and cfg.compile is False:
-        p.append("key 'cuda_features.enable_fp8_training': float8 training without torch.compile is slower than "
-                 "bf16 (4.2x on an H100); set compile: true (or null), or turn fp8 off")
-    p += _validate_quantization(cfg)
-    p += _not_yet_supported(cfg)
+
+def _model_problems(cfg: TrainConfig) -> List[str]:
+    """The model and what is trained of it."""
+    full = cfg.training_mode == "full"
+    return _failed(
+        (bool(cfg.pretrained_model_name_or_path), "key 'pretrained_model_name_or_path' is required "
+         "(a hub id such as Qwen/Qwen-Image or a local folder)"),
+        (not (full and cfg.quantize and not cfg.disable_quantization),
+         "key 'quantize': a quantized transformer cannot be fully fine-tuned (use LoRA, or quantize: false)"),
+        (not cfg.fused_backward or (full and cfg.gradient_accumulation_steps == 1 and cfg.max_grad_norm == 0),
+         "key 'fused_backward': needs training_mode: full, gradient_accumulation_steps: 1 and "
+         "max_grad_norm: 0 (each weight steps before the others' gradients exist)"),
+        (not (full and cfg.blocks_to_swap),
+         "key 'blocks_to_swap': block swap moves frozen weights only; full fine-tuning has none"),
+    )
+
+
+def _data_problems(cfg: TrainConfig) -> List[str]:
+    """The data section against the caching keys and the model family."""
+    d, p = cfg.data_config, []
+    live_image = "set precompute_image_embeddings: false (a cached latent has one fixed crop)"
+    p += _failed(
+        (not (d.random_crop and cfg.precompute_image_embeddings),
+         f"key 'data_config.random_crop': a random crop needs live image encoding; {live_image}"),
+        (not (d.random_ratio and cfg.precompute_image_embeddings),
+         f"key 'data_config.random_ratio': a random crop needs live image encoding; {live_image}"),
+        (not (d.shuffle_caption_tags and cfg.precompute_text_embeddings),
+         "key 'data_config.shuffle_caption_tags': shuffled captions change every step; "
+         "set precompute_text_embeddings: false"),
+    )
+    if (d.control_dir or d.control_dirs) and cfg.family in SPECS and not SPECS[cfg.family].uses_references:
+        users = [spec for spec in SPECS.values() if spec.uses_references]
+        p.append(f"key 'data_config.control_dir': reference images are only used by the "
+                 f"{', '.join(u.name for u in users)} family, not '{cfg.family}' "
+                 f"(use {', '.join(u.entry_script for u in users)})")
     return p
 
 
-def _validate_quantization(cfg: TrainConfig) -> List[str]:
-    from trainer.quantization import QUANTO_WEIGHTS, TORCHAO_WEIGHTS  # import here: it imports this module
-
-    q, p = cfg.quantization, []
-    formats = {"quanto": QUANTO_WEIGHTS, "torchao": tuple(TORCHAO_WEIGHTS)}
-    if q.backend not in formats:
-        p.append(f"key 'quantization.backend': value '{q.backend}' is not one of quanto, torchao")
-    elif q.weights not in formats[q.backend]:
-        p.append(f"key 'quantization.weights': value '{q.weights}' is not one of "
-                 f"{', '.join(formats[q.backend])} (for backend {q.backend})")
-    if cfg.blocks_to_swap < 0:
-        p.append(f"key 'blocks_to_swap': value {cfg.blocks_to_swap} must be >= 0")
-    return p
+def _schedule_problems(cfg: TrainConfig) -> List[str]:
+    """Steps, learning rate and the noise levels drawn."""
+    return _failed(
+        (cfg.max_train_steps >= 1, f"key 'max_train_steps': value {cfg.max_train_steps} must be >= 1"),
+        (cfg.gradient_accumulation_steps >= 1,
+         f"key 'gradient_accumulation_steps': value {cfg.gradient_accumulation_steps} must be >= 1"),
+        (cfg.learning_rate > 0, f"key 'learning_rate': value {cfg.learning_rate} must be > 0"),
+        (cfg.lr_warmup_steps >= 0, f"key 'lr_warmup_steps': value {cfg.lr_warmup_steps} must be >= 0"),
+        (cfg.logit_std > 0, f"key 'logit_std': value {cfg.logit_std} must be > 0"),
+        (cfg.shift > 0, f"key 'shift': value {cfg.shift} must be > 0"),
+    )
 
 
-def _not_yet_supported(cfg: TrainConfig) -> List[str]:
-    """Keys accepted for compatibility whose feature lands in a later issue: refuse, don't ignore."""
-    p: List[str] = []
-    if cfg.double_blocks is not None:
-        p.append("key 'double_blocks': choosing FLUX blocks is not yet supported (set double_blocks: null)")
-    return p
+def _optimizer_problems(cfg: TrainConfig) -> List[str]:
+    return _failed(
+        (0 <= cfg.adam_beta1 < 1, f"key 'adam_beta1': value {cfg.adam_beta1} must be in [0, 1)"),
+        (0 <= cfg.adam_beta2 < 1, f"key 'adam_beta2': value {cfg.adam_beta2} must be in [0, 1)"),
+        (cfg.adam_weight_decay >= 0, f"key 'adam_weight_decay': value {cfg.adam_weight_decay} must be >= 0"),
+        (cfg.adam_epsilon > 0, f"key 'adam_epsilon': value {cfg.adam_epsilon} must be > 0"),
+        (cfg.max_nonfinite_steps >= 1, f"key 'max_nonfinite_steps': value {cfg.max_nonfinite_steps} must be >= 1"),
+        (cfg.max_grad_norm >= 0, f"key 'max_grad_norm': value {cfg.max_grad_norm} must be >= 0 (0 disables)"),
+    )
 
+
+def _lora_problems(cfg: TrainConfig) -> List[str]:
+    """The adapter, its export formats and its EMA."""
+    comfyui = "comfyui" in cfg.lora_export_formats
+    return _failed(
+        (cfg.rank >= 1, f"key 'rank': value {cfg.rank} must be >= 1"),
+        (cfg.lora_alpha is None or cfg.lora_alpha > 0, f"key 'lora_alpha': value {cfg.lora_alpha} must be > 0"),
+        (0 <= cfg.lora_dropout < 1, f"key 'lora_dropout': value {cfg.lora_dropout} must be in [0, 1)"),
+        (cfg.adapter_type == "lora" or not (cfg.use_dora or cfg.use_rslora or comfyui),
+         f"key 'adapter_type': {cfg.adapter_type} takes no use_dora / use_rslora / comfyui export "
+         "(those are LoRA options)"),
+        (cfg.lora_target_modules is None or len(cfg.lora_target_modules) > 0,
+         "key 'lora_target_modules': the list is empty"),
+        (not (cfg.use_dora and comfyui), "key 'lora_export_formats': the ComfyUI export does not carry DoRA "
+         "magnitudes; use diffusers only with use_dora: true"),
+        (cfg.ema_decay is None or 0 < cfg.ema_decay < 1,
+         f"key 'ema_decay': value {cfg.ema_decay} must be in (0, 1) (or null: off)"),
+    )
+
+
+def _memory_problems(cfg: TrainConfig) -> List[str]:
+    return _failed(
+        (cfg.blocks_to_swap >= 0, f"key 'blocks_to_swap': value {cfg.blocks_to_swap} must be >= 0"),
+        (not (cfg.gradient_checkpointing_cpu_offload and cfg.disable_gradient_checkpointing),
+         "key 'gradient_checkpointing_cpu_offload': offloads the inputs gradient checkpointing keeps; "
+         "set disable_gradient_checkpointing: false"),
+    )
+
+
+def _platform_problems(cfg: TrainConfig) -> List[str]:
+    return _failed(
+        (0 < cfg.memory_fraction <= 1, f"key 'memory_fraction': value {cfg.memory_fraction} must be in (0, 1]"),
+        (cfg.fastsafetensors_num_threads >= 1,
+         f"key 'fastsafetensors_num_threads': value {cfg.fastsafetensors_num_threads} must be >= 1"),
+        (not (cfg.cuda_features.enable_fp8_training and cfg.compile is False),
+         "key 'cuda_features.enable_fp8_training': float8 training without torch.compile is slower than "
+         "bf16 (4.2x on an H100); set compile: true (or null), or turn fp8 off"),
+    )
+
+
+def _output_problems(cfg: TrainConfig) -> List[str]:
+    """The output folder's logs and checkpoints."""
+    logs = Path(cfg.logging_dir)
+    return _failed(
+        (not (logs.is_absolute() or ".." in logs.parts),
+         f"key 'logging_dir': value '{cfg.logging_dir}' must be a folder inside output_dir (relative, without '..')"),
+        (cfg.log_every_n_steps >= 1, f"key 'log_every_n_steps': value {cfg.log_every_n_steps} must be >= 1"),
+        (cfg.checkpointing_steps >= 1, f"key 'checkpointing_steps': value {cfg.checkpointing_steps} must be >= 1"),
+        (cfg.checkpoints_total_limit is None or cfg.checkpoints_total_limit >= 1,
+         f"key 'checkpoints_total_limit': value {cfg.checkpoints_total_limit} must be >= 1 (or null)"),
+    )

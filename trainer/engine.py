@@ -38,7 +38,7 @@ from image_datasets.dataset import (
     scan_image_folder,
     shuffle_tags,
 )
-from image_datasets.validation import check_before_training
+from image_datasets.checks import check_before_training
 from trainer import checkpoint as ckpt
 from trainer.adapters import TrainedWeights, final_weights_name, trained_weights
 from trainer.async_step import StepReadout, StepRecord, arm_device_skip, device_skip_supported, step_values
@@ -448,7 +448,8 @@ class Trainer:
         logs = {"loss": loss, "loss_smoothed": state.loss_avg, "lr": lr,
                 **({"grad_norm": grad_norm} if grad_norm is not None else {})}
         if step_time > 0:
-            samples = self.cfg.batch_size * self.cfg.gradient_accumulation_steps * self.accelerator.num_processes
+            samples = (self.cfg.data_config.train_batch_size * self.cfg.gradient_accumulation_steps
+                       * self.accelerator.num_processes)
             logs.update(step_time_s=step_time, samples_per_s=samples / step_time)
         self.accelerator.log(logs, step=record.step)
         if self.is_main:

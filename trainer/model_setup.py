@@ -55,10 +55,11 @@ def prepare_transformer(cfg: TrainConfig, family: Any, transformer: torch.nn.Mod
     place(transformer, device, spec, blocks, "transformer", host_blocks=cfg.blocks_to_swap)
     if not cfg.disable_gradient_checkpointing:
         transformer.enable_gradient_checkpointing(checkpointing_func(cfg, unified_memory))
-    shape = attention_shape(transformer, attention_tokens, cfg.batch_size) if attention_tokens else None
+    batch = cfg.data_config.train_batch_size
+    shape = attention_shape(transformer, attention_tokens, batch) if attention_tokens else None
     attention = choose_attention(cfg, transformer, shape, device, compute_dtype)
     compiled, why = compile_decision(cfg, device, spec)
-    fp8 = maybe_fp8(cfg, transformer, compiled)
+    fp8 = maybe_fp8(cfg, transformer, blocks, compiled)
     trainable = weights.attach(transformer)
     if compute_dtype != torch.float32:  # the forward runs under autocast
         skip_lora_input_upcast(transformer)

@@ -22,12 +22,12 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter]) -> t
     if cfg.fused_backward:
         single = TrainConfig(**{**cfg.__dict__, "fused_backward": False})
         return FusedBackwardOptimizer(params, lambda group: build_optimizer(single, group))
-    if cfg.optimizer_name == "adafactor":
+    if cfg.optimizer == "adafactor":
         # Factored second moments: a fraction of AdamW's state, for full fine-tuning on less memory.
         return torch.optim.Adafactor(params, lr=cfg.learning_rate, weight_decay=cfg.adam_weight_decay)
     kwargs = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                   weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
-    if cfg.optimizer_name == "adamw8bit":
+    if cfg.optimizer == "adamw8bit":
         try:
             import bitsandbytes as bnb
 

@@ -8,7 +8,7 @@ transformer is loaded. The config's explicit switches win over what is detected.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 from loguru import logger
@@ -42,15 +42,21 @@ def prepare_environment(cfg: TrainConfig) -> RunPolicy:
     return RunPolicy(
         unified_memory=unified,
         pin_memory=cfg.pin_memory and not unified and torch.cuda.is_available(),
-        # Freeing and reloading buys nothing where CPU and GPU share one memory pool.
-        keep_encoders=cfg.disable_cpu_offload or unified,
+        keep_encoders=keeps_encoders(cfg, unified),
     )
+
+
+def keeps_encoders(cfg: TrainConfig, unified_memory: bool) -> bool:
+    """Whether the text encoder and VAE stay loaded after the cache pass: asked for
+    (``disable_cpu_offload``), or on unified memory, where freeing and reloading buys nothing because
+    CPU and GPU share one memory pool. The memory planner asks the same rule."""
+    return bool(cfg.disable_cpu_offload or unified_memory)
 
 
 def requested_features(cfg: TrainConfig) -> List[str]:
     """Optional features the config asks for (their packages and hardware are checked)."""
     wanted = {"flash_attention_3": cfg.cuda_features.enable_flash_attention_3 or cfg.attention_backend == "flash3",
-              "fp8": cfg.cuda_features.enable_fp8_training, "adam8bit": cfg.optimizer_name == "adamw8bit",
+              "fp8": cfg.cuda_features.enable_fp8_training, "adam8bit": cfg.optimizer == "adamw8bit",
               "fastsafetensors": cfg.use_fastsafetensors}
     return [name for name, on in wanted.items() if on]
 
@@ -96,9 +102,11 @@ def attention_shape(transformer: torch.nn.Module, tokens: int, batch_size: int) 
 FP8_EAGER_SLOWDOWN = "4.37 s/step against 1.04 s/step in bf16 on an H100 (Qwen-Image LoRA, 1024^2)"
 
 
-def maybe_fp8(cfg: TrainConfig, transformer: torch.nn.Module, compiled: bool = False) -> bool:
-    """torchao float8 training of the transformer's block linears where the GPU supports it and the
-    blocks are compiled. Returns whether it was applied; otherwise says why once.
+def maybe_fp8(cfg: TrainConfig, transformer: torch.nn.Module, blocks: Sequence[torch.nn.Module],
+              compiled: bool = False) -> bool:
+    """torchao float8 training of the linears inside the transformer's repeated ``blocks`` (the
+    family's ``blocks(transformer)``) where the GPU supports it and the blocks are compiled. Returns
+    whether it was applied; otherwise says why once.
 
     Eager float8 is refused: each linear scales and casts its input and weight in separate kernels,
     which made a step 4.2x slower than bf16 on an H100. torchao fuses them only under torch.compile.
@@ -112,18 +120,28 @@ def maybe_fp8(cfg: TrainConfig, transformer: torch.nn.Module, compiled: bool = F
     if not compiled:
         raise ConfigError("key 'cuda_features.enable_fp8_training': float8 training without torch.compile is "
                           f"slower than bf16 ({FP8_EAGER_SLOWDOWN}); set compile: true, or turn fp8 off")
+    names = fp8_linears(transformer, blocks)
+    if not names:
+        logger.warning("fp8 training: no linear of the transformer's blocks has both sides divisible by 16; "
+                       "nothing converted")
+        return False
     logger.warning("fp8 training with compiled blocks: its speed against bf16 has not been measured by this "
                    "project yet (benchmarks/gpu_report.py --sections fp8)")
     from torchao.float8 import convert_to_float8_training
 
-    def block_linear(module: torch.nn.Module, name: str) -> bool:
-        # fp8 matmuls need both dimensions divisible by 16; keep embedders and the output in bf16.
-        return (isinstance(module, torch.nn.Linear) and "transformer_blocks" in name
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
-
-    convert_to_float8_training(transformer, module_filter_fn=block_linear)
-    logger.info("fp8 training: transformer block linears converted with torchao float8")
+    convert_to_float8_training(transformer, module_filter_fn=lambda module, name: name in names)
+    logger.info(f"fp8 training: {len(names)} linears of the transformer's {len(blocks)} blocks converted "
+                "with torchao float8")
     return True
+
+
+def fp8_linears(transformer: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Set[str]:
+    """Names (in ``transformer``) of the linears fp8 training converts: those inside ``blocks`` whose
+    sides are both divisible by 16, as fp8 matmuls need; embedders and the output layer stay in bf16."""
+    inside = {id(module) for block in blocks for module in block.modules()}
+    return {name for name, module in transformer.named_modules()
+            if isinstance(module, torch.nn.Linear) and id(module) in inside
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0}
 
 
 COMPILE_MIN_STEPS = 100  # peer measurement on an H100: first step 26.6 s, then 0.58 s/step saved

@@ -24,8 +24,9 @@ from tqdm.auto import tqdm
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
 
-QUANTO_WEIGHTS = ("qfloat8", "qint8", "qint4")
-TORCHAO_WEIGHTS = {"int8_weight_only": "Int8WeightOnlyConfig", "int4_weight_only": "Int4WeightOnlyConfig",
+# The torchao config class of each weight format the schema offers (config.TORCHAO_WEIGHTS); quanto's
+# formats are the names of its own qtypes.
+TORCHAO_CONFIGS = {"int8_weight_only": "Int8WeightOnlyConfig", "int4_weight_only": "Int4WeightOnlyConfig",
                    "float8_weight_only": "Float8WeightOnlyConfig"}
 
 
@@ -72,7 +73,7 @@ def quantize_module(module: torch.nn.Module, spec: QuantizationSpec) -> None:
     else:
         import torchao.quantization as ao
 
-        ao.quantize_(module, getattr(ao, TORCHAO_WEIGHTS[spec.weights])())
+        ao.quantize_(module, getattr(ao, TORCHAO_CONFIGS[spec.weights])())
     cast_inputs_to_compute_dtype(module)
 
 

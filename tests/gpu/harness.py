@@ -39,9 +39,12 @@ from trainer.adapters import trained_weights
 from trainer.async_step import StepReadout, arm_device_skip, device_skip_supported, step_values
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig, load_config
-from trainer.families import load_family
+from trainer.families import SPECS, load_family
+from trainer.families.spec import FamilySpec
 from trainer.model_setup import prepare_transformer, transformer_load_device
 from trainer.optim import build_optimizer
+from trainer.planner import plan_memory
+from trainer.planner.activations import outer_slot
 from trainer.platform import choose_attention
 from trainer.quantization import check_available, quantization_spec
 from trainer.training_step import draw_sigmas as engine_sigmas, flow_matching_step
@@ -50,30 +53,10 @@ from utils.cuda_utils import read_device_facts, supports_feature
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
-FAMILIES: Tuple[str, ...] = ("qwen_image", "qwen_image_edit", "flux")
-DEFAULT_CAPTION_TOKENS = 128  # Qwen caption tokens after the template drop (the planner's default)
-FLUX_T5_TOKENS = 512  # FLUX.1-dev pads T5 to 512 and attends to the padding
-VL_PIXELS_PER_TOKEN = 28  # Qwen2.5-VL: one merged vision token per 28x28 pixels (Edit's prompt)
+# Every family the memory planner models: the harness reads the same block layouts (its FLOPs count
+# the tokens each linear sees), and compares its measured peaks with the planner's.
+FAMILIES: Tuple[str, ...] = tuple(name for name, spec in SPECS.items() if spec.plannable)
 WEIGHT_STD = 0.02  # 1-D weights other than norms; matrices N(0, 1/fan_in) (0.018 at 3072 wide); norms 1, biases 0
-
-# Qwen/Qwen-Image transformer/config.json and black-forest-labs/FLUX.1-dev transformer/config.json.
-QWEN_IMAGE_TRANSFORMER: Dict[str, Any] = dict(
-    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-    num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=[16, 56, 56])
-FLUX_DEV_TRANSFORMER: Dict[str, Any] = dict(
-    patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
-    attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-    guidance_embeds=True, axes_dims_rope=[16, 56, 56])
-# black-forest-labs/FLUX.1-dev vae/config.json (Qwen-Image's VAE is AutoencoderKLQwenImage's defaults).
-FLUX_DEV_VAE: Dict[str, Any] = dict(
-    in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-    up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512], layers_per_block=2,
-    act_fn="silu", latent_channels=16, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
-    shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True)
-
-PIPELINES = {"qwen_image": "QwenImagePipeline", "qwen_image_edit": "QwenImageEditPipeline", "flux": "FluxPipeline"}
-TRANSFORMER_CLASSES = {"qwen_image": "QwenImageTransformer2DModel",
-                       "qwen_image_edit": "QwenImageTransformer2DModel", "flux": "FluxTransformer2DModel"}
 
 # Low-memory profiles of the issue: YAML and the budget their peak must stay below (GiB).
 PROFILES: Dict[str, Tuple[str, float]] = {
@@ -110,15 +93,19 @@ def rope_axes(head_dim: int) -> List[int]:
     return [first, second, head_dim - first - second]
 
 
+def reference_configs(family: str) -> Dict[str, Any]:
+    """The published configs of the family's reference checkpoint (``FamilySpec.hub_configs``)."""
+    return dict(SPECS[family].reference_checkpoint())
+
+
 def transformer_config(family: str, scale: Scale = FULL) -> Dict[str, Any]:
-    """The real transformer config of ``family``, shrunk as ``scale`` says."""
-    config = dict(FLUX_DEV_TRANSFORMER if family == "flux" else QWEN_IMAGE_TRANSFORMER)
-    changes = {"num_layers": scale.layers, "num_attention_heads": scale.heads,
-               "attention_head_dim": scale.head_dim, "joint_attention_dim": scale.text_dim}
-    if family == "flux":
-        changes.update(num_single_layers=scale.single_layers, pooled_projection_dim=scale.pooled_dim)
-    config.update({k: v for k, v in changes.items() if v is not None})
-    if scale.head_dim is not None:
+    """The real transformer config of ``family``, shrunk as ``scale`` says (keys the config has)."""
+    config = {k: v for k, v in reference_configs(family)["transformer/config.json"].items() if not k.startswith("_")}
+    changes = {"num_layers": scale.layers, "num_single_layers": scale.single_layers,
+               "num_attention_heads": scale.heads, "attention_head_dim": scale.head_dim,
+               "joint_attention_dim": scale.text_dim, "pooled_projection_dim": scale.pooled_dim}
+    config.update({k: v for k, v in changes.items() if v is not None and k in config})
+    if scale.head_dim is not None and "axes_dims_rope" in config:
         config["axes_dims_rope"] = rope_axes(scale.head_dim)
     return config
 
@@ -129,20 +116,14 @@ def _write_json(path: Path, data: Dict[str, Any]) -> None:
 
 
 def _vae_config(family: str) -> Tuple[str, Dict[str, Any]]:
-    """The real VAE config: class defaults for Qwen-Image (they are its values), FLUX.1-dev's file."""
+    """The real VAE config, completed with its class's defaults."""
+    import diffusers
     from accelerate import init_empty_weights
-    from diffusers import AutoencoderKL, AutoencoderKLQwenImage
 
+    published = reference_configs(family)["vae/config.json"]
     with init_empty_weights():
-        vae = AutoencoderKL(**FLUX_DEV_VAE) if family == "flux" else AutoencoderKLQwenImage()
+        vae = getattr(diffusers, published["_class_name"]).from_config(published)
     return type(vae).__name__, {k: v for k, v in dict(vae.config).items() if not k.startswith("_")}
-
-
-def _scheduler_config(family: str) -> Dict[str, Any]:
-    from utils.tiny_models.flux import FLUX_DEV_SCHEDULER_CONFIG
-    from utils.tiny_models.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG
-
-    return dict(FLUX_DEV_SCHEDULER_CONFIG if family == "flux" else QWEN_IMAGE_SCHEDULER_CONFIG)
 
 
 def write_model_folder(family: str, out: Path | str, scale: Scale = FULL) -> Path:
@@ -151,28 +132,30 @@ def write_model_folder(family: str, out: Path | str, scale: Scale = FULL) -> Pat
 
     out = Path(out)
     version = {"_diffusers_version": diffusers.__version__}
+    spec = SPECS[family]
     vae_class, vae = _vae_config(family)
-    index = {"_class_name": PIPELINES[family], **version,
+    index = {"_class_name": spec.pipelines[0], **version,
              "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-             "transformer": ["diffusers", TRANSFORMER_CLASSES[family]], "vae": ["diffusers", vae_class]}
+             "transformer": ["diffusers", spec.transformer], "vae": ["diffusers", vae_class]}
     _write_json(out / "transformer" / "config.json",
-                {"_class_name": TRANSFORMER_CLASSES[family], **version, **transformer_config(family, scale)})
+                {"_class_name": spec.transformer, **version, **transformer_config(family, scale)})
     _write_json(out / "vae" / "config.json", {"_class_name": vae_class, **version, **vae})
+    scheduler = reference_configs(family)["scheduler/scheduler_config.json"]
     _write_json(out / "scheduler" / "scheduler_config.json",
-                {"_class_name": "FlowMatchEulerDiscreteScheduler", **version, **_scheduler_config(family)})
-    if family == "flux":
-        _write_flux_tokenizers(out)
+                {"_class_name": "FlowMatchEulerDiscreteScheduler", **version, **scheduler})
+    if spec.text.padded:  # the padded length is the tokenizer's limit: the family reads its tokenizers
+        _write_clip_t5_tokenizers(out, spec.text.max_length)
         index.update(tokenizer=["transformers", "CLIPTokenizer"], tokenizer_2=["transformers", "T5TokenizerFast"])
     _write_json(out / "model_index.json", index)
     return out
 
 
-def _write_flux_tokenizers(out: Path) -> None:
-    """FluxFamily reads both tokenizers at construction (the T5 length); small offline ones do."""
+def _write_clip_t5_tokenizers(out: Path, t5_length: int) -> None:
+    """FLUX reads both tokenizers at construction (the T5 length); small offline ones do."""
     from utils.tiny_models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
     build_clip_tokenizer().save_pretrained(str(out / "tokenizer"))
-    build_t5_tokenizer(FLUX_T5_TOKENS).save_pretrained(str(out / "tokenizer_2"))
+    build_t5_tokenizer(t5_length).save_pretrained(str(out / "tokenizer_2"))
 
 
 _FOLDERS: Dict[Tuple[str, Scale], Path] = {}
@@ -264,14 +247,15 @@ def build_transformer(family: Any, model_dir: Path | str, device: torch.device |
 # =========================================================================== random conditions
 
 
-def text_tokens(family: str, resolution: int, caption_tokens: int = DEFAULT_CAPTION_TOKENS) -> int:
-    """Text tokens the transformer sees: Qwen the caption, Edit the caption plus the reference's
-    vision tokens (the reference at the training area), FLUX the padded T5 length."""
-    if family == "flux":
-        return FLUX_T5_TOKENS
-    if family == "qwen_image_edit":
-        return caption_tokens + (resolution // VL_PIXELS_PER_TOKEN) ** 2 + 2  # + vision start/end
-    return caption_tokens
+def text_tokens(family: str, caption_tokens: Optional[int] = None) -> int:
+    """Text tokens the transformer sees (the family's text facts): the caption (default: the planner's
+    default caption), or the padded length; plus one reference's vision tokens where the family takes
+    references (the model folder's pipeline, the family's first)."""
+    spec = SPECS[family]
+    seen = spec.text.seen(spec.text.default_caption if caption_tokens is None else caption_tokens)
+    if spec.uses_references:
+        seen += spec.references[spec.pipelines[0]].prompt_tokens()
+    return seen
 
 
 @dataclass
@@ -285,24 +269,23 @@ class Batch:
     text_tokens: int
 
 
-def _text_cond(family_name: str, config: Dict[str, Any], tokens: int, gen: torch.Generator) -> Dict[str, torch.Tensor]:
-    cond = {"prompt_embeds": torch.randn(tokens, config["joint_attention_dim"], generator=gen)}
-    if family_name == "flux":
-        cond["pooled_prompt_embeds"] = torch.randn(config["pooled_projection_dim"], generator=gen)
-    return cond
+def _text_cond(spec: FamilySpec, config: Dict[str, Any], tokens: int, gen: torch.Generator) -> Dict[str, torch.Tensor]:
+    """One random cached text condition: each tensor of the family's condition at its width."""
+    return {name: torch.randn(*((tokens,) if per_token else ()), config[width], generator=gen)
+            for name, (width, per_token) in spec.text.conditions.items()}
 
 
 def random_batch(family: Any, config: Dict[str, Any], resolution: int, device: torch.device | str,
                  dtype: torch.dtype, batch_size: int = 1, seed: int = 0,
-                 caption_tokens: int = DEFAULT_CAPTION_TOKENS) -> Batch:
+                 caption_tokens: Optional[int] = None) -> Batch:
     """Random latents at ``resolution`` (1024^2 -> 16 x 128 x 128) and text conditions of the real
     shapes, collated by the family itself. ``config`` is the transformer's config."""
     gen = torch.Generator().manual_seed(seed)
     side = resolution // (family.pixel_multiple // 2)  # the VAE's downsampling factor
     channels = config["in_channels"] // 4  # 2x2 packing
     latents = torch.randn(batch_size, channels, side, side, generator=gen)
-    tokens = text_tokens(family.name, resolution, caption_tokens)
-    conds = [_text_cond(family.name, config, tokens, gen) for _ in range(batch_size)]
+    tokens = text_tokens(family.name, caption_tokens)
+    conds = [_text_cond(family.spec, config, tokens, gen) for _ in range(batch_size)]
     refs = [torch.randn(latents.shape, generator=gen).to(device, dtype)] if family.uses_references else []
     image = family.image_seq_len(latents.shape) * (1 + len(refs))
     return Batch(latents.to(device), family.collate_text(conds, torch.device(device), dtype), refs, image, tokens)
@@ -703,8 +686,8 @@ class AttentionReport:
 def attention_shape(family: str, resolution: int, scale: Scale = FULL, batch_size: int = 1) -> Tuple[int, int, int, int]:
     """(B, heads, joint tokens, head_dim) of the family's attention at ``resolution``."""
     config = transformer_config(family, scale)
-    image = (resolution // 16) ** 2 * (2 if family == "qwen_image_edit" else 1)
-    return batch_size, config["num_attention_heads"], image + text_tokens(family, resolution), config["attention_head_dim"]
+    image = (resolution // 16) ** 2 * (2 if SPECS[family].uses_references else 1)  # random_batch: one reference
+    return batch_size, config["num_attention_heads"], image + text_tokens(family), config["attention_head_dim"]
 
 
 def engine_auto_backend(shape: Tuple[int, int, int, int], device: torch.device, dtype: torch.dtype) -> str:
@@ -820,12 +803,8 @@ def scaled_swap(blocks_to_swap: int, family: str, scale: Scale) -> int:
 
 
 def planned_training_gib(cfg: TrainConfig, text: int) -> Optional[float]:
-    """``utils.memory_planner.plan_memory``'s GPU training peak for ``cfg`` (also asked on a CPU
-    run, where nothing is measured to compare it with); None without the planner."""
-    try:
-        from utils.memory_planner import plan_memory
-    except ImportError:
-        return None
+    """``trainer.planner.plan_memory``'s GPU training peak for ``cfg`` (also asked on a CPU run, where
+    nothing is measured to compare it with)."""
     return plan_memory(cfg, None, text_tokens=text, device="cuda").training_gib
 
 
@@ -854,17 +833,26 @@ def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: 
 # =========================================================================== FLOPs and MFU
 
 
-def token_class(name: str) -> str:
-    """Which tokens a linear layer of a Qwen-Image / FLUX transformer processes: ``sample`` (one
-    per sample: timestep / guidance / pooled embedders, modulation), ``text``, ``joint`` (FLUX
-    single-stream blocks: text + image) or ``image``."""
-    if any(key in name for key in ("time_text_embed", "timestep_embedder", "_mod", "norm")):
-        return "sample"
-    if name.startswith("single_transformer_blocks"):
-        return "joint"
-    if any(key in name for key in ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_", "context")):
-        return "text"
-    return "image"
+STREAM_TOKENS = {"img": "image", "txt": "text", "joint": "joint"}
+
+
+def token_class(name: str, spec: FamilySpec) -> str:
+    """Which tokens a linear layer (or its LoRA matrix) processes, from the family spec's layouts (the
+    planner's): ``sample`` (one per sample: timestep / guidance / pooled embedders, modulation),
+    ``text``, ``joint`` (single-stream blocks: text + image) or ``image``."""
+    group = next((g for g in spec.blocks if name.startswith(g.attribute + ".")), None)
+    if group is None:
+        stream, kind = outer_slot(spec.outer_layout, name)
+    else:
+        inner = name[len(group.attribute) + 1:].partition(".")[2]  # after the block's index
+        stream, kind = next((slot for key, slot in group.layout.items() if inner == key or inner.startswith(key + ".")),
+                            ("img", inner))
+    return "sample" if kind in ("mod", "temb") else STREAM_TOKENS[stream]
+
+
+def spec_of(transformer: torch.nn.Module) -> FamilySpec:
+    """The spec of the family whose transformer class this is (Edit shares Qwen-Image's layouts)."""
+    return next(spec for spec in SPECS.values() if spec.transformer == type(transformer).__name__)
 
 
 @dataclass(frozen=True)
@@ -896,11 +884,12 @@ def step_flops(transformer: torch.nn.Module, blocks: int, image_tokens: int, tex
     tokens costs 4 S^2 d forward (QK^T and PV, d = heads x head_dim) and twice that backward: 12 S^2 d
     per block. Works on meta models (nothing is computed)."""
     tokens = {"sample": 1, "text": text_tokens, "image": image_tokens, "joint": image_tokens + text_tokens}
+    spec = spec_of(transformer)
     frozen = lora = 0.0
     for name, module in transformer.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
-        work = 2.0 * module.in_features * module.out_features * tokens[token_class(name)]
+        work = 2.0 * module.in_features * module.out_features * tokens[token_class(name, spec)]
         if "lora_" in name:
             lora += work
         else:
@@ -943,7 +932,7 @@ def family_flops(family: str, resolution: int, scale: Scale = FULL, batch_size: 
     fam = load_family(cfg)
     model = build_meta_transformer(model_dir)
     s = attention_shape(family, resolution, scale)[2]  # joint tokens per sample
-    text = text_tokens(family, resolution)
+    text = text_tokens(family)
     flops = step_flops(model, len(fam.blocks(model)), s - text, text, batch_size)
     lora = _meta_lora_forward(model, cfg, fam, s - text, text) * batch_size
     return StepFlops(flops.frozen_forward, lora, flops.attention_forward)
@@ -960,7 +949,7 @@ def _meta_lora_forward(model: torch.nn.Module, cfg: TrainConfig, fam: Any, image
     """Forward FLOPs of the LoRA matrices the preset would add (rank x (in + out) per target)."""
     targets = fam.lora_presets[cfg.lora_target]
     tokens = {"sample": 1, "text": text, "image": image, "joint": image + text}
-    return sum(2.0 * cfg.rank * (m.in_features + m.out_features) * tokens[token_class(name)]
+    return sum(2.0 * cfg.rank * (m.in_features + m.out_features) * tokens[token_class(name, fam.spec)]
                for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and targeted(name, targets))
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import harness
-from trainer.families import load_family
+from trainer.families import SPECS, load_family
 
 CPU = torch.device("cpu")
 TINY = harness.TINY
@@ -70,14 +70,18 @@ def test_flops_formula_and_mfu() -> None:
 
 
 def test_token_classes() -> None:
-    cls = harness.token_class
-    assert cls("transformer_blocks.3.attn.to_q") == "image"
-    assert cls("transformer_blocks.3.attn.add_k_proj") == "text"
-    assert cls("transformer_blocks.3.txt_mlp.net.2") == "text"
-    assert cls("transformer_blocks.3.img_mod.1") == "sample"
-    assert cls("single_transformer_blocks.0.proj_mlp") == "joint"
-    assert cls("single_transformer_blocks.0.norm.linear") == "sample"
-    assert cls("context_embedder") == "text" and cls("x_embedder") == "image"
+    """From the family specs' layouts (the planner's)."""
+    qwen = lambda name: harness.token_class(name, SPECS["qwen_image"])  # noqa: E731
+    flux = lambda name: harness.token_class(name, SPECS["flux"])  # noqa: E731
+    assert qwen("transformer_blocks.3.attn.to_q") == "image"
+    assert qwen("transformer_blocks.3.attn.add_k_proj") == "text"
+    assert qwen("transformer_blocks.3.txt_mlp.net.2") == "text"
+    assert qwen("transformer_blocks.3.img_mod.1") == "sample"
+    assert qwen("transformer_blocks.3.attn.to_q.lora_A.default") == "image"
+    assert qwen("txt_in") == "text" and qwen("time_text_embed.timestep_embedder.linear_1") == "sample"
+    assert flux("single_transformer_blocks.0.proj_mlp") == "joint"
+    assert flux("single_transformer_blocks.0.norm.linear") == "sample"
+    assert flux("context_embedder") == "text" and flux("x_embedder") == "image"
 
 
 # --------------------------------------------------------------------------- tiny scale, real steps

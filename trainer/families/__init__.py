@@ -8,7 +8,7 @@ imports the runtime class of a run's family by name, when the run needs it.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from trainer.errors import ConfigError
 from trainer.families.flux.spec import SPEC as FLUX
@@ -29,6 +29,11 @@ def family_spec(name: str) -> FamilySpec:
     if name not in SPECS:
         raise ConfigError(f"key 'family': value '{name}' is not one of {', '.join(SPECS)}")
     return SPECS[name]
+
+
+def spec_for_pipeline(pipeline: str) -> Optional[FamilySpec]:
+    """The family whose checkpoints use diffusers pipeline class ``pipeline`` (None when none does)."""
+    return next((spec for spec in SPECS.values() if pipeline in spec.pipelines), None)
 
 
 def load_family(cfg: Any) -> "ModelFamily":

@@ -150,6 +150,11 @@ class FamilyBase:
         """The repeated blocks in execution order (units of quantization, block swap, checkpointing)."""
         return [block for attribute in self.spec.block_attributes for block in getattr(transformer, attribute)]
 
+    def refuse_references(self, references: Sequence[torch.Tensor]) -> None:
+        """``predict``'s guard: reference latents reach only a family that takes them."""
+        if len(references) and not self.uses_references:
+            raise ValueError(f"{self.spec.title} takes no reference latents")
+
     def image_seq_len(self, latent_shape: Sequence[int]) -> int:
         """Image tokens after 2x2 patch packing."""
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)

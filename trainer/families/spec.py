@@ -9,14 +9,21 @@ tiny-model builders. This module imports neither torch nor diffusers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 # peft's ``target_modules``: a list of module-name suffixes, or one regex that must match a full name.
 TargetSpec = Union[str, Sequence[str]]
-# Where each linear of a block reads from, for the memory planner: name inside the block ->
-# (stream, input group). Linears of one group share one input tensor.
+# Where each linear reads from, for the memory planner: name (inside a block, or a name prefix outside
+# the blocks) -> (stream, input group). Streams: "img", "txt", "joint". Linears of one group share one
+# input tensor; "attn_in" reads the block's normalised hidden states, "attn_out" a view of the
+# attention output, "mlp_in"/"mlp_hidden" the MLP's input and hidden activation, "mod" the per-sample
+# timestep embedding (no per-token activation); outside the blocks "temb" is the timestep embedder,
+# whose LoRA gives every block's modulation a gradient.
 BlockLayout = Mapping[str, Tuple[str, str]]
+
+IMAGE_PIXELS_PER_TOKEN = 16  # every family here: an 8x VAE, then 2x2 latent patches per image token
 
 
 @dataclass(frozen=True)
@@ -25,12 +32,45 @@ class TextTokens:
 
     max_length: int = 512  # the pipeline's max_sequence_length: the longest prompt it encodes
     template: int = 0  # template tokens the pipeline encodes with every prompt, then drops
+    kept: int = 0  # template tokens the transformer sees with every caption (not dropped)
     padded: bool = False  # every prompt is padded to ``max_length`` and the transformer attends to it
     default_caption: int = 128  # caption tokens a plan assumes when nothing says otherwise (~90 words)
+    prompts_per_call: int = 0  # 0: the cache pass's batch; 1: the family encodes one prompt at a time
+    # The cached text condition: tensor name -> (the transformer config key that gives its width,
+    # whether it has a token axis; pooled embeddings have none).
+    conditions: Mapping[str, Tuple[str, bool]] = field(
+        default_factory=lambda: {"prompt_embeds": ("joint_attention_dim", True)})
 
     def seen(self, caption_tokens: int) -> int:
         """Text tokens the transformer sees for a caption of ``caption_tokens`` tokens."""
-        return self.max_length if self.padded else min(caption_tokens, self.max_length)
+        return self.max_length if self.padded else min(caption_tokens + self.kept, self.max_length)
+
+
+@dataclass(frozen=True)
+class ReferenceTokens:
+    """What each reference image adds to a sample, for one pipeline of a family with references (Edit):
+    its latents join the image sequence, its vision-tower tokens join the prompt."""
+
+    max_references: int  # reference images per sample the pipeline takes
+    condition_area: int  # pixels the text encoder's vision tower sees per reference
+    markers: int  # prompt tokens around each reference's vision tokens ("Picture N: ", start/end)
+    vae_area: int = 1024 * 1024  # the reference latents' area (diffusers' VAE_IMAGE_SIZE)
+    pixels_per_token: int = 28  # Qwen2.5-VL: 14-pixel patches merged 2x2 -> one token per 28x28 pixels
+
+    def prompt_tokens(self, condition_area: Optional[int] = None) -> int:
+        """Prompt tokens of one reference seen at ``condition_area`` pixels (default: the pipeline's)."""
+        side = _area_side(condition_area or self.condition_area, self.pixels_per_token)
+        return (side // self.pixels_per_token) ** 2 + self.markers
+
+    def image_tokens(self, vae_area: Optional[int] = None) -> int:
+        """Image tokens of one reference's latents at ``vae_area`` pixels (default: the pipeline's)."""
+        side = _area_side(vae_area or self.vae_area, 32)
+        return (side // IMAGE_PIXELS_PER_TOKEN) ** 2
+
+
+def _area_side(area: int, multiple: int) -> int:
+    """The side of a square of ``area`` pixels, rounded to ``multiple`` (as the pipelines size images)."""
+    return int(round(math.sqrt(area) / multiple)) * multiple
 
 
 @dataclass(frozen=True)
@@ -38,8 +78,8 @@ class BlockGroup:
     """One list of repeated blocks: the transformer's attribute and, for the planner, its layout."""
 
     attribute: str  # e.g. "transformer_blocks": a ModuleList of the transformer
-    kind: str  # "double" (image and text streams), "single" (one joint stream), ...
-    layout: Optional[BlockLayout] = None  # None: the planner does not model this block
+    kind: str  # "double" (image and text streams), "single" (one joint stream), "visual", ...
+    layout: Optional[BlockLayout] = None  # None: the planner does not model this block's activations
 
 
 @dataclass(frozen=True)
@@ -55,13 +95,42 @@ class FamilySpec:
     blocks: Tuple[BlockGroup, ...]  # the repeated blocks, in execution order
     runtime: str  # "module:Class" of the ModelFamily, imported only when a run needs it
     text: TextTokens = field(default_factory=TextTokens)
-    uses_references: bool = False  # Edit-style: reference images condition prompt and latents
+    # pipeline class -> what a reference image adds (empty: the family takes no references)
+    references: Mapping[str, ReferenceTokens] = field(default_factory=dict)
+    # The planner's layout of the linears outside the blocks: name prefix -> (stream, group).
+    outer_layout: BlockLayout = field(default_factory=dict)
+    # Pipeline components that are Qwen2-VL processors (``utils.qwen_processor`` loads them
+    # without torchvision): passed to ``from_pretrained`` by inference and the tests.
+    vl_processors: Tuple[str, ...] = ()
     # hub id -> {file in that repository: its JSON}: configs of the published checkpoints, for
-    # planning without a download. Files found locally or in the HF cache win.
+    # planning without a download (files found locally or in the HF cache win). The first is the
+    # family's reference checkpoint; "_shards" gives the transformer's number of weight files.
     hub_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    plannable: bool = True  # whether the memory planner models this family
 
     @property
     def block_attributes(self) -> Tuple[str, ...]:
         """The transformer attributes holding repeated blocks, in execution order."""
         return tuple(group.attribute for group in self.blocks)
+
+    @property
+    def uses_references(self) -> bool:
+        """Edit-style: reference images condition the prompt and the latents."""
+        return bool(self.references)
+
+    @property
+    def plannable(self) -> bool:
+        """Whether the memory planner models this family (every block group has a layout)."""
+        return all(group.layout is not None for group in self.blocks)
+
+    @property
+    def unmodelled(self) -> str:
+        """What the memory planner does not model of this family ("" when it models it all)."""
+        kinds = [group.kind for group in self.blocks if group.layout is None]
+        if not kinds:
+            return ""
+        listed = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} and {kinds[-1]}"
+        return f"the activations of its {listed} blocks"
+
+    def reference_checkpoint(self) -> Mapping[str, Any]:
+        """The published configs of the family's reference checkpoint (the first of ``hub_configs``)."""
+        return next(iter(self.hub_configs.values()), {})

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import utils.quiet  # noqa: F401  (before diffusers and transformers load: their known-harmless warnings)
 from .flux import build_tiny_flux
 from .kandinsky5 import build_tiny_kandinsky5
 from .qwen_image import build_tiny_qwen_image

@@ -99,8 +99,7 @@ class FluxFamily(ShiftScaleLatents, FamilyBase):
         text: Tensors,
         references: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
-        if len(references):
-            raise ValueError("FLUX.1-dev text-to-image takes no reference latents")
+        self.refuse_references(references)
         b, c, h, w = noisy_latents.shape
         device, dtype = noisy_latents.device, noisy_latents.dtype
         packed = FluxPipeline._pack_latents(noisy_latents, b, c, h, w)

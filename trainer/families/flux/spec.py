@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict
 
-from trainer.families.spec import BlockGroup, FamilySpec, TargetSpec, TextTokens
+from trainer.families.components import CLIP_L_TEXT, FLUX_VAE, T5_XXL_ENCODER, model_index
+from trainer.families.spec import BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens
 
 T5_MAX_LENGTH = 512  # FLUX.1-dev's T5 context: FluxPipeline's default and its upper limit
 
@@ -37,6 +38,43 @@ FLUX_LORA_PRESETS: Dict[str, TargetSpec] = {
     "all_linear": _blocks(f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_ATTN}|{_SINGLE_MLP}", _OUTER),
 }
 
+# The planner's maps of a FluxTransformerBlock and a FluxSingleTransformerBlock (trainer.families.spec.BlockLayout).
+_DOUBLE_LAYOUT: BlockLayout = {
+    **{f"attn.{n}": ("img", "attn_in") for n in ("to_q", "to_k", "to_v")},
+    **{f"attn.{n}": ("txt", "attn_in") for n in ("add_q_proj", "add_k_proj", "add_v_proj")},
+    "attn.to_out.0": ("img", "attn_out"), "attn.to_add_out": ("txt", "attn_out"),
+    "ff.net.0.proj": ("img", "mlp_in"), "ff.net.2": ("img", "mlp_hidden"),
+    "ff_context.net.0.proj": ("txt", "mlp_in"), "ff_context.net.2": ("txt", "mlp_hidden"),
+    "norm1.linear": ("img", "mod"), "norm1_context.linear": ("txt", "mod"),
+}
+_SINGLE_LAYOUT: BlockLayout = {
+    **{f"attn.{n}": ("joint", "attn_in") for n in ("to_q", "to_k", "to_v")},
+    "proj_mlp": ("joint", "attn_in"),  # reads the same normalised input as q/k/v
+    "proj_out": ("joint", "proj_out_in"),  # reads cat([attention, MLP]): a new tensor
+    "norm.linear": ("joint", "mod"),
+}
+
+# black-forest-labs/FLUX.1-dev: model_index.json, transformer/config.json (3 weight files) and
+# scheduler/scheduler_config.json; CLIP-L, T5-XXL and the VAE from trainer.families.components.
+_FLUX_DEV: Dict[str, Any] = {
+    "model_index.json": model_index(
+        "FluxPipeline", scheduler="diffusers.FlowMatchEulerDiscreteScheduler",
+        text_encoder="transformers.CLIPTextModel", text_encoder_2="transformers.T5EncoderModel",
+        tokenizer="transformers.CLIPTokenizer", tokenizer_2="transformers.T5TokenizerFast",
+        transformer="diffusers.FluxTransformer2DModel", vae="diffusers.AutoencoderKL"),
+    "transformer/config.json": {
+        "_class_name": "FluxTransformer2DModel", "attention_head_dim": 128, "guidance_embeds": True, "in_channels": 64,
+        "joint_attention_dim": 4096, "num_attention_heads": 24, "num_layers": 19, "num_single_layers": 38,
+        "patch_size": 1, "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56]},
+    "text_encoder/config.json": CLIP_L_TEXT,
+    "text_encoder_2/config.json": T5_XXL_ENCODER,
+    "vae/config.json": FLUX_VAE,
+    "scheduler/scheduler_config.json": {
+        "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+        "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
+    "_shards": {"transformer": 3},
+}
+
 SPEC = FamilySpec(
     name="flux",
     title="FLUX.1-dev",
@@ -44,8 +82,15 @@ SPEC = FamilySpec(
     pipelines=("FluxPipeline",),
     transformer="FluxTransformer2DModel",
     lora_presets=FLUX_LORA_PRESETS,
-    blocks=(BlockGroup("transformer_blocks", "double"), BlockGroup("single_transformer_blocks", "single")),
+    blocks=(BlockGroup("transformer_blocks", "double", _DOUBLE_LAYOUT),
+            BlockGroup("single_transformer_blocks", "single", _SINGLE_LAYOUT)),
     runtime="trainer.families.flux.model:FluxFamily",
-    # FLUX pads every T5 prompt to max_sequence_length and attends to the padding.
-    text=TextTokens(max_length=T5_MAX_LENGTH, padded=True),
+    # FLUX pads every T5 prompt to max_sequence_length and attends to the padding; CLIP gives the
+    # pooled embedding.
+    text=TextTokens(max_length=T5_MAX_LENGTH, padded=True,
+                    conditions={"prompt_embeds": ("joint_attention_dim", True),
+                                "pooled_prompt_embeds": ("pooled_projection_dim", False)}),
+    outer_layout={"context_embedder": ("txt", "in"), "time_text_embed": ("img", "temb"),
+                  "norm_out": ("img", "mod")},
+    hub_configs={"black-forest-labs/FLUX.1-dev": _FLUX_DEV},
 )

@@ -103,8 +103,7 @@ class Kandinsky5Family(FamilyBase):
         text: Tensors,
         references: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
-        if len(references):
-            raise ValueError("Kandinsky 5 text-to-image takes no reference latents")
+        self.refuse_references(references)
         _, _, h, w = noisy_latents.shape
         device, dtype = noisy_latents.device, noisy_latents.dtype
         latents = noisy_latents.permute(0, 2, 3, 1).unsqueeze(1)  # (B, 1, h, w, C): one frame, channels last

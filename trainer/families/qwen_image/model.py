@@ -113,6 +113,7 @@ class QwenImageFamily(FamilyBase):
         text: Tensors,
         references: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
+        self.refuse_references(references)
         b, c, h, w = noisy_latents.shape
         # Edit: reference latents follow the noisy target in the image sequence, each listed in
         # img_shapes; only the target's tokens are the prediction.

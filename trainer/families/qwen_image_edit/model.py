@@ -38,7 +38,7 @@ class QwenImageEditFamily(QwenImageFamily):
         super().__init__(cfg)
         self.plus = _pipeline_class_name(self.model_path, self.revision) == QwenImageEditPlusPipeline.__name__
         self.pipeline_class = QwenImageEditPlusPipeline if self.plus else QwenImageEditPipeline
-        self.max_references = 3 if self.plus else 1
+        self.max_references = self.spec.references[self.pipeline_class.__name__].max_references
         d = cfg.data_config
         # Edit feeds the same 1024^2-area image to both; Edit-Plus a 384^2 one to the vision tower.
         self.condition_area = d.reference_condition_area or (CONDITION_IMAGE_SIZE if self.plus else VAE_IMAGE_SIZE)

@@ -77,8 +77,7 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
         text: Tensors,
         references: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
-        if len(references):
-            raise ValueError("Z-Image text-to-image takes no reference latents")
+        self.refuse_references(references)
         captions = [e[:n] for e, n in zip(text["prompt_embeds"], text["lengths"].tolist())]
         out = transformer(
             list(noisy_latents.unsqueeze(2).unbind(0)),  # one (C, 1, h, w) per sample

@@ -1,11 +1,11 @@
 """Check a training dataset before a run: every problem, with the file and what to do.
 
-    python utils/validate_dataset.py --path DIR [--config X.yaml] [--family F] [--caption-ext txt]
-                                     [--img-size N] [--control-dir D ...] [--json]
+    python validate_dataset.py --path DIR [--config X.yaml] [--family F] [--caption-ext txt]
+                               [--img-size N] [--control-dir D ...] [--json]
 
 With ``--config`` the image size, caption extension and reference folders come from the profile
-(flags win over it). Edit datasets (``--family qwen_image_edit``) find ``control/`` or
-``control_0/``, ``control_1/``, ... beside DIR as the trainer does.
+(flags win over it). Datasets of a family that trains on reference images (``--family
+qwen_image_edit``) find ``control/`` or ``control_0/``, ``control_1/``, ... beside DIR as the trainer does.
 
 Exit code: 0 when training can run (warnings allowed), 1 when an error would stop it,
 2 for a usage or config mistake.
@@ -13,22 +13,16 @@ Exit code: 0 when training can run (warnings allowed), 1 when an error would sto
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import List, Optional
 
-# `python utils/validate_dataset.py` puts utils/ on sys.path, not the repository root.
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import List, Optional  # noqa: E402
-
-# The families of trainer/families (importing them would load diffusers: seconds for a --help).
-FAMILIES = ("qwen_image", "qwen_image_edit", "flux")
-EDIT_FAMILIES = ("qwen_image_edit",)
+from trainer.config import load_config
+from trainer.errors import UserError
+from trainer.families import SPECS  # the light specs: no diffusers, so --help stays instant
 
 
 @dataclass
@@ -45,7 +39,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", required=True, help="folder of images and captions (data_config.img_dir)")
     parser.add_argument("--config", help="training profile (YAML): img_size, caption_type, control dirs")
-    parser.add_argument("--family", choices=FAMILIES, help="model family (the entry script's; wins over the config)")
+    parser.add_argument("--family", choices=list(SPECS), help="model family (the entry script's; wins over the config)")
     parser.add_argument("--caption-ext", help="caption file extension (default: txt or the config's)")
     parser.add_argument("--img-size", type=int, help="training size, longest side (default: 1024 or the config's)")
     parser.add_argument("--min-size", type=int, help="warn below this longest side (default: --img-size)")
@@ -56,9 +50,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
-    """Flags over config over defaults; Edit families find their reference folders as the trainer does."""
-    from trainer.config import load_config
-
+    """Flags over config over defaults; families that use references find their folders as the trainer does."""
     s = Settings(family=args.family)
     if args.config:
         overrides = [f"data_config.img_dir={args.path}"] + ([f"family={args.family}"] if args.family else [])
@@ -69,16 +61,19 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     s.caption_ext = args.caption_ext or s.caption_ext
     s.img_size = args.img_size or s.img_size
     s.control_dirs = args.control_dir or s.control_dirs
-    if s.family in EDIT_FAMILIES and not s.control_dirs:
+    if _uses_references(s.family) and not s.control_dirs:
         from image_datasets.dataset import find_control_dirs  # imports torch: only when needed
 
         s.control_dirs = [str(p) for p in find_control_dirs(args.path, None, None)]
     return s
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    from trainer.errors import UserError
+def _uses_references(family: Optional[str]) -> bool:
+    return family is not None and SPECS[family].uses_references
 
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Check the dataset and print the report; the exit code says whether training can run."""
     args = parse_args(argv)
     try:
         s = resolve_settings(args)
@@ -86,15 +81,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # Heavy imports (torch, through the dataset module) after the arguments and config are known good.
+    from image_datasets.checks import ERROR, Problem, check_dataset
     from image_datasets.dataset import find_control_dirs
-    from image_datasets.validation import ERROR, Problem, validate_dataset
 
     if s.family is None and not s.control_dirs and find_control_dirs(args.path, None, None):
-        print(f"note: reference folders found beside {args.path}; pass --family qwen_image_edit to check "
-              "them as an Edit dataset", file=sys.stderr)
-    report = validate_dataset(args.path, s.caption_ext, s.img_size, control_dirs=s.control_dirs,
-                              min_size=args.min_size)
-    if s.family in EDIT_FAMILIES and not s.control_dirs:  # the trainer refuses this before anything else
+        users = " or ".join(name for name, spec in SPECS.items() if spec.uses_references)
+        print(f"note: reference folders found beside {args.path}; pass --family {users} to check "
+              "them as reference images", file=sys.stderr)
+    report = check_dataset(args.path, s.caption_ext, s.img_size, control_dirs=s.control_dirs,
+                           min_size=args.min_size)
+    if _uses_references(s.family) and not s.control_dirs:  # the trainer refuses this before anything else
         report.problems.insert(0, Problem(Path(args.path), ERROR, f"{s.family} trains on reference images, "
                                           "and no control/ or control_0/ folder is beside this one",
                                           "add the reference folder, or name it with --control-dir / "

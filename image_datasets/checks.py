@@ -1,6 +1,6 @@
 """Dataset checks: every problem of an image folder in one pass, with the file and what to do.
 
-``validate_dataset`` is the full check behind ``utils/validate_dataset.py``. ``check_before_training``
+``check_dataset`` is the full check behind ``validate_dataset.py``. ``check_before_training``
 runs the same checks in their fast form before any model loads: it refuses the data, or, when the
 user allows it, returns the bad samples to skip.
 
@@ -181,7 +181,7 @@ class _Unreadable(Exception):
 # Public entry points
 
 
-def validate_dataset(
+def check_dataset(
     img_dir: str | Path,
     caption_ext: str = "txt",
     img_size: int = 1024,
@@ -238,7 +238,7 @@ def check_before_training(
     folders themselves are wrong, or when no sample is left. With ``skip_bad`` logs one warning per
     skipped image. Warnings are summarised in one line (the CLI lists them).
     """
-    report = validate_dataset(img_dir, caption_ext, img_size, multiple, control_dirs, fast=True)
+    report = check_dataset(img_dir, caption_ext, img_size, multiple, control_dirs, fast=True)
     cli = _cli_command(img_dir, caption_ext, img_size, control_dirs)
     if report.fatal() or (report.errors and (not skip_bad or report.ok_samples == 0)):
         raise DataError(_error_message(report, cli))
@@ -256,7 +256,7 @@ def _cli_command(img_dir: str | Path, caption_ext: str, img_size: int, control_d
     flags = [f"--path {img_dir}", f"--img-size {img_size}"] + [f"--control-dir {d}" for d in control_dirs]
     if caption_ext != "txt":
         flags.append(f"--caption-ext {caption_ext}")
-    return "python utils/validate_dataset.py " + " ".join(flags)
+    return "python validate_dataset.py " + " ".join(flags)
 
 
 def _error_message(report: DatasetReport, cli: str) -> str:

@@ -1,0 +1,368 @@
+"""The family contract, for every family of the registry against its own diffusers pipeline (tiny models):
+LoRA presets hit the intended layers and never modulation; ``predict`` is the pipeline's transformer call;
+text conditions are the pipeline's (and the spec's text facts its defaults); latents are the pipeline's
+VAE normalisation; validation renders from cached embeddings equal the pipeline's prompt renders.
+
+One row per family in ``FAMILY_CASES``: what differs is how each pipeline spells the same thing. A family
+of the registry without a row, a tiny builder or an end-to-end case fails ``test_every_family_is_covered``.
+Family-specific behaviour stays in small files: Edit references (``test_edit_e2e.py``), FLUX position ids
+and T5 length, Kandinsky 5's unequal text lengths, Z-Image's reversed clock (``test_<family>_family.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Set, Tuple
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import family_pipeline
+from test_family_e2e import E2E_CASES
+from trainer.adapters import add_lora
+from trainer.config import TrainConfig
+from trainer.families import SPECS, load_family
+from trainer.families.base import pad_sequences, unpack_latents
+from utils.tiny_models import FAMILIES as TINY_BUILDERS
+
+PROMPT = "a red circle on a yellow background"
+CPU = torch.device("cpu")
+Tensors = Dict[str, torch.Tensor]
+# (positional inputs, keyword inputs, output) of one transformer call inside a pipeline run
+Call = Tuple[tuple, Dict[str, Any], Any]
+# latents (B, C, h, w), sigmas, text, references, and the expected prediction in the latents' layout
+Prediction = Tuple[torch.Tensor, torch.Tensor, Tensors, List[torch.Tensor], torch.Tensor]
+
+
+# --------------------------------------------------------------------------- how each pipeline spells it
+def _qwen_call(call: Call, pipe: Any) -> Prediction:
+    """QwenImage(Edit)Pipeline: packed latents (references appended, listed in img_shapes), t / 1000."""
+    _, kw, out = call
+    shapes = kw["img_shapes"][0]
+    c = kw["hidden_states"].shape[-1] // 4
+    grids, start = [], 0
+    for _, h, w in shapes:
+        grids.append(unpack_latents(kw["hidden_states"][:, start:start + h * w], c, 2 * h, 2 * w))
+        start += h * w
+    target = shapes[0][1] * shapes[0][2]
+    expected = unpack_latents(out[0][:, :target], c, 2 * shapes[0][1], 2 * shapes[0][2])
+    text = {"prompt_embeds": kw["encoder_hidden_states"], "prompt_embeds_mask": kw["encoder_hidden_states_mask"]}
+    return grids[0], kw["timestep"], text, grids[1:], expected
+
+
+def _flux_call(call: Call, pipe: Any) -> Prediction:
+    """FluxPipeline: packed latents with position ids, pooled CLIP, guidance, t / 1000."""
+    _, kw, out = call
+    n = kw["hidden_states"].shape[1]
+    side = int(n ** 0.5)  # the tests render squares
+    unpack = lambda x: unpack_latents(x, x.shape[-1] // 4, 2 * side, 2 * side)  # noqa: E731
+    text = {"prompt_embeds": kw["encoder_hidden_states"], "pooled_prompt_embeds": kw["pooled_projections"]}
+    return unpack(kw["hidden_states"]), kw["timestep"], text, [], unpack(out[0])
+
+
+def _kandinsky5_call(call: Call, pipe: Any) -> Prediction:
+    """Kandinsky5T2IPipeline: channel-last (B, 1, h, w, C) latents, t = 1000 * sigma, unmasked text."""
+    _, kw, out = call
+    channels_first = lambda x: x[:, 0].permute(0, 3, 1, 2)  # noqa: E731
+    text = {"prompt_embeds_qwen": kw["encoder_hidden_states"], "prompt_embeds_clip": kw["pooled_projections"],
+            "lengths": None}
+    return channels_first(kw["hidden_states"]), kw["timestep"] / 1000, text, [], channels_first(out.sample)
+
+
+def _z_image_call(call: Call, pipe: Any) -> Prediction:
+    """ZImagePipeline: lists of (C, 1, h, w) latents and of captions, t = 1 - sigma; the pipeline hands its
+    scheduler -output (the transformer predicts x0 - noise)."""
+    (x, t, caps), _, out = call
+    embeds, mask = pad_sequences(caps)
+    return (torch.stack(x).squeeze(2), 1 - t, {"prompt_embeds": embeds, "lengths": mask.sum(dim=1)}, [],
+            -torch.stack(out[0]).squeeze(2))
+
+
+def _qwen_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
+    extra = {"image": refs[0]} if refs else {}
+    embeds, mask = pipe.encode_prompt([prompt], max_sequence_length=512, **extra)
+    return {"prompt_embeds": embeds[0, : int(mask[0].sum()) if mask is not None else None]}
+
+
+def _flux_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
+    embeds, pooled, _ = pipe.encode_prompt([prompt], prompt_2=None, max_sequence_length=512)
+    return {"prompt_embeds": embeds[0], "pooled_prompt_embeds": pooled[0]}
+
+
+def _kandinsky5_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
+    qwen, clip, cu_seqlens = pipe.encode_prompt([prompt])
+    return {"prompt_embeds_qwen": qwen[0, : int(cu_seqlens[1])], "prompt_embeds_clip": clip[0]}
+
+
+def _z_image_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
+    embeds, _ = pipe.encode_prompt([prompt], do_classifier_free_guidance=False)
+    return {"prompt_embeds": embeds[0]}
+
+
+def _qwen_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The Wan-style 3-D VAE on one frame, normalised by the per-channel latents_mean / latents_std."""
+    raw = pipe.vae.encode(pixels[:, :, None]).latent_dist.mode()
+    shape = (1, raw.shape[1], 1, 1, 1)
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(shape)
+    std = torch.tensor(pipe.vae.config.latents_std).view(shape)
+    return ((raw - mean) / std)[:, :, 0], pipe.vae.decode(raw).sample[:, :, 0]
+
+
+def _shift_scale_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    raw = pipe.vae.encode(pixels).latent_dist.mode()
+    return (raw - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor, pipe.vae.decode(raw).sample
+
+
+def _scale_only_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Kandinsky 5 scales the FLUX VAE's latents and ignores its shift."""
+    raw = pipe.vae.encode(pixels).latent_dist.mode()
+    assert pipe.vae.config.shift_factor != 0, "the VAE has a shift to ignore"
+    return raw * pipe.vae.config.scaling_factor, pipe.vae.decode(raw).sample
+
+
+# --------------------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class FamilyCase:
+    """What the contract expects of one family, in its pipeline's terms."""
+
+    # preset -> ({block list attribute: layer names inside each of its blocks}, layers outside the blocks)
+    presets: Mapping[str, Tuple[Mapping[str, Set[str]], Set[str]]]
+    modulation: Callable[[str], bool]  # the modulation linears: never a LoRA target
+    from_call: Callable[[Call, Any], Prediction]
+    pipeline_text: Callable[[Any, str, Sequence[Image.Image]], Tensors]
+    pipeline_vae: Callable[[Any, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]  # (latents, decoded)
+    all_linear_skips: Set[str] = field(default_factory=set)  # linears all_linear leaves out, besides modulation
+    references: int = 0  # reference images per sample in the pipeline calls
+
+
+_QWEN_IMG_ATTN = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"}
+_QWEN_BOTH = _QWEN_IMG_ATTN | {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                               "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"}
+_QWEN_PRESETS = {
+    "attention": ({"transformer_blocks": _QWEN_IMG_ATTN}, set()),
+    "attention_mlp": ({"transformer_blocks": _QWEN_BOTH}, set()),
+    "all_linear": ({"transformer_blocks": _QWEN_BOTH}, {"img_in", "txt_in", "proj_out",
+                                                        "time_text_embed.timestep_embedder.linear_1",
+                                                        "time_text_embed.timestep_embedder.linear_2"}),
+}
+_QWEN_MODULATION = lambda name: name.endswith(("img_mod.1", "txt_mod.1", "norm_out.linear"))  # noqa: E731
+
+_FLUX_IMG_ATTN = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"}
+_FLUX_DOUBLE = _FLUX_IMG_ATTN | {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                                 "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"}
+_FLUX_SINGLE_ATTN = {"attn.to_q", "attn.to_k", "attn.to_v"}
+_FLUX_SINGLE = _FLUX_SINGLE_ATTN | {"proj_mlp", "proj_out"}
+
+_K5_PROJ = ("to_query", "to_key", "to_value", "out_layer")
+_K5_VISUAL_ATTN = {f"{a}.{p}" for a in ("self_attention", "cross_attention") for p in _K5_PROJ}
+_K5_TEXT = {f"self_attention.{p}" for p in _K5_PROJ} | {"feed_forward.in_layer", "feed_forward.out_layer"}
+_K5_VISUAL = _K5_VISUAL_ATTN | {"feed_forward.in_layer", "feed_forward.out_layer"}
+
+_Z_ATTN = {"attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"}
+_Z_BOTH = _Z_ATTN | {"feed_forward.w1", "feed_forward.w2", "feed_forward.w3"}
+
+FAMILY_CASES: Dict[str, FamilyCase] = {
+    "qwen_image": FamilyCase(_QWEN_PRESETS, _QWEN_MODULATION, _qwen_call, _qwen_text, _qwen_vae),
+    "qwen_image_edit": FamilyCase(_QWEN_PRESETS, _QWEN_MODULATION, _qwen_call, _qwen_text, _qwen_vae, references=1),
+    "flux": FamilyCase(
+        {"attention": ({"transformer_blocks": _FLUX_IMG_ATTN, "single_transformer_blocks": _FLUX_SINGLE_ATTN}, set()),
+         "attention_mlp": ({"transformer_blocks": _FLUX_DOUBLE, "single_transformer_blocks": _FLUX_SINGLE}, set()),
+         "all_linear": ({"transformer_blocks": _FLUX_DOUBLE, "single_transformer_blocks": _FLUX_SINGLE},
+                        {"x_embedder", "context_embedder", "proj_out", "time_text_embed.timestep_embedder.linear_1",
+                         "time_text_embed.timestep_embedder.linear_2", "time_text_embed.text_embedder.linear_1",
+                         "time_text_embed.text_embedder.linear_2"})},
+        lambda name: name.endswith(("norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear")),
+        _flux_call, _flux_text, _shift_scale_vae,
+        # Training sees one guidance value: a LoRA there could only learn a shift that distorts the others.
+        all_linear_skips={"time_text_embed.guidance_embedder.linear_1", "time_text_embed.guidance_embedder.linear_2"}),
+    "kandinsky5": FamilyCase(
+        {"attention": ({"visual_transformer_blocks": _K5_VISUAL_ATTN}, set()),
+         "attention_mlp": ({"visual_transformer_blocks": _K5_VISUAL, "text_transformer_blocks": _K5_TEXT}, set()),
+         "all_linear": ({"visual_transformer_blocks": _K5_VISUAL, "text_transformer_blocks": _K5_TEXT},
+                        {"time_embeddings.in_layer", "time_embeddings.out_layer", "text_embeddings.in_layer",
+                         "pooled_text_embeddings.in_layer", "visual_embeddings.in_layer", "out_layer.out_layer"})},
+        lambda name: "modulation" in name, _kandinsky5_call, _kandinsky5_text, _scale_only_vae),
+    "z_image": FamilyCase(
+        {"attention": ({"noise_refiner": _Z_ATTN, "layers": _Z_ATTN}, set()),
+         "attention_mlp": ({"noise_refiner": _Z_BOTH, "layers": _Z_BOTH, "context_refiner": _Z_BOTH}, set()),
+         "all_linear": ({"noise_refiner": _Z_BOTH, "layers": _Z_BOTH, "context_refiner": _Z_BOTH},
+                        {"all_x_embedder.2-1", "all_final_layer.2-1.linear", "cap_embedder.1", "t_embedder.mlp.0",
+                         "t_embedder.mlp.2"})},
+        lambda name: "adaLN_modulation" in name, _z_image_call, _z_image_text, _shift_scale_vae),
+}
+FAMILIES = list(FAMILY_CASES)
+
+
+# --------------------------------------------------------------------------- fixtures and helpers
+def family_for(name: str, model: Path, **keys: Any) -> Any:
+    cfg = TrainConfig(family=name, pretrained_model_name_or_path=str(model))
+    for key, value in keys.items():
+        setattr(cfg, key, value)
+    return load_family(cfg)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model: Callable[[str], Path]) -> Callable[[str], Any]:
+    """``pipeline(name)``: the family's own pipeline on its tiny model, loaded once per module."""
+    loaded: Dict[str, Any] = {}
+
+    def load(name: str) -> Any:
+        if name not in loaded:
+            loaded[name] = family_pipeline(name, tiny_model(name))
+        return loaded[name]
+
+    return load
+
+
+def reference_images(case: FamilyCase) -> List[Image.Image]:
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)) for _ in range(case.references)]
+
+
+def pipeline_run(pipe: Any, family: Any, case: FamilyCase, **call: Any) -> Any:
+    """A 64x64 run of the pipeline with classifier-free guidance off (the family's off value) and the
+    family's distilled guidance (FLUX.1-dev's, as it trains)."""
+    refs = reference_images(case)
+    extra = {"image": refs[0]} if refs else {}
+    if family.distilled_guidance:
+        extra["guidance_scale"] = family.guidance
+    call = {"prompt": PROMPT, family.cfg_argument: family.cfg_off_value, **extra, **call}
+    return pipe(height=64, width=64, num_inference_steps=2, generator=torch.Generator().manual_seed(0), **call)
+
+
+def lora_layers(model: torch.nn.Module) -> Set[str]:
+    return {name for name, module in model.named_modules() if hasattr(module, "lora_A") and len(module.lora_A)}
+
+
+# --------------------------------------------------------------------------- the contract
+def test_every_family_is_covered() -> None:
+    """A family added to the registry needs a tiny builder, a row here and an end-to-end case."""
+    assert set(SPECS) <= set(TINY_BUILDERS), f"no tiny builder: {set(SPECS) - set(TINY_BUILDERS)}"
+    assert set(FAMILY_CASES) == set(SPECS), f"contract rows differ from the registry: {set(FAMILY_CASES) ^ set(SPECS)}"
+    assert set(E2E_CASES) == set(SPECS), f"end-to-end cases differ from the registry: {set(E2E_CASES) ^ set(SPECS)}"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tiny_models_schedule_as_the_published_checkpoint(name: str, tiny_model: Callable[[str], Path]) -> None:
+    """The tiny model's scheduler config is the one the spec publishes (where it holds one), so the
+    shifts the tests check are the real model's."""
+    import json
+
+    published = SPECS[name].reference_checkpoint().get("scheduler/scheduler_config.json")
+    if published is None:
+        pytest.skip(f"{name}: the spec holds no published scheduler config")
+    tiny = json.loads((tiny_model(name) / "scheduler" / "scheduler_config.json").read_text())
+    assert {key: tiny[key] for key in published} == published
+
+
+@pytest.mark.parametrize("preset", ["attention", "attention_mlp", "all_linear"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_presets_hit_the_intended_layers_and_never_modulation(name: str, preset: str,
+                                                              tiny_model: Callable[[str], Path]) -> None:
+    import diffusers
+
+    spec, case = SPECS[name], FAMILY_CASES[name]
+    model = getattr(diffusers, spec.transformer).from_pretrained(tiny_model(name), subfolder="transformer")
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    add_lora(model, TrainConfig(family=name, lora_target=preset), spec.lora_presets)
+    in_blocks, outer = case.presets[preset]
+    expected = {f"{attribute}.{i}.{layer}" for attribute, layers in in_blocks.items()
+                for i in range(len(getattr(model, attribute))) for layer in layers} | outer
+    assert lora_layers(model) == expected
+    assert not any(case.modulation(n) for n in lora_layers(model)), "modulation is never a target"
+    if preset == "all_linear":  # every linear layer but modulation (and what the row names)
+        assert {n for n in linears - expected if not case.modulation(n)} == case.all_linear_skips
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_predict_is_the_pipelines_transformer_call(name: str, pipeline: Callable[[str], Any],
+                                                   tiny_model: Callable[[str], Path]) -> None:
+    """The family's predict on the inputs of the pipeline's second transformer call returns what the
+    pipeline hands its scheduler; a family without references refuses them."""
+    pipe, case = pipeline(name), FAMILY_CASES[name]
+    calls: List[Call] = []
+    handle = pipe.transformer.register_forward_hook(
+        lambda module, args, kwargs, out: calls.append((args, kwargs, out)), with_kwargs=True)
+    try:
+        pipeline_run(pipe, family_for(name, tiny_model(name)), case, output_type="latent")
+    finally:
+        handle.remove()
+    assert len(calls) == 2, "one call per step: guidance off"
+    latents, sigmas, text, refs, expected = case.from_call(calls[1], pipe)
+    assert len(refs) == case.references
+    family = family_for(name, tiny_model(name))
+    with torch.no_grad():
+        ours = family.predict(pipe.transformer, latents, sigmas, text, refs)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)
+    if not family.uses_references:
+        with pytest.raises(ValueError, match="reference"):
+            family.predict(pipe.transformer, latents, sigmas, text, [latents])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_text_conditions_match_the_pipeline(name: str, pipeline: Callable[[str], Any],
+                                            tiny_model: Callable[[str], Path]) -> None:
+    """Cached conditions equal the pipeline's own encoding (the prompt and the empty one), hold the
+    tensors the spec names at the transformer's widths, and the spec's text facts are the pipeline's."""
+    spec, case, pipe = SPECS[name], FAMILY_CASES[name], pipeline(name)
+    refs = reference_images(case)
+    # Edit conditions the prompt on the reference, resized to this area first (64x64 stays 64x64).
+    family = family_for(name, tiny_model(name), **({"data_config": _reference_area(64 * 64)} if refs else {}))
+    family.load_text_encoder(CPU, torch.float32)
+    conds = family.encode_prompts([PROMPT, ""], [refs, refs] if refs else None)
+    config = pipe.transformer.config
+    for prompt, cond in zip([PROMPT, ""], conds):
+        theirs = case.pipeline_text(pipe, prompt, refs)
+        assert set(cond) == set(theirs) == set(spec.text.conditions)
+        for key, (width, per_token) in spec.text.conditions.items():
+            assert cond[key].shape[-1] == config[width] and cond[key].dim() == (2 if per_token else 1)
+            torch.testing.assert_close(cond[key], theirs[key], atol=1e-5, rtol=1e-4)
+    batch = family.collate_text(conds, CPU, torch.bfloat16)
+    assert all(v.dtype == torch.bfloat16 for v in batch.values() if v is not None and v.is_floating_point())
+    defaults = inspect.signature(pipe.__call__).parameters
+    assert defaults["max_sequence_length"].default == spec.text.max_length
+    assert getattr(pipe, "prompt_template_encode_start_idx", 0) == spec.text.template
+    family.unload_text_encoder()
+    assert family.text_pipe is None
+
+
+def _reference_area(area: int) -> Any:
+    from trainer.config import DataConfig
+
+    return DataConfig(reference_condition_area=area)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_latents_match_the_pipelines_vae(name: str, pipeline: Callable[[str], Any],
+                                         tiny_model: Callable[[str], Path]) -> None:
+    """encode_images is the pipeline's VAE encoding and latent normalisation; decode_latents inverts it."""
+    pipe, case = pipeline(name), FAMILY_CASES[name]
+    family = family_for(name, tiny_model(name))
+    family.load_vae(CPU, torch.float32)
+    pixels = torch.rand(1, 3, 48, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = family.encode_images(pixels)
+    factor = family.pixel_multiple // 2  # the VAE's (the transformer packs 2x2 latent patches)
+    assert latents.shape[-2:] == (48 // factor, 64 // factor)
+    with torch.no_grad():
+        theirs, decoded = case.pipeline_vae(pipe, pixels)
+    torch.testing.assert_close(latents, theirs)
+    torch.testing.assert_close(family.decode_latents(latents), decoded, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_validation_renders_from_cached_embeddings(name: str, pipeline: Callable[[str], Any],
+                                                   tiny_model: Callable[[str], Path]) -> None:
+    """A render from cached embeddings (``render_kwargs``) is the pipeline's render of the prompt."""
+    pipe, case = pipeline(name), FAMILY_CASES[name]
+    family = family_for(name, tiny_model(name))
+    family.load_text_encoder(CPU, torch.float32)
+    refs = reference_images(case)
+    cond = family.encode_prompts([PROMPT], [refs] if refs else None)[0]
+    kwargs = family.render_kwargs(cond, torch.float32, CPU)
+    ours = pipeline_run(pipe, family, case, output_type="np", return_dict=False, **kwargs, prompt=None)[0]
+    theirs = pipeline_run(pipe, family, case, output_type="np", return_dict=False)[0]
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)

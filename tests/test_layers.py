@@ -1,0 +1,120 @@
+"""Imports point one way: utils/ (platform) <- image_datasets/ <- trainer/ <- entry scripts.
+
+The project's imports are read with ``ast``, module-level and function-local ones alike (a local
+import that dodges a cycle is still a cycle), and the tests fail on any import cycle and on any import
+that points up the layers. ``utils/tiny_models`` (test fixtures built with the real diffusers
+classes) needs no exemption: it imports nothing above ``utils/``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"utils": 0, "image_datasets": 1, "trainer": 2}  # then the entry scripts at the root: 3
+ENTRY_LAYER = 3
+
+Edges = Dict[str, Dict[str, int]]  # module -> {imported project module: line of the first import}
+
+
+def project_modules() -> Dict[str, Path]:
+    """Dotted module name -> file, for the three packages and the entry scripts beside them."""
+    modules = {path.stem: path for path in ROOT.glob("*.py")}
+    for package in LAYERS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            modules[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
+    return modules
+
+
+def layer(module: str) -> int:
+    return LAYERS.get(module.split(".")[0], ENTRY_LAYER)
+
+
+def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Dict[str, int]:
+    """The project modules ``name`` imports anywhere in its file, each with the line of its first import."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: Dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            module = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+            targets = [module] + [f"{module}.{alias.name}" for alias in node.names]  # a name may be a module
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found[target] = min(found.get(target, node.lineno), node.lineno)
+    return found
+
+
+def import_graph() -> Edges:
+    modules = project_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def cycles(edges: Edges) -> List[List[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    groups: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def upward(edges: Edges) -> List[str]:
+    modules = project_modules()
+    found = sorted((str(modules[m].relative_to(ROOT)) if m in modules else m, line, target)
+                   for m, targets in edges.items() for target, line in targets.items() if layer(target) > layer(m))
+    return [f"{path}:{line} imports {target}" for path, line, target in found]
+
+
+def test_no_import_cycles() -> None:
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(group) for group in found)
+
+
+def test_imports_point_down_the_layers() -> None:
+    found = upward(import_graph())
+    assert not found, "imports up the layers utils < image_datasets < trainer < entry scripts:\n" + "\n".join(found)
+
+
+def test_the_walk_sees_every_kind_of_import() -> None:
+    """Relative, dotted and function-local imports are all edges, so the checks above can fail."""
+    edges = import_graph()
+    assert "trainer.engine" in edges["trainer.cli"], "function-local (after argument parsing)"
+    assert "utils.tiny_models.qwen_image" in edges["utils.tiny_models"], "relative (from .qwen_image import ...)"
+    assert "trainer.cli" in edges["train"], "an entry script"
+    assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+    assert upward({"utils.cuda_utils": {"trainer.config": 7}, "trainer.cli": {"utils.quiet": 3}}) == \
+        ["utils/cuda_utils.py:7 imports trainer.config"]

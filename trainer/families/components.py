@@ -1,0 +1,71 @@
+"""Published configs of components that several families share (text encoders, VAEs), as JSON data.
+
+The family specs assemble their checkpoints' ``hub_configs`` from these, so the memory planner and
+the GPU harness can build each component on the meta device without a download. Each comes from the
+named repository's ``config.json`` (keys the libraries fill in with their defaults are left out).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+# Qwen/Qwen2.5-VL-7B-Instruct: the text encoder of every Qwen-Image checkpoint and of Kandinsky 5.
+QWEN2_5_VL_7B: Dict[str, Any] = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_act": "silu",
+    "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+    "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+    "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645, "image_token_id": 151655,
+    "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_token_id": 151654,
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
+}
+
+# openai/clip-vit-large-patch14's text tower: FLUX.1-dev's text_encoder, Kandinsky 5's text_encoder_2.
+CLIP_L_TEXT: Dict[str, Any] = {
+    "architectures": ["CLIPTextModel"], "model_type": "clip_text_model", "hidden_act": "quick_gelu",
+    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+    "max_position_embeddings": 77, "vocab_size": 49408, "projection_dim": 768, "layer_norm_eps": 1e-05,
+    "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1,
+}
+
+# google/t5-v1_1-xxl's encoder: FLUX.1-dev's text_encoder_2.
+T5_XXL_ENCODER: Dict[str, Any] = {
+    "architectures": ["T5EncoderModel"], "model_type": "t5", "d_ff": 10240, "d_kv": 64, "d_model": 4096,
+    "num_heads": 64, "num_layers": 24, "num_decoder_layers": 24, "vocab_size": 32128,
+    "feed_forward_proj": "gated-gelu", "dense_act_fn": "gelu_new", "is_gated_act": True,
+    "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128, "layer_norm_epsilon": 1e-06,
+    "is_encoder_decoder": True, "tie_word_embeddings": False, "pad_token_id": 0, "eos_token_id": 1,
+    "decoder_start_token_id": 0,
+}
+
+# black-forest-labs/FLUX.1-dev vae/config.json: the 16-channel VAE of FLUX.1-dev, Kandinsky 5 image
+# (scale without shift) and Z-Image (Tongyi-MAI/Z-Image vae/config.json has the same values).
+FLUX_VAE: Dict[str, Any] = {
+    "_class_name": "AutoencoderKL", "act_fn": "silu", "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "in_channels": 3, "out_channels": 3, "latent_channels": 16, "layers_per_block": 2, "norm_num_groups": 32,
+    "mid_block_add_attention": True, "sample_size": 1024, "scaling_factor": 0.3611, "shift_factor": 0.1159,
+    "force_upcast": True, "use_quant_conv": False, "use_post_quant_conv": False,
+}
+
+# Qwen/Qwen3-4B (Tongyi-MAI/Z-Image(-Turbo) text_encoder/config.json: a Qwen3ForCausalLM checkpoint
+# that model_index.json loads as the bare Qwen3Model).
+QWEN3_4B: Dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu", "hidden_size": 2560,
+    "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000, "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645,
+}
+
+
+def model_index(pipeline: str, **components: str) -> Dict[str, Any]:
+    """A ``model_index.json``: ``component="library.Class"`` for each component of ``pipeline``."""
+    index: Dict[str, Any] = {"_class_name": pipeline}
+    for name, where in components.items():
+        library, _, cls = where.partition(".")
+        index[name] = [library, cls]
+    return index

@@ -1,0 +1,269 @@
+"""The plan's inputs: the assumptions it rests on, and the run's settings resolved from the config.
+
+Every decision the run makes is asked of the trainer's own rule, not worked out again here: the
+quantization (``trainer.quantization``), the LoRA targets (``trainer.adapters``), the reference
+folders (``image_datasets.dataset``), whether the encoders stay loaded (``trainer.platform``) and
+whether checkpointed block inputs go to host memory (``trainer.activation_offload``). The family's
+facts (text tokens, references, presets) come from its spec.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+from omegaconf import OmegaConf
+
+from image_datasets.dataset import IMAGE_EXTENSIONS, find_control_dirs
+from trainer.activation_offload import offloads_block_inputs
+from trainer.adapters import resolve_lora_targets
+from trainer.config import TORCHAO_WEIGHTS, TrainConfig, load_config
+from trainer.errors import ConfigError
+from trainer.families import family_spec
+from trainer.families.spec import IMAGE_PIXELS_PER_TOKEN, FamilySpec, ReferenceTokens
+from trainer.features import ENCODE_BATCH  # the cache pass's prompts per encoder call
+from trainer.planner.model import ModelSpec
+from trainer.platform import keeps_encoders
+from trainer.quantization import QuantizationSpec, quantization_spec, text_encoder_spec
+
+GIB = 2**30
+
+# --------------------------------------------------------------------------- assumptions
+# Each constant is named in the plan's notes or in docs/MEMORY_PLANNER.md.
+CLIP_TOKENS = 77  # CLIP's fixed context: every prompt is padded to it
+CUDA_CONTEXT_GIB = 0.5  # CUDA context + kernels: outside torch's allocator, still on the card
+WORKSPACE_GIB = 0.25  # cuBLAS/cuDNN/attention workspaces
+FRAGMENTATION = 0.10  # allocator slack on the dynamic part (activations, backward transients)
+HOST_BASELINE_CPU_GIB = 0.42  # RSS after `import trainer.engine` (torch 2.13 CPU), measured here
+HOST_BASELINE_CUDA_GIB = 2.0  # same with CUDA libraries mapped and a context: assumed, not measured
+DEFAULT_SHARD_GIB = 5.0  # a safetensors shard, when the checkpoint's index is not at hand
+
+# Bytes per weight of a quantized block linear (scales included); "quanto"/"torchao" backends.
+QUANT_BYTES: Dict[str, float] = {
+    "qfloat8": 1.0, "qint8": 1.0, "qint4": 0.5 + 4 / 128,  # quanto: int4 in groups of 128, bf16 scale+shift
+    "float8_weight_only": 1.0, "int8_weight_only": 1.0, "int4_weight_only": 0.5 + 4 / 128,  # torchao
+}
+
+# VAE encode peak (inference, no grad) per input pixel, in units of (first-level channels x bytes):
+# traced on fake tensors at 512^2 and 1024^2 (the ratio is constant); see the docs.
+VAE_ENCODE_FACTOR: Dict[str, float] = {"AutoencoderKLQwenImage": 10.1, "AutoencoderKL": 5.0}
+VAE_DECODE_FACTOR: Dict[str, float] = {"AutoencoderKLQwenImage": 18.0, "AutoencoderKL": 6.0}  # same, decoding
+
+
+# --------------------------------------------------------------------------- sizes
+_UNITS = {"": GIB, "g": GIB, "gi": GIB, "gib": GIB, "gb": 1e9, "m": 2**20, "mi": 2**20, "mib": 2**20,
+          "mb": 1e6, "t": 2**40, "ti": 2**40, "tib": 2**40, "tb": 1e12}
+
+
+def parse_size(text: str | float | int) -> float:
+    """A memory size in GiB: ``"24GiB"``, ``"24 GB"`` (10^9 bytes), ``"16"`` (GiB), ``"512MiB"``."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"cannot read memory size {text!r}; write e.g. 24GiB, 24GB, 16 (GiB) or 512MiB")
+    return float(match.group(1)) * _UNITS[unit] / GIB
+
+
+# --------------------------------------------------------------------------- run settings
+@dataclass(frozen=True)
+class Settings:
+    """Everything a plan depends on, resolved from the config and the arguments."""
+
+    family: str
+    img_size: int
+    batch: int
+    text_tokens: int  # per sample, as the transformer sees them
+    caption_tokens: int  # the caption's share of text_tokens
+    image_tokens: int  # per sample: target (+ Edit references)
+    target_tokens: int  # per sample: the target image alone
+    act_bytes: int  # bytes per activation / frozen weight: 2 (bf16, fp16) or 4 (fp32)
+    precision: str
+    rank: int
+    lora_targets: Any
+    lora_dropout: bool
+    checkpointing: bool
+    quantization: Optional[str]  # None, or a QUANT_BYTES key
+    text_encoder_quantization: Optional[str]
+    optimizer: str  # adamw | adamw8bit | adafactor
+    blocks_to_swap: int
+    precompute_text: bool
+    precompute_image: bool
+    cache_on_disk: bool
+    keep_encoders: bool
+    device: str  # "cuda" or "cpu" (a CPU run: the device is host memory)
+    unified_memory: bool
+    streamed_loading: bool
+    num_images: Optional[int]  # dataset size (for in-memory caches); None when unknown
+    references: int  # Edit reference images per sample
+    encode_tokens: int  # tokens per prompt through the text encoder (template included)
+    encode_batch: int
+    vision_patches: int  # Edit: vision-tower patches per prompt (before the 2x2 merge)
+    validation_pixels: int = 0  # validation renders: width x height (0: off)
+    dora: bool = False
+    offload_checkpoints: bool = False  # gradient_checkpointing_cpu_offload (GPU, not unified memory)
+
+    @property
+    def backend(self) -> Optional[str]:
+        if self.quantization is None:
+            return None
+        return "torchao" if self.quantization in TORCHAO_WEIGHTS else "quanto"
+
+
+def planned_family(cfg: TrainConfig) -> FamilySpec:
+    """The run's family spec; a ``ValueError`` in one line when the planner does not model it."""
+    family = family_spec(cfg.family)
+    if not family.plannable:
+        raise ValueError(f"{family.name}: the memory planner does not model {family.unmodelled} yet")
+    return family
+
+
+def resolve_settings(cfg: TrainConfig, spec: ModelSpec, *, blocks_to_swap: Optional[int] = None,
+                     quantization: Optional[str] = None, text_tokens: Optional[int] = None,
+                     device: str = "cuda", streamed_loading: bool = True,
+                     text_encoder_quantization: Optional[str] = None) -> Settings:
+    """The plan's inputs: the config's keys, with the arguments (when given) winning."""
+    family = planned_family(cfg)
+    precision = cfg.mixed_precision or "no"
+    quant = _check_quantization(quantization) if quantization is not None else _weights(quantization_spec(cfg))
+    te_quant = _check_quantization(text_encoder_quantization) if text_encoder_quantization is not None \
+        else _weights(text_encoder_spec(cfg))
+    if cfg.training_mode != "lora":
+        raise ValueError(f"training_mode '{cfg.training_mode}': the planner covers LoRA training only")
+    side = _plan_side(cfg)
+    tokens = _token_counts(cfg, spec, family, side, text_tokens)
+    swap = blocks_to_swap if blocks_to_swap is not None else cfg.blocks_to_swap
+    if not 0 <= swap <= spec.transformer.num_blocks:
+        raise ValueError(f"blocks_to_swap {swap} is not between 0 and the transformer's "
+                         f"{spec.transformer.num_blocks} blocks")
+    unified = bool(cfg.unified_memory)  # the planned machine's, as the config says (nothing is detected)
+    checkpointing = not cfg.disable_gradient_checkpointing
+    return Settings(
+        family=family.name, img_size=side, batch=cfg.data_config.train_batch_size, text_tokens=tokens.text,
+        caption_tokens=tokens.caption, image_tokens=tokens.image, target_tokens=tokens.target,
+        act_bytes=2 if precision in ("bf16", "fp16") else 4, precision=precision, rank=cfg.rank,
+        lora_targets=resolve_lora_targets(cfg, family.lora_presets), lora_dropout=cfg.lora_dropout > 0,
+        checkpointing=checkpointing, quantization=quant,
+        text_encoder_quantization=te_quant, optimizer=cfg.optimizer,
+        blocks_to_swap=swap, precompute_text=cfg.precompute_text_embeddings,
+        precompute_image=cfg.precompute_image_embeddings, cache_on_disk=cfg.save_cache_on_disk,
+        keep_encoders=keeps_encoders(cfg, unified), device=device,
+        unified_memory=unified, streamed_loading=streamed_loading,
+        num_images=None if cfg.save_cache_on_disk else _count_images(cfg.data_config.img_dir),
+        references=tokens.references, encode_tokens=tokens.encode_tokens, encode_batch=tokens.encode_batch,
+        vision_patches=tokens.vision_patches, validation_pixels=_validation_pixels(cfg),
+        dora=cfg.use_dora,
+        offload_checkpoints=checkpointing and device == "cuda" and offloads_block_inputs(cfg, unified))
+
+
+def _weights(spec: Optional[QuantizationSpec]) -> Optional[str]:
+    return spec.weights if spec is not None else None
+
+
+def _check_quantization(name: Optional[str]) -> Optional[str]:
+    if name in (None, "", "none", "no", "bf16", "fp16", "fp32"):
+        return None
+    if name not in QUANT_BYTES:
+        raise ValueError(f"quantization {name!r} is not one of none, {', '.join(QUANT_BYTES)}")
+    return name
+
+
+def _count_images(folder: str) -> Optional[int]:
+    root = Path(folder)
+    if not folder or not root.is_dir():
+        return None
+    return sum(1 for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+
+
+def _reference_count(cfg: TrainConfig) -> int:
+    """Reference folders as the trainer finds them (one when there is no dataset to look at)."""
+    d = cfg.data_config
+    if not (d.img_dir or d.control_dir or d.control_dirs):
+        return 1
+    return max(1, len(find_control_dirs(d.img_dir, d.control_dir, d.control_dirs)))
+
+
+def _side_tokens(side: int, pixels_per_token: int = IMAGE_PIXELS_PER_TOKEN) -> int:
+    return (side // pixels_per_token) ** 2
+
+
+@dataclass(frozen=True)
+class _TokenCounts:
+    image: int  # per sample: target + Edit references
+    target: int
+    text: int  # what the transformer sees
+    caption: int
+    references: int
+    encode_tokens: int  # per prompt through the text encoder (template included)
+    encode_batch: int
+    vision_patches: int
+
+
+def _token_counts(cfg: TrainConfig, spec: ModelSpec, family: FamilySpec, side: int,
+                  text_tokens: Optional[int]) -> _TokenCounts:
+    """Tokens per sample: image (latent / 8, packed 2x2 -> (side/16)^2) and text, from the family's facts."""
+    text = family.text
+    target = _side_tokens(side)
+    batch = text.prompts_per_call or ENCODE_BATCH
+    if text.padded:  # the padded length (or --text-tokens), whatever the caption
+        seen = text_tokens or text.max_length
+        return _TokenCounts(target, target, seen, seen, 0, seen + text.template, batch, 0)
+    caption = text_tokens if text_tokens is not None else text.default_caption
+    if not family.uses_references:
+        return _TokenCounts(target, target, caption, caption, 0, caption + text.template, batch, 0)
+    # Each reference adds its latents to the image sequence, and its vision-tower tokens (plus
+    # markers) to the prompt; the vision tower sees 4 patches per merged token.
+    d = cfg.data_config
+    facts = _reference_facts(family, spec.pipeline_class)
+    refs = _reference_count(cfg)
+    per_ref = facts.prompt_tokens(d.reference_condition_area)
+    seen = refs * per_ref + caption
+    return _TokenCounts(target + refs * facts.image_tokens(d.reference_vae_area), target, seen, caption, refs,
+                        seen + text.template, batch, refs * per_ref * 4)
+
+
+def _reference_facts(family: FamilySpec, pipeline: str) -> ReferenceTokens:
+    """The references of the checkpoint's pipeline (the family's first pipeline for another one)."""
+    return family.references.get(pipeline) or next(iter(family.references.values()))
+
+
+def _validation_pixels(cfg: TrainConfig) -> int:
+    v = cfg.validation
+    return v.width * v.height if v.every_n_steps > 0 else 0
+
+
+def _plan_side(cfg: TrainConfig) -> int:
+    """The largest training resolution (``resolutions`` trains each image at each size), on the
+    family's 16-pixel grid (VAE 8 x 2x2 packing); planned as a square of that side."""
+    d = cfg.data_config
+    side = max(d.resolutions or [d.img_size])
+    return (side // IMAGE_PIXELS_PER_TOKEN) * IMAGE_PIXELS_PER_TOKEN
+
+
+# --------------------------------------------------------------------------- the config, without data
+def load_plan_config(path: str, overrides: Sequence[str] = (), family: Optional[str] = None,
+                     profile_defaults: Optional[Mapping[str, Any]] = None) -> TrainConfig:
+    """``trainer.config.load_config`` for planning: dataset folders that do not exist (planning on
+    another machine) are replaced by an empty temporary folder, since a plan needs no data, only how
+    many reference folders there are. Other config errors raise ``ConfigError`` as usual."""
+    overrides = list(overrides)
+    extra = {"profile_defaults": dict(profile_defaults)} if profile_defaults else {}
+    try:
+        return load_config(path, overrides, default_family=family, **extra)
+    except ConfigError as exc:
+        if "does not exist" not in str(exc):
+            raise
+    raw = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))).get("data_config", {})
+    placeholder = tempfile.mkdtemp(prefix="plan-no-data-")
+    swaps = [f"data_config.img_dir={placeholder}"]
+    if raw.get("control_dir"):
+        swaps.append(f"data_config.control_dir={placeholder}")
+    if raw.get("control_dirs"):
+        swaps.append(f"data_config.control_dirs=[{','.join([placeholder] * len(raw['control_dirs']))}]")
+    cfg = load_config(path, [*overrides, *swaps], default_family=family, **extra)
+    cfg.data_config.img_dir = ""  # unknown dataset: no in-memory cache estimate
+    return cfg
