@@ -10,10 +10,10 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 
 Tensors = Dict[str, torch.Tensor]
 
@@ -28,7 +28,8 @@ def cache_key(*parts: object) -> str:
 
 
 class FeatureCache:
-    """Tensors by key: a dict in memory, or one safetensors file per key under ``directory``."""
+    """Tensors by key: a dict in memory, or one safetensors file per key under ``directory`` (of which
+    ``hold`` keeps chosen entries in memory too)."""
 
     def __init__(self, name: str, directory: Optional[Path] = None):
         self.name = name
@@ -48,9 +49,19 @@ class FeatureCache:
 
     def get(self, key: str) -> Tensors:
         """The tensors stored under ``key`` (on the CPU)."""
-        if self.directory is None:
+        if key in self._memory or self.directory is None:
             return self._memory[key]
-        return load_file(str(self._path(key)))
+        # Read whole, then parse: for files this small a memory map costs more than the read.
+        return load(self._path(key).read_bytes())
+
+    def nbytes(self, keys: Iterable[str]) -> int:
+        """Bytes on disk of the entries ``keys`` (0 for an in-memory cache)."""
+        return 0 if self.directory is None else sum(self._path(key).stat().st_size for key in keys)
+
+    def hold(self, keys: Iterable[str]) -> None:
+        """Read the entries ``keys`` now and serve them from memory from then on."""
+        for key in keys:
+            self._memory[key] = self.get(key)
 
     def put(self, key: str, tensors: Tensors) -> None:
         """Store CPU copies; on disk through a temporary file renamed into place (never half-written)."""

@@ -213,11 +213,14 @@ def _grid(w: int, h: int) -> int:
 
 
 class ImageCaptionDataset(Dataset):
-    """Index -> ``{"index", "caption"}`` plus ``"pixels"`` when images are encoded live."""
+    """Index -> ``{"index", "caption"}``, plus the sample's cached tensors from ``features(index)``
+    (``latents``, ``references``, ``text``, ...), plus ``pixels`` and ``reference_pixels`` when images
+    are encoded live. Loader workers run this, so cached tensors are read off the training thread."""
 
-    def __init__(self, samples: Sequence[Sample], load_pixels: bool, random_ratio: bool = False,
-                 random_crop: bool = False):
+    def __init__(self, samples: Sequence[Sample], features: Optional[Callable[[int], Dict[str, object]]] = None,
+                 load_pixels: bool = False, random_ratio: bool = False, random_crop: bool = False):
         self.samples = list(samples)
+        self.features = features
         self.load_pixels = load_pixels
         self.random_ratio = random_ratio
         self.random_crop = random_crop
@@ -226,21 +229,31 @@ class ImageCaptionDataset(Dataset):
         return len(self.samples)
 
     def __getitem__(self, index: int) -> Dict[str, object]:
-        item: Dict[str, object] = {"index": index, "caption": self.samples[index].caption}
+        sample = self.samples[index]
+        item: Dict[str, object] = {"index": index, "caption": sample.caption}
+        if self.features is not None:
+            item.update(self.features(index))
         if self.load_pixels:
             rng = random.Random() if self.random_ratio else None
-            item["pixels"] = load_image(self.samples[index], rng, self.random_crop)
+            item["pixels"] = load_image(sample, rng, self.random_crop)
+            item["reference_pixels"] = [pixels_at(open_rgb(path), size)
+                                        for path, size in zip(sample.references, sample.reference_sizes)]
         return item
 
 
 def collate(items: List[Dict[str, object]]) -> Dict[str, object]:
-    """Batch items of one size group: indices and captions as lists, pixels stacked."""
-    batch: Dict[str, object] = {
-        "index": [int(i["index"]) for i in items],  # type: ignore[arg-type]
-        "caption": [i["caption"] for i in items],
-    }
-    if "pixels" in items[0]:
-        batch["pixels"] = torch.stack([i["pixels"] for i in items])  # type: ignore[misc]
+    """Batch items of one size group: tensors stacked (latents, pixels), lists of tensors stacked per
+    slot (references: one ``(B, ...)`` tensor per slot), anything else listed (indices, captions,
+    text conditions of unequal lengths, which the family collates)."""
+    batch: Dict[str, object] = {}
+    for key, first in items[0].items():
+        values = [item[key] for item in items]
+        if isinstance(first, torch.Tensor):
+            batch[key] = torch.stack(values)  # type: ignore[arg-type]
+        elif isinstance(first, list):
+            batch[key] = [torch.stack(slot) for slot in zip(*values)]  # type: ignore[call-overload]
+        else:
+            batch[key] = values
     return batch
 
 

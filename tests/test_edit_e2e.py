@@ -64,8 +64,8 @@ def test_references_condition_the_prediction(tiny_qwen_image_edit: Path, edit_da
     trainer = in_process(*overrides(tiny_qwen_image_edit, edit_data, tmp_path / "a", "max_train_steps=1",
                                     "save_cache_on_disk=false"))
     a, b = trainer.samples[0], trainer.samples[1]
-    cond_a = trainer.text_cache.get(trainer._text_key(a.caption, a.references))["prompt_embeds"]
-    cond_b = trainer.text_cache.get(trainer._text_key(b.caption, b.references))["prompt_embeds"]
+    cond_a = trainer.features.cached_text(a.caption, a.references)["prompt_embeds"]
+    cond_b = trainer.features.cached_text(b.caption, b.references)["prompt_embeds"]
     assert cond_a.shape[0] > 20, "the prompt carries the reference's image tokens"
     assert not torch.equal(cond_a[:4], cond_b[:4]), "different references, different vision tokens"
 

@@ -19,6 +19,7 @@ from trainer.engine import Trainer
 
 pytestmark = pytest.mark.e2e
 QUICKSTART = "train_configs/quickstart_tiny.yaml"
+STEP_PATH = ("trainer/engine.py", "trainer/features.py", "trainer/training_step.py")  # the loop's own code
 
 
 def overrides(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
@@ -104,10 +105,10 @@ def test_gradient_accumulation_counts_optimizer_steps(tiny_qwen_image: Path, sam
     out = tmp_path / "accum"
     trainer = run_in_process(*overrides(tiny_qwen_image, sample_data, out, "max_train_steps=4",
                                         "gradient_accumulation_steps=3", "checkpointing_steps=2"))
-    assert trainer.global_step == 4 and [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
+    assert trainer.state.step == 4 and [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
     # 4 optimizer steps x 3 micro-batches = 12 batches of one image: epoch 0 whole (2 steps), then
     # 2 steps into epoch 1.
-    assert (trainer.epoch, trainer.batches_done_in_epoch) == (1, 2)
+    assert (trainer.state.epoch, trainer.state.batches_done_in_epoch) == (1, 2)
 
 
 def test_resume_latest_continues_from_the_checkpoint(tiny_qwen_image: Path, sample_data: Path,
@@ -118,7 +119,7 @@ def test_resume_latest_continues_from_the_checkpoint(tiny_qwen_image: Path, samp
     trainer = run_in_process(*overrides(tiny_qwen_image, sample_data, out, "max_train_steps=6",
                                         "checkpointing_steps=2", "overwrite_output_dir=false",
                                         "resume_from_checkpoint=latest"))
-    assert trainer.global_step == 6
+    assert trainer.state.step == 6
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5, 6]
 
 
@@ -141,8 +142,8 @@ def test_the_loop_never_waits_for_the_step_it_queued(tiny_qwen_image: Path, samp
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._local_scalar_dense.default:
                 caller = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-1]
-                if caller.filename.endswith("trainer/engine.py"):  # the engine's own read, not a library's
-                    engine_reads.append(f"engine.py:{caller.lineno}")
+                if caller.filename.endswith(STEP_PATH):  # the engine's own read, not a library's
+                    engine_reads.append(f"{Path(caller.filename).name}:{caller.lineno}")
             return func(*args, **(kwargs or {}))
 
     loop, training_step = Trainer._loop, Trainer.training_step
@@ -278,6 +279,6 @@ def test_attention_is_timed_at_the_runs_longest_sequence(tiny_qwen_image: Path, 
     assert trainer._attention_tokens() is None
     trainer.device = torch.device("cuda")  # what the engine asks on a GPU (nothing runs on it here)
     largest = max(trainer.samples, key=lambda s: s.size[0] * s.size[1])
-    text = trainer.text_cache.get(trainer._text_key(largest.caption))["prompt_embeds"].shape[0]
+    text = trainer.features.cached_text(largest.caption)["prompt_embeds"].shape[0]
     side = largest.size[0] * 2 // trainer.family.pixel_multiple  # latent side; 2x2 patches
     assert trainer._attention_tokens() == (side // 2) ** 2 + text

@@ -81,11 +81,11 @@ def test_trigger_word_reaches_the_cached_embedding(tiny_qwen_image: Path, sample
     triggered = train(tiny_qwen_image, sample_data, tmp_path / "b", "max_train_steps=1", "report_to=none",
                       "save_cache_on_disk=false", "data_config.trigger_word=ohwx")
     assert all(s.caption.startswith("ohwx, ") for s in triggered.samples)
-    key_a = plain._text_key(plain.samples[0].caption)
-    key_b = triggered._text_key(triggered.samples[0].caption)
+    key_a = plain.features.text_key(plain.samples[0].caption)
+    key_b = triggered.features.text_key(triggered.samples[0].caption)
     assert key_a != key_b
-    emb_a = plain.text_cache.get(key_a)["prompt_embeds"]
-    emb_b = triggered.text_cache.get(key_b)["prompt_embeds"]
+    emb_a = plain.features.text.get(key_a)["prompt_embeds"]
+    emb_b = triggered.features.text.get(key_b)["prompt_embeds"]
     assert emb_b.shape[0] > emb_a.shape[0], "the trigger's tokens are in the cached embedding"
 
 

@@ -1,20 +1,21 @@
 """What trains: LoRA through peft, or every transformer weight (full fine-tuning).
 
-``LoraWeights`` and ``FullWeights`` share one small interface (attach, save, load, export) so the
-engine's loop and checkpoints don't care which mode runs.
+``LoraWeights`` and ``FullWeights`` share one small interface (``TrainedWeights``: attach, save, load,
+export, the final artefact's name) so the engine's loop and checkpoints don't care which mode runs.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Protocol
 
 import torch
 from loguru import logger
 from peft import LoHaConfig, LoKrConfig, LoraConfig, PeftConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
+from trainer.checkpoint import LORA_WEIGHTS_NAME, load_sharded_state_dict, replace_folder, save_lora_file
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError, UserError
 from trainer.families.spec import TargetSpec
@@ -92,25 +93,44 @@ def lora_metadata(transformer: torch.nn.Module) -> Dict[str, Any]:
 
 COMFYUI_NAME = "pytorch_lora_weights_comfyui.safetensors"
 PEFT_WEIGHTS_NAME = "adapter_model.safetensors"  # LoKr / LoHa, with adapter_config.json beside
+FULL_MODEL_NAME = "final_model"  # full fine-tuning: a complete pipeline folder
+
+
+def final_weights_name(cfg: TrainConfig) -> str:
+    """The name of the run's final artefact in ``output_dir``: diffusers' LoRA file, peft's adapter
+    file (LoKr / LoHa: diffusers' ``load_lora_weights`` reads LoRA only) or the full pipeline folder."""
+    if cfg.training_mode == "full":
+        return FULL_MODEL_NAME
+    return PEFT_WEIGHTS_NAME if cfg.adapter_type != "lora" else LORA_WEIGHTS_NAME
+
+
+class TrainedWeights(Protocol):
+    """What trains, and how it is saved into a checkpoint, restored from one and exported at the end."""
+
+    final_name: str  # the final artefact in output_dir (``final_weights_name``)
+
+    def attach(self, transformer: torch.nn.Module) -> int:
+        """Make the trained weights trainable (adding them where needed); returns their count."""
+    def save(self, transformer: torch.nn.Module, folder: Path) -> Path:
+        """Write the trained weights into a checkpoint ``folder``."""
+    def load(self, transformer: torch.nn.Module, folder: Path) -> None:
+        """Restore the trained weights from a checkpoint ``folder``."""
+    def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str) -> Path:
+        """Write the final artefact into ``output_dir``; returns its path."""
 
 
 class LoraWeights:
-    """LoRA mode: what trains, and how it is saved, restored and exported."""
-
-    final_name = "pytorch_lora_weights.safetensors"
+    """LoRA mode (LoRA, DoRA, LoKr, LoHa): what trains, and how it is saved, restored and exported."""
 
     def __init__(self, cfg: TrainConfig, presets: Mapping[str, TargetSpec], pipeline_class: type):
         self.cfg, self.presets, self.pipeline_class = cfg, presets, pipeline_class
-        # diffusers' load_lora_weights reads LoRA only: LoKr/LoHa are saved the way peft loads them.
-        self.peft_format = cfg.adapter_type != "lora"
-        self.final_name = PEFT_WEIGHTS_NAME if self.peft_format else "pytorch_lora_weights.safetensors"
+        self.final_name = final_weights_name(cfg)
+        self.peft_format = self.final_name == PEFT_WEIGHTS_NAME
 
     def attach(self, transformer: torch.nn.Module) -> int:
         return add_lora(transformer, self.cfg, self.presets)
 
     def save(self, transformer: torch.nn.Module, folder: Path) -> Path:
-        from trainer.checkpoint import save_lora_file
-
         if self.peft_format:
             return self._save_peft(transformer, folder)
         return save_lora_file(folder, self.pipeline_class, lora_state_dict(transformer), lora_metadata(transformer))
@@ -148,9 +168,9 @@ class FullWeights:
     """Full fine-tuning: every transformer weight trains (or those matching ``trainable_modules``);
     saved in the diffusers layout as sharded safetensors, exported as a complete pipeline folder."""
 
-    final_name = "final_model"
+    final_name = FULL_MODEL_NAME
 
-    def __init__(self, cfg: TrainConfig, presets: Mapping[str, TargetSpec], pipeline_class: type):
+    def __init__(self, cfg: TrainConfig, pipeline_class: type):
         self.cfg, self.pipeline_class = cfg, pipeline_class
 
     def attach(self, transformer: torch.nn.Module) -> int:
@@ -169,8 +189,6 @@ class FullWeights:
         return target
 
     def load(self, transformer: torch.nn.Module, folder: Path) -> None:
-        from trainer.checkpoint import load_sharded_state_dict
-
         state = load_sharded_state_dict(folder / "transformer")
         missing, unexpected = transformer.load_state_dict(state, strict=False)
         if missing or unexpected:
@@ -180,8 +198,6 @@ class FullWeights:
     def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str) -> Path:
         """``output_dir/final_model``: the base pipeline with the trained transformer, ready for
         ``from_pretrained``; written beside and renamed into place."""
-        from trainer.checkpoint import replace_folder
-
         output_dir.mkdir(parents=True, exist_ok=True)
 
         def write(tmp: Path) -> None:
@@ -191,6 +207,8 @@ class FullWeights:
         return replace_folder(output_dir / self.final_name, write)
 
 
-def trained_weights(cfg: TrainConfig, presets: Mapping[str, TargetSpec], pipeline_class: type):
-    """The strategy for ``cfg.training_mode``."""
-    return (FullWeights if cfg.training_mode == "full" else LoraWeights)(cfg, presets, pipeline_class)
+def trained_weights(cfg: TrainConfig, presets: Mapping[str, TargetSpec], pipeline_class: type) -> TrainedWeights:
+    """The strategy for ``cfg.training_mode`` (``presets``: the family's LoRA target presets)."""
+    if cfg.training_mode == "full":
+        return FullWeights(cfg, pipeline_class)
+    return LoraWeights(cfg, presets, pipeline_class)

@@ -17,7 +17,7 @@ import torch
 from loguru import logger
 
 from trainer.activation_offload import checkpointing_func
-from trainer.adapters import skip_lora_input_upcast
+from trainer.adapters import TrainedWeights, skip_lora_input_upcast
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
@@ -39,7 +39,7 @@ class TrainableTransformer:
     trainable: int  # trained parameters
 
 
-def prepare_transformer(cfg: TrainConfig, family: Any, transformer: torch.nn.Module, weights: Any,
+def prepare_transformer(cfg: TrainConfig, family: Any, transformer: torch.nn.Module, weights: TrainedWeights,
                         device: torch.device, compute_dtype: torch.dtype, *, unified_memory: bool = False,
                         attention_tokens: Optional[int] = None) -> TrainableTransformer:
     """Set up ``transformer`` (as loaded, on the host or already on ``device``) for training.

@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from PIL import Image, ImageDraw
 
 from trainer.config import TrainConfig, config_to_yaml
-
-
-def read_metrics(path: Path) -> List[Dict[str, Any]]:
-    """The per-step records of ``metrics.jsonl`` (empty when there are none)."""
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from trainer.run_dir import RunFolder
 
 
 def smoothed(values: List[float], beta: float = 0.9) -> List[float]:
@@ -55,11 +47,11 @@ def plot_losses(records: List[Dict[str, Any]], path: Path, size: tuple = (800, 4
     return path
 
 
-def write_summary(output_dir: Path, cfg: TrainConfig, seconds: float, memory: Dict[str, Any],
+def write_summary(folder: RunFolder, cfg: TrainConfig, seconds: float, memory: Dict[str, Any],
                   outputs: Dict[str, str], timing: Optional[Dict[str, Any]] = None) -> Path:
     """``summary.json``: config hash, steps, time (and ``timing``: start-up phases, first step,
     compile and attention choices), final loss, peak memory, output paths."""
-    records = read_metrics(output_dir / "metrics.jsonl")
+    records = folder.read_metrics()
     losses = [r["loss"] for r in records]
     summary = {
         "config_sha256": hashlib.sha256(config_to_yaml(cfg).encode()).hexdigest(),
@@ -73,11 +65,7 @@ def write_summary(output_dir: Path, cfg: TrainConfig, seconds: float, memory: Di
         "peak_memory_gib": memory.get("peak", {}),
         "outputs": outputs,
     }
-    path = output_dir / "summary.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, path)
-    return path
+    return folder.write_summary(summary)
 
 
 def plot_histogram(values: List[float], path: Path, title: str, bins: int = 50, size: tuple = (600, 300)) -> Path:

@@ -7,7 +7,7 @@ built on the meta device from ``transformer/config.json`` and *materialised* blo
 random weights (in host memory when the engine would load it there: quantization, block swap); then
 the engine's own set-up runs on it (``trainer.model_setup.prepare_transformer``: placement,
 checkpointing, attention timed on the GPU, compile, fp8, LoRA, block swap) and ``build_optimizer``,
-and each step is the engine's flow-matching step (``trainer.flow_matching`` + ``family.predict``).
+and each step is the engine's own step function (``trainer.training_step.flow_matching_step``).
 
 ``Scale`` shrinks the architecture (fewer blocks, narrower heads) so that every function here runs
 in seconds on a CPU (``TINY``) and unchanged at full size on a GPU (``FULL``).
@@ -41,13 +41,13 @@ from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig, load_config
 from trainer.families import SPECS, load_family
 from trainer.families.spec import FamilySpec
-from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
 from trainer.model_setup import prepare_transformer, transformer_load_device
 from trainer.optim import build_optimizer
 from trainer.planner import plan_memory
 from trainer.planner.activations import outer_slot
 from trainer.platform import choose_attention
 from trainer.quantization import check_available, quantization_spec
+from trainer.training_step import draw_sigmas as engine_sigmas, flow_matching_step
 from utils.attention import AttentionChoice, BackendTiming, available_backends, sdpa_context, time_backends
 from utils.cuda_utils import read_device_facts, supports_feature
 
@@ -394,27 +394,16 @@ def autocast(rig: Rig) -> contextlib.AbstractContextManager:
 
 
 def draw_sigmas(rig: Rig, batch: Batch, gen: torch.Generator) -> torch.Tensor:
-    """The engine's noise levels: the configured sampler, then the configured shift."""
-    cfg = rig.cfg
-    sigmas = sample_sigmas(batch.latents.shape[0], cfg.timestep_sampling, gen, cfg.logit_mean, cfg.logit_std,
-                           cfg.mode_scale, cfg.sigmoid_scale)
-    sigmas = apply_shift(sigmas, cfg.timestep_shift, rig.family.image_seq_len(batch.latents.shape),
-                         rig.family.scheduler_config, cfg.shift)
-    return sigmas.to(rig.device)
+    """The engine's noise levels (``trainer.training_step.draw_sigmas``) on the rig's device."""
+    return engine_sigmas(rig.cfg, rig.family, batch.latents.shape, gen).to(rig.device)
 
 
 def step_loss(rig: Rig, batch: Batch, gen: torch.Generator, noise: Optional[torch.Tensor] = None,
               sigmas: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``Trainer.training_step`` on a ready batch (fresh noise and sigmas unless given)."""
-    latents = batch.latents
-    if noise is None:
-        noise = torch.randn(latents.shape, generator=gen).to(rig.device)
-    if sigmas is None:
-        sigmas = draw_sigmas(rig, batch, gen)
-    noisy = add_noise(latents, noise, sigmas).to(rig.dtype)
-    with autocast(rig):
-        prediction = rig.family.predict(rig.transformer, noisy, sigmas, batch.text, batch.references)
-    return flow_matching_loss(prediction, velocity_target(latents, noise), sigmas, rig.cfg.loss_weighting)
+    """The engine's step (``trainer.training_step.flow_matching_step``) on a ready batch (fresh noise
+    and sigmas unless given)."""
+    return flow_matching_step(rig.cfg, rig.family, rig.transformer, batch.latents, batch.text, batch.references,
+                              gen, rig.dtype, lambda: autocast(rig), noise, sigmas)
 
 
 def optimizer_step(rig: Rig, loss: torch.Tensor) -> torch.Tensor:
