@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from trainer.config import load_config
-from trainer.errors import UserError
+from utils.errors import UserError
 from trainer.families import SPECS  # the light specs: no diffusers, so --help stays instant
 
 

@@ -21,7 +21,7 @@ from loguru import logger
 from PIL import Image, UnidentifiedImageError
 
 from image_datasets.dataset import IMAGE_EXTENSIONS, file_hash, target_size
-from trainer.errors import DataError
+from utils.errors import DataError
 
 ERROR, WARNING = "error", "warning"
 # Common image formats the loader skips; anything else (.json, .DS_Store) is not reported.

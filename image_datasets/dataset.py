@@ -18,7 +18,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import Dataset, Sampler
 
-from trainer.errors import DataError
+from utils.errors import DataError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 # The aspect crops FlyMyAI's `random_ratio` picks from ("default" keeps the image's own ratio).

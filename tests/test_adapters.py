@@ -9,7 +9,7 @@ from diffusers import QwenImageTransformer2DModel
 
 from trainer.adapters import add_lora, lora_metadata, lora_state_dict
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 from trainer.families.qwen_image.spec import QWEN_LORA_PRESETS
 
 

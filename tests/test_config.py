@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from trainer.config import (FLYMYAI_KEYS, QUANTO_WEIGHTS, TORCHAO_WEIGHTS, TrainConfig, config_to_yaml, flymyai_compat,
                             load_config)
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "train_configs").glob("*.yaml"))

@@ -9,7 +9,7 @@ from PIL import Image
 from image_datasets.cache import FeatureCache, cache_key
 from image_datasets.dataset import SizeGroupedBatchSampler, load_image, scan_image_folder, target_size
 from image_datasets.sample_data import make_sample_dataset
-from trainer.errors import DataError
+from utils.errors import DataError
 
 
 def test_target_size_keeps_aspect_and_grid() -> None:

@@ -315,7 +315,7 @@ def test_checkpoint_cpu_offload_is_identical_for_every_family(case: str, request
 
 def test_checkpoint_cpu_offload_needs_checkpointing(tmp_path: Path) -> None:
     from trainer.config import load_config
-    from trainer.errors import ConfigError
+    from utils.errors import ConfigError
 
     (tmp_path / "d").mkdir()
     with pytest.raises(ConfigError, match="gradient_checkpointing_cpu_offload.*disable_gradient_checkpointing"):

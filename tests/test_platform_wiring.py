@@ -123,7 +123,7 @@ def test_auto_attention_is_timed_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) 
 
 def test_compile_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     import trainer.platform as platform
-    from trainer.errors import ConfigError
+    from utils.errors import ConfigError
     from trainer.quantization import QuantizationSpec
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
@@ -144,7 +144,7 @@ def test_compile_decision(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fp8_is_refused_without_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     import trainer.platform as platform
     from trainer.config import load_config
-    from trainer.errors import ConfigError
+    from utils.errors import ConfigError
 
     monkeypatch.setattr(platform, "supports_feature", lambda name: True)
     cfg = TrainConfig()

@@ -10,7 +10,7 @@ from conftest import ROOT
 from trainer import checkpoint as ckpt, run_dir
 from trainer.adapters import final_weights_name, trained_weights
 from trainer.config import load_config
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 from trainer.families.qwen_image.spec import SPEC
 from trainer.run_dir import RunFolder
 

@@ -19,7 +19,7 @@ import image_datasets.checks as checks
 import validate_dataset as validate_cli
 from image_datasets.sample_data import make_edit_dataset, make_sample_dataset
 from image_datasets.checks import ERROR, WARNING, DatasetReport, check_before_training, check_dataset
-from trainer.errors import DataError
+from utils.errors import DataError
 from trainer.families import SPECS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from PIL import Image
 from conftest import family_pipeline
 from image_datasets.dataset import open_rgb
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 from trainer.families import load_family
 from trainer.validation import ValidationRenderer
 

@@ -17,7 +17,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from trainer.checkpoint import LORA_WEIGHTS_NAME, load_sharded_state_dict, replace_folder, save_lora_file
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError, UserError
+from utils.errors import ConfigError, UserError
 from trainer.families.spec import TargetSpec
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from loguru import logger
 
-from trainer.errors import UserError
+from utils.errors import UserError
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 STATE_NAME = "trainer_state.json"

@@ -7,7 +7,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from trainer.config import load_config
-from trainer.errors import TrainingInterrupted, UserError
+from utils.errors import TrainingInterrupted, UserError
 
 
 def parse_args(description: str, argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 from trainer.families import SPECS
 
 # Weight formats of each quantization backend (their implementations: trainer/quantization.py).

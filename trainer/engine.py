@@ -44,7 +44,7 @@ from trainer.adapters import TrainedWeights, final_weights_name, trained_weights
 from trainer.async_step import StepReadout, StepRecord, arm_device_skip, device_skip_supported, step_values
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
-from trainer.errors import DataError, TrainingDiverged, TrainingInterrupted
+from utils.errors import DataError, TrainingDiverged, TrainingInterrupted
 from trainer.families import load_family
 from trainer.families.base import ModelFamily
 from trainer.features import FeatureStore, latent_shape

@@ -20,7 +20,7 @@ from trainer.activation_offload import checkpointing_func
 from trainer.adapters import TrainedWeights, skip_lora_input_upcast
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 from trainer.platform import attention_shape, choose_attention, compile_blocks, compile_decision, maybe_fp8
 from trainer.quantization import place, quantization_spec
 from utils.attention import AttentionChoice

@@ -14,7 +14,7 @@ import torch
 from loguru import logger
 
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 from trainer.quantization import QuantizationSpec
 from utils.attention import AttentionChoice, apply_attention_backend, measured_choice, select_attention_backend
 from utils.compat import show_compatibility_warnings

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm.auto import tqdm
 
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 
 # The torchao config class of each weight format the schema offers (config.TORCHAO_WEIGHTS); quanto's
 # formats are the names of its own qtypes.

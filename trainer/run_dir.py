@@ -27,7 +27,7 @@ from loguru import logger
 
 from trainer import checkpoint as ckpt
 from trainer.config import TrainConfig, config_to_yaml
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"

@@ -13,7 +13,7 @@ from loguru import logger
 from PIL import Image
 
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 
 TextRequest = Tuple[str, Tuple[Path, ...]]
 TRIGGER = "[trigger]"

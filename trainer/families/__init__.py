@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 from trainer.families.flux.spec import SPEC as FLUX
 from trainer.families.kandinsky5.spec import SPEC as KANDINSKY5
 from trainer.families.qwen_image.spec import SPEC as QWEN_IMAGE

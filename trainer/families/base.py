@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Proto
 
 import torch
 
-from trainer.errors import ModelNotFoundError
+from utils.errors import ModelNotFoundError
 from trainer.families.spec import FamilySpec, TargetSpec
 
 Tensors = Dict[str, torch.Tensor]

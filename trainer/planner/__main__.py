@@ -7,7 +7,7 @@ import sys
 from typing import List, Optional
 
 import trainer.planner
-from trainer.errors import UserError
+from utils.errors import UserError
 from trainer.families import SPECS
 from trainer.planner.plan import print_plan
 from trainer.planner.settings import load_plan_config

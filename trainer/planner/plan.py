@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
-from trainer.errors import UserError
+from utils.errors import UserError
 from trainer.families import SPECS
 from trainer.planner.activations import LoraLayout, Tokens, block_input_bytes, estimate_activations, lora_layout
 from trainer.planner.model import EncoderSpec, ModelSpec, TransformerSpec, model_spec

@@ -21,7 +21,7 @@ from image_datasets.dataset import IMAGE_EXTENSIONS, find_control_dirs
 from trainer.activation_offload import offloads_block_inputs
 from trainer.adapters import resolve_lora_targets
 from trainer.config import TORCHAO_WEIGHTS, TrainConfig, load_config
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 from trainer.families import family_spec
 from trainer.families.spec import IMAGE_PIXELS_PER_TOKEN, FamilySpec, ReferenceTokens
 from trainer.features import ENCODE_BATCH  # the cache pass's prompts per encoder call

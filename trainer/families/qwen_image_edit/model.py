@@ -22,7 +22,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
 from PIL import Image
 
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
+from utils.errors import ConfigError
 from trainer.families.base import FamilySpec, Tensors, from_pretrained
 from trainer.families.qwen_image.model import QwenImageFamily
 from trainer.families.qwen_image_edit.spec import SPEC
