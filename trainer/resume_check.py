@@ -56,7 +56,7 @@ def refuse_incompatible(checkpoint: Optional[Path], cfg: TrainConfig, model_path
         logger.warning(f"{checkpoint} records no config (an older checkpoint): changes since it cannot be checked")
         return
     new = _flat(cfg)
-    problems = [f"key '{k}': the checkpoint trained with {old.get(k)!r}, this run has {new.get(k)!r}"
+    problems = [f"key '{k}': the checkpoint trained with {_effective(old, k)!r}, this run has {_effective(new, k)!r}"
                 for k in REFUSED if k in old and _effective(old, k) != _effective(new, k)]
     old_model = state.get("fingerprints", {}).get("base_model")
     if old_model and old_model != model_fingerprint(model_path):
