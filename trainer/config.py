@@ -320,6 +320,7 @@ class FlyMyAIKeys:
 
 
 FLYMYAI_KEYS = tuple(f.name for f in dataclasses.fields(FlyMyAIKeys))
+MAX_CONFIG_BYTES = 4 * 2**20  # a training config is a few KiB; past this it is the wrong file
 
 
 def load_config(
@@ -339,25 +340,47 @@ def load_config(
         user = OmegaConf.merge(OmegaConf.create(profile_defaults), user)
     if overrides:
         user = OmegaConf.merge(user, _parse_overrides(overrides))
-    source = str(path) if path is not None else "<overrides>"
+    source = _Source(path, overrides or [])
     raw = OmegaConf.to_container(user, resolve=False)
     unknown = _unknown_keys(raw, TrainConfig, also=FLYMYAI_KEYS)
     if unknown:
-        raise ConfigError(f"{source}: " + "; ".join(unknown))
+        raise ConfigError(source.blame(unknown))
     try:
         raw, problems = flymyai_compat(raw)
         merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), raw)
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"{source}: {_describe_type_error(exc)}") from None
+        raise ConfigError(source.blame([_describe_type_error(exc)])) from None
     if cfg.family is None:
         cfg.family = default_family
     if cfg.mixed_precision in ("False", "false"):  # YAML 1.1 reads a bare `no` as false
         cfg.mixed_precision = "no"
     problems += config_problems(cfg)
     if problems:
-        raise ConfigError(f"{source}: " + "; ".join(problems))
+        raise ConfigError(source.blame(problems))
     return cfg
+
+
+class _Source:
+    """Where a config problem comes from: the YAML file, or the command line for an overridden key."""
+
+    def __init__(self, path: str | os.PathLike | None, overrides: List[str]):
+        self.path = str(path) if path is not None else "<overrides>"
+        self.overridden = {item.split("=", 1)[0].lstrip("+~") for item in overrides}
+
+    def blame(self, problems: List[str]) -> str:
+        """``problems`` (each naming ``key 'x'``) grouped under the file and the command line."""
+        from_cli = [p for p in problems if _problem_key(p) in self.overridden]
+        from_file = [p for p in problems if p not in from_cli]
+        parts = ([f"{self.path}: " + "; ".join(from_file)] if from_file else []) + \
+            (["command line: " + "; ".join(from_cli)] if from_cli else [])
+        return "; ".join(parts)
+
+
+def _problem_key(problem: str) -> Optional[str]:
+    """The key a problem names (``key 'x'`` or ``unknown key 'x'``), or None."""
+    match = re.search(r"key '([^']+)'", problem)
+    return match.group(1) if match else None
 
 
 def flymyai_compat(raw: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
@@ -395,9 +418,15 @@ def _read_yaml(path: str | os.PathLike) -> DictConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {path.stat().st_size / 2**20:.1f} MiB is far too large for a training config "
+                          f"(a few KiB; the limit is {MAX_CONFIG_BYTES // 2**20} MiB): is this the right file?")
     try:
         data = OmegaConf.load(path)  # OmegaConf uses a safe YAML loader: data, never code
     except Exception as exc:  # yaml.YAMLError and OmegaConf grammar errors
+        if "node expansion exceeds" in str(exc):  # OmegaConf counts every node, aliases or not
+            raise ConfigError(f"{path}: too many YAML values (over OmegaConf's limit of 10000, with aliases "
+                              "expanded; a training config has a few hundred): is this the right file?") from None
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, DictConfig):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
@@ -436,8 +465,13 @@ def _unknown_keys(data: Any, schema: type, prefix: str = "", also: Sequence[str]
 
 
 def _describe_type_error(exc: OmegaConfBaseException) -> str:
-    key = getattr(exc, "full_key", None) or "?"
     message = str(exc).splitlines()[0]
+    section = re.search(r"is not a subclass of (\w+)", message)
+    if section and not getattr(exc, "full_key", None):  # a value where a section belongs (data_config=5)
+        key = next((f.name for f in dataclasses.fields(TrainConfig)
+                    if getattr(f.default_factory, "__name__", None) == section.group(1)), "?")
+        return f"key '{key}': is a section (a mapping of keys), not a single value"
+    key = getattr(exc, "full_key", None) or "?"
     match = re.search(r"Value '(.*?)' (?:of type '.*?' )?could not be converted to (\w+)", message)
     if match:
         kind = {"Integer": "integer", "Float": "number", "Boolean": "boolean (true/false)"}

@@ -257,7 +257,7 @@ def _explicit_checkpoint(path: Path) -> Path:
         return path
     others = [p for p in _checkpoint_folders(path.parent) if p.resolve() != path.resolve() and not ckpt.problem(p)]
     instead = f"; resume from {others[-1]} instead (resume_from_checkpoint={others[-1]})" if others else ""
-    raise ConfigError(f"key 'resume_from_checkpoint': '{path}' cannot be resumed from: {why}{instead}")
+    raise ConfigError(f"key 'resume_from_checkpoint': '{path}' is not a complete checkpoint folder: {why}{instead}")
 
 
 def _checkpoint_folders(output_dir: Path) -> List[Path]:

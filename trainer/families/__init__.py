@@ -8,6 +8,9 @@ imports the runtime class of a run's family by name, when the run needs it.
 from __future__ import annotations
 
 import importlib
+import json
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from utils.errors import ConfigError
@@ -39,4 +42,21 @@ def spec_for_pipeline(pipeline: str) -> Optional[FamilySpec]:
 def load_family(cfg: Any) -> "ModelFamily":
     """The runtime family named by ``cfg.family``, for the checkpoint ``cfg.pretrained_model_name_or_path``."""
     module, _, cls = family_spec(cfg.family).runtime.partition(":")
+    _refuse_other_families_model(cfg)
     return getattr(importlib.import_module(module), cls)(cfg)
+
+
+def _refuse_other_families_model(cfg: Any) -> None:
+    """A local model whose pipeline another family trains is refused: ``train.py`` given an Edit model
+    would train it as plain Qwen-Image and ignore the reference images."""
+    index = Path(os.path.expanduser(cfg.pretrained_model_name_or_path)) / "model_index.json"
+    try:
+        pipeline = json.loads(index.read_text()).get("_class_name", "")
+    except (OSError, ValueError, AttributeError):
+        return  # a hub id, or no readable index: the loader says what is wrong
+    owner = spec_for_pipeline(pipeline)
+    if owner is not None and owner.name != cfg.family:
+        raise ConfigError(
+            f"key 'pretrained_model_name_or_path': '{cfg.pretrained_model_name_or_path}' is a {pipeline} (family "
+            f"{owner.name}) but this run trains family {cfg.family}: train it with {owner.entry_script} "
+            f"(or set family: {owner.name})")

@@ -1,0 +1,54 @@
+"""Config and model mistakes named where they come from (the reliability probe's minor items)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from image_datasets.checks import check_before_training
+from trainer.config import load_config
+from trainer.families import load_family
+from trainer.planner.model import _build
+from utils.errors import ConfigError
+
+TINY = ROOT / "train_configs" / "quickstart_tiny.yaml"
+
+
+def test_override_problems_are_blamed_on_the_command_line() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["learning_rate=-1", "data_config.img_dir=/nowhere"], default_family="qwen_image")
+    assert str(err.value) == ("command line: key 'data_config.img_dir': folder '/nowhere' does not exist; "
+                              "key 'learning_rate': value -1.0 must be > 0")
+    with pytest.raises(ConfigError, match=r"^command line: key 'data_config': is a section \(a mapping of keys\)"):
+        load_config(TINY, ["data_config=5"], default_family="qwen_image")
+
+
+def test_an_oversized_yaml_is_called_that(tmp_path: Path) -> None:
+    many = tmp_path / "many.yaml"
+    many.write_text("x:\n" + "".join(f"  - {i}\n" for i in range(20000)))
+    with pytest.raises(ConfigError, match="too many YAML values .* is this the right file"):
+        load_config(many, [])
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("x: '" + "a" * (5 * 2**20) + "'\n")
+    with pytest.raises(ConfigError, match=r"5\.0 MiB is far too large for a training config"):
+        load_config(huge, [])
+
+
+def test_an_img_size_off_the_pixel_multiple_is_said(sample_data: Path, logs) -> None:
+    check_before_training(sample_data, "txt", 70, 16)
+    assert any("img_size 70 is not a multiple of 16" in r["message"] and "at most 64" in r["message"] for r in logs)
+
+
+def test_a_model_of_another_family_is_refused(tiny_qwen_image_edit: Path, sample_data: Path) -> None:
+    cfg = load_config(TINY, [f"pretrained_model_name_or_path={tiny_qwen_image_edit}",
+                             f"data_config.img_dir={sample_data}"], default_family="qwen_image")
+    with pytest.raises(ConfigError, match="is a QwenImageEditPipeline .family qwen_image_edit. but this run trains "
+                                          "family qwen_image: train it with train_qwen_edit_lora.py"):
+        load_family(cfg)
+
+
+def test_the_planner_imports_only_diffusers_and_transformers() -> None:
+    with pytest.raises(ValueError, match="model_index.json names library 'this'"):
+        _build(["this", "Zen"], {})
