@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from utils.errors import ConfigError
 from trainer.families.flux.spec import SPEC as FLUX
+from trainer.families.flux2.spec import SPEC as FLUX2
 from trainer.families.kandinsky5.spec import SPEC as KANDINSKY5
 from trainer.families.qwen_image.spec import SPEC as QWEN_IMAGE
 from trainer.families.qwen_image_edit.spec import SPEC as QWEN_IMAGE_EDIT
@@ -21,7 +22,8 @@ from trainer.families.z_image.spec import SPEC as Z_IMAGE
 if TYPE_CHECKING:
     from trainer.families.base import ModelFamily
 
-SPECS: Dict[str, FamilySpec] = {spec.name: spec for spec in (QWEN_IMAGE, QWEN_IMAGE_EDIT, FLUX, KANDINSKY5, Z_IMAGE)}
+SPECS: Dict[str, FamilySpec] = {spec.name: spec for spec in (QWEN_IMAGE, QWEN_IMAGE_EDIT, FLUX, FLUX2, KANDINSKY5,
+                                                              Z_IMAGE)}
 
 
 def family_spec(name: str) -> FamilySpec:
