@@ -63,7 +63,7 @@ class Flux2Family(FamilyBase):
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        index = _model_index(self.model_path, self.revision)
+        index = self.index = _model_index(self.model_path, self.revision)
         self.dev = index.get("_class_name") == Flux2Pipeline.__name__
         self.pipeline_class: type = Flux2Pipeline if self.dev else Flux2KleinPipeline
         self.text_layers: Tuple[int, ...] = DEV_TEXT_LAYERS if self.dev else KLEIN_TEXT_LAYERS
@@ -75,8 +75,6 @@ class Flux2Family(FamilyBase):
                            "train the base checkpoints (black-forest-labs/FLUX.2-klein-base-4B or -9B): a LoRA "
                            "trained on the distilled model fights its distillation. Validation renders without CFG.")
             self.default_cfg_scale = 1.0
-        _require_component(self.model_path, index, "text_encoder", "the Qwen3 text encoder" if not self.dev
-                           else "the Mistral-3 text encoder")
         vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # as the pipelines
         self.pixel_multiple = vae_scale_factor * 2  # the 2x2 patchify
         self.encoder_quantization = text_encoder_spec(cfg)
@@ -93,6 +91,9 @@ class Flux2Family(FamilyBase):
 
     # -- text -------------------------------------------------------------------------------------
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
+        # Checked here, not at construction: a run whose captions are all in the disk cache needs no encoder.
+        _require_component(self.model_path, self.index, "text_encoder",
+                           "Mistral-3 text encoder" if self.dev else "Qwen3 text encoder")
         # AutoModel: the bare language model (no LM head to hold); hidden_states are the same.
         encoder = self._load(AutoModel.from_pretrained, "text_encoder", dtype=dtype)
         tokenizer = self._load((AutoProcessor if self.dev else AutoTokenizer).from_pretrained, "tokenizer")
@@ -187,6 +188,6 @@ def _require_component(model_path: str, index: Dict[str, Any], component: str, w
     config = folder / component / "config.json"
     if missing or not config.is_file():
         where = f"key '{component}' of {folder / 'model_index.json'}" if missing else str(config)
-        raise ModelNotFoundError(f"{where}: this FLUX.2 checkpoint has no {what}; FLUX.2 needs it to encode the "
+        raise ModelNotFoundError(f"{where}: this FLUX.2 checkpoint has no {what}, which encodes the "
                                  "captions. Download the whole pipeline folder (hf download <repo>) or copy the "
                                  f"'{component}' and 'tokenizer' folders of the published checkpoint into {folder}")
