@@ -174,3 +174,26 @@ def test_resume_is_bit_equal(tiny_flux2: Path, sample_data: Path, tmp_path: Path
     got = load_file(str(tmp_path / "resumed" / "pytorch_lora_weights.safetensors"))
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert read_losses(tmp_path / "resumed") == read_losses(tmp_path / "straight")
+
+
+def test_dev_on_a_card_too_small_is_named_before_loading(sample_data: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          logs: List[Dict[str, Any]]) -> None:
+    """The engine logs the planner's verdict on a CUDA device before any weights load (trainer.memory_check):
+    the dev profile (qfloat8) on a 24 GiB card does not fit, the klein profile does."""
+    from types import SimpleNamespace
+
+    from trainer.memory_check import fit_warning, warn_if_it_does_not_fit
+
+    def profile(name: str) -> TrainConfig:
+        return load_config(ROOT / "train_configs" / name, [f"data_config.img_dir={sample_data}"],
+                           default_family="flux2")
+
+    message = fit_warning(profile("train_flux2_dev_lora.yaml"), 24.0)
+    assert message is not None
+    assert "'black-forest-labs/FLUX.2-dev'" in message and "more than this card's 24.00 GiB" in message
+    assert "--plan --gpu-memory 24GiB" in message
+    assert fit_warning(profile("train_flux2_dev_lora.yaml"), 80.0) is None
+    assert fit_warning(profile("train_flux2_klein_lora.yaml"), 24.0) is None
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=24 << 30))
+    warn_if_it_does_not_fit(profile("train_flux2_dev_lora.yaml"), torch.device("cuda"))
+    assert [r["message"] for r in logs if r["level"].name == "WARNING"] == [message]
