@@ -42,7 +42,9 @@ def schema_fields(cls: type = TrainConfig, prefix: str = "") -> List[Dict[str, A
         kind, optional = _kind(hint)
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         choices = f.metadata.get("choices")
-        out.append({"key": f"{prefix}{f.name}", "kind": "choice" if choices else kind, "optional": optional,
+        if choices and kind != "yaml":  # a list of choices (lora_export_formats) stays YAML, its choices in the help
+            kind = "choice"
+        out.append({"key": f"{prefix}{f.name}", "kind": kind, "optional": optional,
                     "choices": list(choices) if choices else None, "default": to_text(default, kind),
                     "help": str(f.metadata.get("help", "")), "section": prefix.rstrip(".") or None})
     return out

@@ -9,7 +9,8 @@ const el = (tag, attrs = {}, text) => {
 };
 const fmt = (v, digits = 4) => v === null || v === undefined ? "-" : (typeof v === "number" ? Number(v.toPrecision(digits)).toString() : String(v));
 const duration = s => s === null || s === undefined ? "-" : s < 90 ? `${Math.round(s)} s` : s < 5400 ? `${Math.round(s / 60)} min` : `${(s / 3600).toFixed(1)} h`;
-const peak = p => !p ? "-" : typeof p === "object" ? Object.entries(p).map(([k, v]) => `${k} ${fmt(v, 3)} GiB`).join(", ") : `${fmt(p, 3)} GiB`;
+// summary.json's peak_memory_gib: {"gpu_peak_allocated_gib": x, "host_peak_rss_gib": y, ...} shown as "gpu allocated x GiB, ..."
+const peak = p => !p ? "-" : typeof p === "object" ? Object.entries(p).map(([k, v]) => `${k.replace(/_gib$/, "").replace(/_?peak_?/, " ").replace(/_/g, " ").trim()} ${fmt(v, 3)} GiB`).join(", ") : `${fmt(p, 3)} GiB`;
 const fileUrl = (id, path) => `/api/runs/${encodeURIComponent(id)}/files/${path.split("/").map(encodeURIComponent).join("/")}`;
 
 async function api(path, body) {
@@ -65,7 +66,7 @@ function buildForm() {
       sections[section] = fs;
       form.appendChild(fs);
     }
-    const wrap = el("label", {class: "field", title: f.help || ""});
+    const wrap = el("label", {class: "field", title: [f.help, f.choices && f.kind === "yaml" ? `each one of ${f.choices.join(", ")}` : ""].filter(Boolean).join("; ")});
     wrap.appendChild(el("span", {}, f.key));
     let input;
     if (f.kind === "choice" || f.kind === "boolean") {
@@ -143,9 +144,10 @@ async function launchRun() {
 }
 
 // ---- one run -------------------------------------------------------------------------------------
-let source = null, metrics = [];
+let source = null, metrics = [], drawn = {};
 function showRun(id) {
   metrics = [];
+  drawn = {};
   $("#run-id").textContent = id;
   for (const sel of ["#samples", "#checkpoints", "#memory", "#log", "#launcher-log", "#config", "#artefacts", "#message"]) $(sel).replaceChildren();
   source = new EventSource(`/api/runs/${encodeURIComponent(id)}/events`);
@@ -167,13 +169,18 @@ function updateRun(r) {
   $("#download").hidden = !r.weights;
   if (r.weights) $("#download").href = fileUrl(r.id, r.weights);
   drawPlots();
-  drawSamples(r);
+  once("samples", r.samples, () => drawSamples(r));  // images and open details stay as they are between events
   $("#checkpoints").replaceChildren(...r.checkpoints.map(c => el("li", {}, c)));
-  drawMemory(r);
+  once("memory", [r.plan, r.peak_memory_gib], () => drawMemory(r));
   $("#log").textContent = r.log;
   $("#launcher-log").textContent = r.launcher_log;
   $("#config").textContent = JSON.stringify(r.config, null, 2);
   $("#artefacts").replaceChildren(...r.artefacts.map(name => { const li = el("li"); li.appendChild(el("a", {href: fileUrl(r.id, name)}, name)); return li; }));
+}
+
+function once(part, data, draw) {
+  const key = JSON.stringify(data);
+  if (drawn[part] !== key) { drawn[part] = key; draw(); }
 }
 
 function drawPlots() {
@@ -201,8 +208,10 @@ function drawSamples(r) {
 function drawMemory(r) {
   const box = $("#memory");
   box.replaceChildren();
-  box.appendChild(el("p", {}, `measured peak: ${r.peak_memory_gib ? peak(r.peak_memory_gib) : "at the end of the run (summary.json)"}`));
-  box.appendChild(el("pre", {}, r.plan ? r.plan.output : "no plan was made when this run was started"));
+  const planned = r.plan && (r.plan.output || "").split("\n").find(line => line.startsWith("GPU peak"));
+  box.appendChild(el("p", {id: "planned-peak"}, `plan: ${planned || "no plan was made when this run was started"}`));
+  box.appendChild(el("p", {id: "measured-peak"}, `measured: ${r.peak_memory_gib ? peak(r.peak_memory_gib) : "at the end of the run (summary.json)"}`));
+  if (r.plan) { const d = el("details"); d.appendChild(el("summary", {}, "the whole plan")); d.appendChild(el("pre", {}, r.plan.output)); box.appendChild(d); }
 }
 
 // ---- routing -------------------------------------------------------------------------------------
