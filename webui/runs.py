@@ -96,8 +96,19 @@ def list_run_ids(runs_dir: Path) -> List[str]:
             continue
         if any((entry / marker).exists() for marker in MARKERS):
             found.append(entry)
-    found.sort(key=lambda p: max((p / m).stat().st_mtime for m in MARKERS if (p / m).exists()), reverse=True)
+    found.sort(key=_changed, reverse=True)
     return [p.name for p in found]
+
+
+def _changed(folder: Path) -> float:
+    """When the run last wrote one of its files (0 when they vanished meanwhile)."""
+    times = [0.0]
+    for marker in MARKERS:
+        try:
+            times.append((folder / marker).stat().st_mtime)
+        except OSError:
+            continue
+    return max(times)
 
 
 def pid_alive(pid: Any) -> bool:
@@ -128,6 +139,8 @@ def run_state(folder: Path, child_alive: Optional[bool]) -> str:
     status = read_json(folder / STATUS_NAME) or {}
     launch = read_json(folder / LAUNCH_NAME) or {}
     alive = child_alive if child_alive is not None else lock_alive(read_json(folder / LOCK_NAME))
+    if alive is None and launch and "returncode" not in launch:  # started by an earlier server of this page
+        alive = pid_alive(launch.get("pid"))
     if status.get("state") in ("finished", "failed", "stopped"):
         return status["state"]
     if alive:

@@ -22,7 +22,7 @@ import hmac
 import json
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -166,7 +166,9 @@ def _add_run_routes(app: FastAPI) -> None:
         if not target.is_file():
             raise HTTPException(404, f"no file '{path}' in run '{run_id}'")
         download = target.suffix == ".safetensors"
-        return FileResponse(target, filename=target.name if download else None)
+        # a file of the run folder is shown, never run as part of the page
+        return FileResponse(target, filename=target.name if download else None,
+                            headers={"Content-Security-Policy": "sandbox", "X-Content-Type-Options": "nosniff"})
 
     @app.post("/api/runs/{run_id}/stop")
     def stop(request: Request, run_id: str) -> Dict[str, Any]:
@@ -195,7 +197,7 @@ def _entry_of_family(family: Optional[str]) -> str:
     return SPECS[family].entry_script if family in SPECS else "train.py"
 
 
-async def _event_stream(request: Request, run_id: str, folder: Path):
+async def _event_stream(request: Request, run_id: str, folder: Path) -> AsyncIterator[str]:
     """A ``data:`` event whenever the run's view changed: new metrics only, everything else whole."""
     sent, last = 0, ""
     while not await request.is_disconnected():
@@ -203,11 +205,10 @@ async def _event_stream(request: Request, run_id: str, folder: Path):
         if len(records) < sent:  # metrics.jsonl was truncated (a resume): start over
             sent = 0
         view = runs.detail(folder, records, request.app.state.launcher.alive(run_id), sent)
-        view["metrics_from"] = sent
-        text = json.dumps(view, default=str)
-        if text != last:
-            yield f"data: {text}\n\n"
-            last, sent = text, len(records)
+        rest = json.dumps({**view, "metrics": None}, default=str)
+        if view["metrics"] or rest != last:
+            yield f"data: {json.dumps({**view, 'metrics_from': sent}, default=str)}\n\n"
+            last, sent = rest, len(records)
         await asyncio.sleep(EVENT_PERIOD_S)
 
 
