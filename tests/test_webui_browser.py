@@ -2,7 +2,8 @@
 installed by scripts/setup_browser.sh; skipped, saying why, where they are missing).
 
 One test, two real runs of the tiny Qwen-Image model: the quick-start profile started from the form
-(step counter, loss plot and a validation sample update live; the LoRA downloads), and a long run
+(a bad value first shows the CLI's error; then the plan, and the step counter, loss plot and a
+validation sample update live; the LoRA downloads), and a long run
 started through the API and stopped with the page's button (stopped, with a checkpoint). Screenshots
 are kept in ``test-artifacts/`` (``WEBUI_ARTIFACTS`` to change).
 """
@@ -120,6 +121,11 @@ def test_start_watch_and_stop_runs_in_the_page(page: Tuple[str, Path], browser: 
                        "validation.steps": "2"}.items():
         field(key, value)
     find("#run-name").send_keys("quick")
+    field("max_train_steps", "sixty")  # the CLI's error, before anything starts
+    find("#check").click()
+    wait(lambda: "key 'max_train_steps': value 'sixty' is not a valid integer" in find("#errors").text, 60, "the error")
+    assert not find("#launch").is_displayed()
+    field("max_train_steps", "60")
     find("#check").click()
     wait(lambda: find("#launch").is_displayed(), 240, "the plan shown before launching")
     assert "Memory plan" in find("#plan").text
