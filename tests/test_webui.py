@@ -239,6 +239,7 @@ def test_start_stop_and_resume_through_a_launcher(runs_dir: Path, sample_data: P
     assert again.status_code == 409  # one run per output folder
     signalled = client.post(f"/api/runs/{run_id}/stop").json()["signalled"]
     assert signalled and fake.children[run_id].pid not in signalled  # the trainer, not the launcher
+    assert client.post(f"/api/runs/{run_id}/stop").status_code == 409  # never a second signal (exit without saving)
     while client.get(f"/api/runs/{run_id}").json()["state"] == "running":
         assert time.monotonic() < deadline
         time.sleep(0.05)

@@ -199,10 +199,14 @@ class Launcher:
 
     def stop(self, run_id: str, folder: Path) -> List[int]:
         """SIGTERM, once, to the run's trainer processes; returns their pids. ``LookupError`` when
-        no process of the run is known to be running."""
+        no process of the run is known to be running, or a stop was sent already (a second signal
+        would make the trainer exit without its checkpoint)."""
+        child, alive = self.children.get(run_id), self.alive(run_id)
+        record = read_json(folder / LAUNCH_NAME) or {}
+        if alive and record.get("stop_requested"):
+            raise LookupError(f"run '{run_id}' was asked to stop and is writing its checkpoint")
         pids = set()
-        child = self.children.get(run_id)
-        if child is not None and self.alive(run_id):
+        if child is not None and alive:
             try:
                 pids |= {p.pid for p in psutil.Process(child.pid).children()}
             except psutil.NoSuchProcess:
@@ -210,10 +214,9 @@ class Launcher:
         lock = read_json(folder / LOCK_NAME)
         if lock_alive(lock):
             pids.add(lock["pid"])
-        if not pids and child is not None and self.alive(run_id):
+        if not pids and child is not None and alive:
             os.killpg(child.pid, signal.SIGTERM)  # the trainer has not started yet: stop the whole group
-            pids.add(child.pid)
-        if not pids:
+        elif not pids:
             raise LookupError(f"run '{run_id}' is not running")
         for pid in pids:
             try:
@@ -221,7 +224,7 @@ class Launcher:
             except ProcessLookupError:
                 pass
         self._update(folder, stop_requested=True, stopped=time.time())
-        return sorted(pids)
+        return sorted(pids) or [child.pid]
 
 
 def default_launcher_args() -> List[str]:

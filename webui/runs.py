@@ -243,8 +243,9 @@ def detail(folder: Path, records: List[Dict[str, Any]], child_alive: Optional[bo
     """A run's page: the overview plus metrics (from record ``since`` on), samples, logs, config,
     the plan made at launch and the measured peak."""
     launch = read_json(folder / LAUNCH_NAME) or {}
+    view = overview(folder, records, child_alive)
     return {
-        **overview(folder, records, child_alive),
+        **view, "stopping": bool(launch.get("stop_requested")) and view["state"] == "running",
         "metrics": records[since:], "metrics_total": len(records),
         "samples": samples(folder),
         "log": log_tail(folder / LOG_NAME), "launcher_log": log_tail(folder / CHILD_LOG),

@@ -164,7 +164,8 @@ function updateRun(r) {
   $("#speed").textContent = fmt(r.s_per_step, 3);
   $("#eta").textContent = duration(r.eta_s);
   $("#message").textContent = r.message || "";
-  $("#stop").disabled = r.state !== "running";
+  $("#stop").disabled = r.state !== "running" || r.stopping;  // a second SIGTERM would exit without the checkpoint
+  $("#stop").textContent = r.stopping ? "Stopping: writing the checkpoint" : "Stop (checkpoint and exit)";
   $("#resume").disabled = r.state === "running" || !r.checkpoints.length;
   $("#download").hidden = !r.weights;
   if (r.weights) $("#download").href = fileUrl(r.id, r.weights);
@@ -246,7 +247,7 @@ $("#upload").addEventListener("change", async () => {
 $("#load-form").addEventListener("click", loadForm);
 $("#check").addEventListener("click", checkAndPlan);
 $("#launch").addEventListener("click", launchRun);
-$("#stop").addEventListener("click", () => api(`/api/runs/${encodeURIComponent($("#run-id").textContent)}/stop`, {}).catch(e => alert(e.message)));
+$("#stop").addEventListener("click", () => ($("#stop").disabled = true) && api(`/api/runs/${encodeURIComponent($("#run-id").textContent)}/stop`, {}).catch(e => alert(e.message)));
 $("#resume").addEventListener("click", () => api(`/api/runs/${encodeURIComponent($("#run-id").textContent)}/resume`, {}).then(() => route()).catch(e => alert(e.message)));
 window.addEventListener("hashchange", route);
 route();
