@@ -116,9 +116,9 @@ def test_start_watch_and_stop_runs_in_the_page(page: Tuple[str, Path], browser: 
     wait(lambda: len(Select(find("#profile")).options) > 1, 30, "profiles listed")
     Select(find("#profile")).select_by_value("quickstart_tiny.yaml")
     wait(lambda: find('#form [data-key="max_train_steps"]').get_attribute("value") == "60", 30, "profile in the form")
-    for key, value in {"pretrained_model_name_or_path": str(tiny_qwen_image), "data_config.img_dir": str(sample_data),
-                       "validation.every_n_steps": "20", "validation.width": "64", "validation.height": "64",
-                       "validation.steps": "2"}.items():
+    edits = {"pretrained_model_name_or_path": str(tiny_qwen_image), "data_config.img_dir": str(sample_data),
+             "validation.every_n_steps": "20", "validation.width": "64", "validation.height": "64", "validation.steps": "2"}
+    for key, value in edits.items():
         field(key, value)
     find("#run-name").send_keys("quick")
     field("max_train_steps", "sixty")  # the CLI's error, before anything starts
@@ -131,6 +131,9 @@ def test_start_watch_and_stop_runs_in_the_page(page: Tuple[str, Path], browser: 
     assert "Memory plan" in find("#plan").text
     find("#launch").click()
     wait(lambda: browser.execute_script("return location.hash") == "#/run/quick", 60, "the run's page")
+    launched = json.loads((runs_dir / "quick" / "webui_launch.json").read_text())
+    assert sorted(launched["overrides"]) == sorted(  # the edited keys only; text quoted, numbers as typed
+        f'{k}={json.dumps(v) if "_dir" in k or "model" in k else v}' for k, v in edits.items())
 
     # -- the second run, through the API, while the first trains -----------------------------------
     long = {"pretrained_model_name_or_path": str(tiny_qwen_image), "data_config.img_dir": str(sample_data),

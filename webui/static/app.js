@@ -89,7 +89,7 @@ function buildForm() {
 
 const fieldOf = key => schema.fields.find(f => f.key === key);
 const baseValue = key => key in yamlValues ? yamlValues[key] : fieldOf(key).default;
-const fieldChanged = input => (input.value || null) !== (baseValue(input.dataset.key) ?? null);
+const fieldChanged = input => (input.value || null) !== (baseValue(input.dataset.key) || null);  // "" and null alike
 
 function fillForm() {
   for (const input of document.querySelectorAll("#form [data-key]")) {
