@@ -157,6 +157,7 @@ def test_start_watch_and_stop_runs_in_the_page(page: Tuple[str, Path], browser: 
     # -- stop the second run with the page's button ----------------------------------------------
     browser.get(f"{base}/#/run/long")
     wait(lambda: find("#state").text == "running" and step() > 0, 240, "the long run training")
+    wait(lambda: re.fullmatch(r"\d+(\.\d+)? (s|min|h)", find("#eta").text), 60, "its ETA from the metrics' times")
     find("#stop").click()
     wait(lambda: find("#state").text == "stopped", 120, "the long run stopped")
     wait(lambda: "checkpoint-" in find("#checkpoints").text, 30, "its checkpoint listed")
@@ -167,4 +168,6 @@ def test_start_watch_and_stop_runs_in_the_page(page: Tuple[str, Path], browser: 
     states = {row.get_attribute("data-run"): row.find_element(By.CSS_SELECTOR, ".state").text
               for row in browser.find_elements(By.CSS_SELECTOR, "#runs tbody tr")}
     assert states == {"quick": "finished", "long": "stopped"}
+    speeds = [float(cell.text) for cell in browser.find_elements(By.CSS_SELECTOR, "#runs tbody td:nth-child(8)")]
+    assert len(speeds) == 2 and all(0 < s < 60 for s in speeds)  # s/step
     browser.save_screenshot(str(ARTIFACTS / "webui_runs.png"))

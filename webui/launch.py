@@ -30,7 +30,8 @@ import psutil
 
 from trainer.config import TrainConfig, load_config
 from utils.errors import ConfigError
-from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, LOCK_NAME, lock_alive, read_json
+from trainer.run_lock import LOCK_NAME, read_lock
+from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, lock_alive, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -211,7 +212,7 @@ class Launcher:
                 pids |= {p.pid for p in psutil.Process(child.pid).children()}
             except psutil.NoSuchProcess:
                 pass
-        lock = read_json(folder / LOCK_NAME)
+        lock = read_lock(folder / LOCK_NAME)
         if lock_alive(lock):
             pids.add(lock["pid"])
         if not pids and child is not None and alive:

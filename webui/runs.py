@@ -1,7 +1,7 @@
 """What a run folder holds, read for the page: state, progress, metrics, samples, checkpoints, logs.
 
-Everything is read from the files the engine writes (``trainer/run_dir.py``) and tolerates their
-absence, since older run folders lack the newer ones:
+Everything is read from the files the engine writes (``trainer/run_dir.py``, ``trainer/run_lock.py``)
+and tolerates their absence, since older run folders lack the newer ones:
 
     run.lock           {"host", "pid", "started"} while a run owns the folder
     run_status.json    {"state": running|finished|failed|stopped, "step", "max_steps", "message", "time"}
@@ -23,11 +23,10 @@ from omegaconf import OmegaConf
 
 from trainer.checkpoint import list_checkpoints
 from trainer.reporting import smoothed
-from trainer.run_dir import CONFIG_NAME, LOG_NAME, METRICS_NAME, SUMMARY_NAME
+from trainer.run_dir import CONFIG_NAME, LOG_NAME, METRICS_NAME, STATUS_NAME, SUMMARY_NAME
+from trainer.run_lock import LOCK_NAME, read_lock
 from webui.paths import NAME
 
-LOCK_NAME = "run.lock"
-STATUS_NAME = "run_status.json"
 LAUNCH_NAME = "webui_launch.json"
 LAUNCH_CONFIG = "webui_config.yaml"
 CHILD_LOG = "launcher.log"
@@ -138,7 +137,7 @@ def run_state(folder: Path, child_alive: Optional[bool]) -> str:
     started (None: not one of its children). ``run_status.json`` wins when it names an end state."""
     status = read_json(folder / STATUS_NAME) or {}
     launch = read_json(folder / LAUNCH_NAME) or {}
-    alive = child_alive if child_alive is not None else lock_alive(read_json(folder / LOCK_NAME))
+    alive = child_alive if child_alive is not None else lock_alive(read_lock(folder / LOCK_NAME))
     if alive is None and launch and "returncode" not in launch:  # started by an earlier server of this page
         alive = pid_alive(launch.get("pid"))
     if status.get("state") in ("finished", "failed", "stopped"):

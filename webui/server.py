@@ -32,6 +32,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from trainer.checkpoint import latest_checkpoint
 from trainer.config import TrainConfig
+from trainer.run_lock import read_lock
 from utils.errors import ConfigError
 from webui import launch, runs
 from webui.paths import OutsideRoot, check_name, run_folder, safe_join
@@ -271,7 +272,7 @@ def _new_run_id(runs_dir: Path, name: Optional[str], cfg: TrainConfig) -> str:
 def _start(request: Request, run_id: str, folder: Path, text: str, entry_name: str, overrides: List[str],
            plan: Optional[Dict[str, Any]] = None) -> None:
     launcher: launch.Launcher = request.app.state.launcher
-    if launcher.alive(run_id) or runs.lock_alive(runs.read_json(folder / runs.LOCK_NAME)):
+    if launcher.alive(run_id) or runs.lock_alive(read_lock(folder / runs.LOCK_NAME)):
         raise HTTPException(409, f"run '{run_id}' is running (one run per output folder)")
     try:
         entry = launch.entry_named(entry_name)
