@@ -21,7 +21,7 @@ pytest.importorskip("httpx", reason="FastAPI's test client needs httpx (requirem
 from fastapi.testclient import TestClient  # noqa: E402
 
 from trainer import cli  # noqa: E402
-from webui import launch, runs  # noqa: E402
+from webui import launch  # noqa: E402
 from webui.schema import schema_fields, yaml_values  # noqa: E402
 from webui.server import create_app  # noqa: E402
 
