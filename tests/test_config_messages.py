@@ -9,7 +9,6 @@ import pytest
 from conftest import ROOT
 from image_datasets.checks import check_before_training
 from trainer.config import load_config
-from trainer.families import load_family
 from trainer.planner.model import _build
 from utils.errors import ConfigError
 
@@ -39,14 +38,6 @@ def test_an_oversized_yaml_is_called_that(tmp_path: Path) -> None:
 def test_an_img_size_off_the_pixel_multiple_is_said(sample_data: Path, logs) -> None:
     check_before_training(sample_data, "txt", 70, 16)
     assert any("img_size 70 is not a multiple of 16" in r["message"] and "at most 64" in r["message"] for r in logs)
-
-
-def test_a_model_of_another_family_is_refused(tiny_qwen_image_edit: Path, sample_data: Path) -> None:
-    cfg = load_config(TINY, [f"pretrained_model_name_or_path={tiny_qwen_image_edit}",
-                             f"data_config.img_dir={sample_data}"], default_family="qwen_image")
-    with pytest.raises(ConfigError, match="is a QwenImageEditPipeline .family qwen_image_edit. but this run trains "
-                                          "family qwen_image: train it with train_qwen_edit_lora.py"):
-        load_family(cfg)
 
 
 def test_the_planner_imports_only_diffusers_and_transformers() -> None:

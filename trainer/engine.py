@@ -53,6 +53,7 @@ from trainer.model_setup import prepare_transformer, transformer_load_device
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.platform import RunPolicy, configure_device, prepare_environment
 from trainer.quantization import check_available, quantization_spec
+from trainer.memory_check import warn_if_it_does_not_fit
 from trainer.reporting import plot_histogram, plot_losses, write_summary
 from trainer.run_dir import METRICS_NAME, RunFolder
 from trainer.signals import GracefulStop
@@ -176,6 +177,7 @@ class Trainer:
         if cfg.seed is not None:
             set_seed(cfg.seed)
         self.family = load_family(cfg)
+        warn_if_it_does_not_fit(cfg, self.device)  # the planner's verdict before any weights load
         resume_check.refuse_incompatible(self.resume_from, cfg, self.family.model_path)
         if self.is_main:
             self.folder.write_config(cfg)
