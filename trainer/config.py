@@ -340,47 +340,25 @@ def load_config(
         user = OmegaConf.merge(OmegaConf.create(profile_defaults), user)
     if overrides:
         user = OmegaConf.merge(user, _parse_overrides(overrides))
-    source = _Source(path, overrides or [])
+    source = str(path) if path is not None else "<overrides>"
     raw = OmegaConf.to_container(user, resolve=False)
     unknown = _unknown_keys(raw, TrainConfig, also=FLYMYAI_KEYS)
     if unknown:
-        raise ConfigError(source.blame(unknown))
+        raise ConfigError(f"{source}: " + "; ".join(unknown))
     try:
         raw, problems = flymyai_compat(raw)
         merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), raw)
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
-        raise ConfigError(source.blame([_describe_type_error(exc)])) from None
+        raise ConfigError(f"{source}: {_describe_type_error(exc)}") from None
     if cfg.family is None:
         cfg.family = default_family
     if cfg.mixed_precision in ("False", "false"):  # YAML 1.1 reads a bare `no` as false
         cfg.mixed_precision = "no"
     problems += config_problems(cfg)
     if problems:
-        raise ConfigError(source.blame(problems))
+        raise ConfigError(f"{source}: " + "; ".join(problems))
     return cfg
-
-
-class _Source:
-    """Where a config problem comes from: the YAML file, or the command line for an overridden key."""
-
-    def __init__(self, path: str | os.PathLike | None, overrides: List[str]):
-        self.path = str(path) if path is not None else "<overrides>"
-        self.overridden = {item.split("=", 1)[0].lstrip("+~") for item in overrides}
-
-    def blame(self, problems: List[str]) -> str:
-        """``problems`` (each naming ``key 'x'``) grouped under the file and the command line."""
-        from_cli = [p for p in problems if _problem_key(p) in self.overridden]
-        from_file = [p for p in problems if p not in from_cli]
-        parts = ([f"{self.path}: " + "; ".join(from_file)] if from_file else []) + \
-            (["command line: " + "; ".join(from_cli)] if from_cli else [])
-        return "; ".join(parts)
-
-
-def _problem_key(problem: str) -> Optional[str]:
-    """The key a problem names (``key 'x'`` or ``unknown key 'x'``), or None."""
-    match = re.search(r"key '([^']+)'", problem)
-    return match.group(1) if match else None
 
 
 def flymyai_compat(raw: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:

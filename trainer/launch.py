@@ -36,7 +36,10 @@ class _TrackedPopen(subprocess.Popen):
 
     def __init__(self, *args: Any, **kwargs: Any):
         if not kwargs.get("start_new_session"):
-            kwargs.setdefault("process_group", 0)
+            if sys.version_info >= (3, 11):
+                kwargs.setdefault("process_group", 0)
+            else:
+                kwargs.setdefault("preexec_fn", os.setpgrp)
         super().__init__(*args, **kwargs)
         _children.append(self)
 

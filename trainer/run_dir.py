@@ -94,7 +94,8 @@ class RunFolder:
                 return None
         if checkpoints or self.final.exists():
             if not overwrite:
-                hint = "" if resume_from_checkpoint == "latest" else "set resume_from_checkpoint: latest to continue it, "
+                hint = "" if resume_from_checkpoint == "latest" else \
+                    "set resume_from_checkpoint: latest to continue it, "
                 raise ConfigError(
                     f"output_dir '{self.path}' holds another run ({len(checkpoints)} complete checkpoint(s)"
                     f"{', a final ' + self.final.name if self.final.exists() else ''}); {hint}set "
