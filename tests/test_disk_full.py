@@ -79,6 +79,8 @@ def test_a_full_disk_elsewhere_names_the_file(small_disk: Path) -> None:
         with pytest.raises(DiskFullError) as err:
             folder.raise_if_disk_full(raw.value)
         assert "failed: the disk is full (" in str(err.value) and "there is no checkpoint yet" in str(err.value)
+        assert str(err.value).startswith(("writing (test_a_full_disk_elsewhere_names_the_file.<locals>.<lambda> in "
+                                          "tests/test_disk_full.py) failed", "writing loss_curve.png failed"))
         for leftover in [*cache.iterdir(), small_disk / "loss_curve.png"]:
             leftover.unlink(missing_ok=True)
     folder.raise_if_disk_full(ValueError("not about space"))  # anything else passes through

@@ -74,6 +74,21 @@ def message(what: str, folder: Path, last_checkpoint: Optional[Path], needed: Op
     return f"{what} failed: the disk is full ({folder}: {space}); {resume}"
 
 
+def where(exc: BaseException) -> str:
+    """The innermost function of this project that ``exc`` passed through, e.g.
+    ``FeatureCache.put in image_datasets/cache.py``: safetensors' and torch's errors name no file."""
+    root = Path(__file__).resolve().parents[1]
+    found = "the run"
+    tb = exc.__traceback__
+    while tb is not None:
+        path = Path(tb.tb_frame.f_code.co_filename).resolve()
+        if root in path.parents and "site-packages" not in path.parts:
+            code = tb.tb_frame.f_code
+            found = f"{getattr(code, 'co_qualname', code.co_name)} in {path.relative_to(root)}"
+        tb = tb.tb_next
+    return found
+
+
 def chain(exc: BaseException) -> Iterator[BaseException]:
     seen = set()
     current: Optional[BaseException] = exc

@@ -150,7 +150,7 @@ class RunFolder:
         if isinstance(exc, UserError) or not disk_full.is_disk_full(exc, self.path):
             return
         name = next((Path(e.filename) for e in disk_full.chain(exc) if isinstance(e, OSError) and e.filename), None)
-        what = f"writing {name.name}" if name else "the run"
+        what = f"writing {name.name}" if name else f"writing ({disk_full.where(exc)})"
         raise disk_full.DiskFullError(disk_full.message(
             what, name.parent if name else self.path, ckpt.latest_checkpoint(self.path))) from None
 
