@@ -147,6 +147,11 @@ def test_a_stale_lock_is_taken_over(tmp_path: Path) -> None:
     folder.open(None, overwrite=False)
     assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
     folder.release(0)
+    # a restarted container: the new run has the dead one's pid
+    (tmp_path / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": 0.0}))
+    folder.open(None, overwrite=False)
+    assert json.loads((tmp_path / "run.lock").read_text())["started"] > 0
+    folder.release(0)
     (tmp_path / "run.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": 0.0}))
     with pytest.raises(ConfigError, match="in use by another run .pid 1 on elsewhere"):
         RunFolder(tmp_path, LORA).open(None, overwrite=False)

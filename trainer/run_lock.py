@@ -15,13 +15,14 @@ import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Set
 
 from loguru import logger
 
 from utils.errors import ConfigError
 
 LOCK_NAME = "run.lock"
+_HELD: Set[Path] = set()  # the locks this process holds: a lock naming this pid but not held here is stale
 
 
 class RunLock:
@@ -38,9 +39,10 @@ class RunLock:
             for _ in range(2):
                 if self._create():
                     self.held = True
+                    _HELD.add(self.path)
                     return
                 holder = read_lock(self.path)
-                if holder is None or not _is_stale(holder):
+                if holder is None or not _is_stale(holder, self.path):
                     raise ConfigError(_refusal(self.path, holder))
                 logger.warning(f"{self.path}: taking over the lock of a run that is gone "
                                f"(pid {holder['pid']} on {holder['host']}, started {_when(holder['started'])})")
@@ -52,6 +54,7 @@ class RunLock:
         if self.held and read_lock(self.path) == self.owner:
             self.path.unlink(missing_ok=True)
         self.held = False
+        _HELD.discard(self.path)
 
     def _create(self) -> bool:
         try:
@@ -76,10 +79,14 @@ def read_lock(path: Path) -> Optional[Dict[str, Any]]:
     return data if ok else None
 
 
-def _is_stale(holder: Dict[str, Any]) -> bool:
-    """Same host and the pid no longer runs (another host's process cannot be checked)."""
+def _is_stale(holder: Dict[str, Any], path: Path) -> bool:
+    """Same host and the pid no longer runs (another host's process cannot be checked). A restarted
+    container often gives the new run the dead one's pid: this pid counts as gone unless this
+    process holds the lock."""
     if holder["host"] != socket.gethostname():
         return False
+    if holder["pid"] == os.getpid():
+        return path not in _HELD
     try:
         os.kill(holder["pid"], 0)
     except ProcessLookupError:
