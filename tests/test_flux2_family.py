@@ -158,21 +158,24 @@ def test_config_refuses_what_flux2_does_not_offer(sample_data: Path, override: s
 
 @pytest.mark.e2e
 def test_resume_is_bit_equal(tiny_flux2: Path, sample_data: Path, tmp_path: Path) -> None:
-    """Four steps straight, and two steps then a resume to four: the same LoRA, bit for bit (caption and
-    LoRA dropout draw from every random stream)."""
+    """Four steps straight, and two steps then a resume to four: the same adapter and EMA, bit for bit
+    (caption and module dropout draw from every random stream). LoKr with EMA: the LoRA path is the shared
+    end-to-end test's."""
     def run(out: Path, steps: int, *extra: str) -> None:
         train_in_process(QUICKSTART, "flux2", f"pretrained_model_name_or_path={tiny_flux2}",
                          f"data_config.img_dir={sample_data}", f"output_dir={out}", "report_to=none",
                          f"max_train_steps={steps}", "checkpointing_steps=2", "lr_scheduler=constant",
                          "lr_warmup_steps=0", "data_config.caption_dropout_rate=0.3", "lora_dropout=0.1",
-                         "overwrite_output_dir=false", "data_config.train_batch_size=2", *extra)
+                         "overwrite_output_dir=false", "data_config.train_batch_size=2", "adapter_type=lokr",
+                         "ema_decay=0.9", *extra)
 
     run(tmp_path / "straight", 4)
     run(tmp_path / "resumed", 2)
     run(tmp_path / "resumed", 4, "resume_from_checkpoint=latest")
-    want = load_file(str(tmp_path / "straight" / "pytorch_lora_weights.safetensors"))
-    got = load_file(str(tmp_path / "resumed" / "pytorch_lora_weights.safetensors"))
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    for name in ("adapter_model.safetensors", "ema/adapter_model.safetensors"):  # peft's LoKr file, its EMA
+        want, got = load_file(str(tmp_path / "straight" / name)), load_file(str(tmp_path / "resumed" / name))
+        assert "lokr" in " ".join(want) and want.keys() == got.keys(), name
+        assert all(torch.equal(want[k], got[k]) for k in want), f"{name} differs after the resume"
     assert read_losses(tmp_path / "resumed") == read_losses(tmp_path / "straight")
 
 
