@@ -257,6 +257,7 @@ def test_flux2_klein_9b_scale_and_profile() -> None:
     """``KLEIN_9B`` turns FLUX.2's reference (klein 4B) transformer into klein 9B's published config, and the
     FLUX.2 memory profile runs as its own family."""
     nine = SPECS["flux2"].hub_configs["black-forest-labs/FLUX.2-klein-base-9B"]["transformer/config.json"]
-    assert harness.transformer_config("flux2", harness.KLEIN_9B) == {k: v for k, v in nine.items() if k != "_class_name"}
+    published = {k: v for k, v in nine.items() if k != "_class_name"}
+    assert harness.transformer_config("flux2", harness.KLEIN_9B) == published
     yaml, _ = harness.PROFILES["flux2_klein"]
     assert harness.PROFILE_FAMILIES["flux2_klein"] == "flux2" and "flux2" in yaml
