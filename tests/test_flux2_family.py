@@ -122,8 +122,15 @@ def test_dev_trains_and_its_lora_loads_in_flux2pipeline(tiny_flux2_dev: Path, sa
 
 def test_klein_base_renders_with_cfg_and_a_distilled_klein_warns(tiny_flux2: Path, tmp_path: Path,
                                                                  logs: List[Dict[str, Any]]) -> None:
-    family = family_for(tiny_flux2)
+    from trainer.validation import ValidationRenderer
+
+    cfg = TrainConfig(family="flux2", pretrained_model_name_or_path=str(tiny_flux2))
+    cfg.validation.every_n_steps, cfg.validation.prompts = 10, ["a red circle"]
+    family = load_family(cfg)
     assert not family.dev and not family.distilled_guidance and family.default_cfg_scale == 4.0
+    renderer = ValidationRenderer(cfg, family, tmp_path, [])
+    assert (renderer.use_cfg, renderer.cfg_scale) == (True, 4.0)
+    assert renderer.text_requests()[-1] == ("", ()), "the negative prompt is cached with the captions"
     distilled = family_for(variant(tiny_flux2, tmp_path, "distilled", is_distilled=True))
     assert distilled.default_cfg_scale == 1.0
     assert any("is_distilled" in r["message"] and "FLUX.2-klein-base" in r["message"] for r in logs)
