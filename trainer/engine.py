@@ -287,7 +287,8 @@ class Trainer:
         if self.is_main:
             self.weights.save(self.accelerator.unwrap_model(self.transformer), Path(output_dir))
             if self.ema is not None:
-                save_file({f"{i}": t.contiguous() for i, t in enumerate(self.ema.shadow_params)},
+                save_file({**{f"{i}": t.contiguous() for i, t in enumerate(self.ema.shadow_params)},  # + its step:
+                           "optimization_step": torch.tensor(self.ema.optimization_step)},  # the decay warms up
                           str(Path(output_dir) / EMA_NAME))
         weights.clear()
 
@@ -297,6 +298,7 @@ class Trainer:
             shadow = load_file(str(Path(input_dir) / EMA_NAME))
             for i, param in enumerate(self.ema.shadow_params):
                 param.data.copy_(shadow[str(i)])
+            self.ema.optimization_step = int(shadow.get("optimization_step", self.ema.optimization_step))
         models.clear()
 
     def _resume(self, path: Path) -> None:
