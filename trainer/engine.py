@@ -483,9 +483,9 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Trained weights + optimizer/scheduler/RNG state + loop position, written atomically."""
         self.folder.flush()
+        record = resume_check.record(self.cfg, self.family.model_path, self.samples, self.state.saved())
         path = ckpt.write_checkpoint(self.output_dir, self.state.step,
-                                     lambda folder: self.accelerator.save_state(str(folder)),
-                                     resume_check.record(self.cfg, self.family.model_path, self.samples, self.state.saved()),
+                                     lambda folder: self.accelerator.save_state(str(folder)), record,
                                      self.is_main, barrier=self.accelerator.wait_for_everyone)
         self.accelerator.wait_for_everyone()
         if self.is_main:
