@@ -226,3 +226,31 @@ def test_plan_takes_the_largest_size_of_any_dataset_without_the_data() -> None:
     assert [e.img_dir for e in cfg.datasets] == ["", "", ""], "planned without the (absent) folders"
     assert (_plan_side(cfg), _reference_count(cfg)) == (128, 1)
     assert _plan_side(load_plan_config(str(ROOT / MULTI), [], family="qwen_image")) == 64
+
+
+@pytest.mark.e2e
+def test_cache_keys_follow_each_datasets_settings(multi_run: Path, folders: Dict[str, Path], tiny_qwen_image: Path,
+                                                  tmp_path: Path) -> None:
+    """The style entry now reads the subject folder at another size with another trigger word: those
+    six images get their own latents and captions; the other datasets' entries are reused."""
+    train_in_process(MULTI, "qwen_image", *multi_overrides(
+        folders, f"pretrained_model_name_or_path={tiny_qwen_image}", f"output_dir={tmp_path / 'out'}",
+        f"cache_dir={multi_run / 'cache'}", f"datasets.1.img_dir={folders['subject']}", "datasets.1.img_size=32",
+        "datasets.1.trigger_word=sks", "validation.every_n_steps=0", "max_train_steps=1"))
+    log = (tmp_path / "out" / "train.log").read_text()
+    assert "text cache: 11 cached, 6 to encode" in log and "latent cache: 10 cached, 6 to encode" in log
+
+
+def test_each_validation_prompt_renders_with_its_own_reference(tiny_qwen_image_edit: Path, edit_data: Path,
+                                                                tmp_path: Path) -> None:
+    from trainer.families import load_family
+    from trainer.validation import ValidationRenderer
+
+    first, second = sorted((edit_data.parent / "control").iterdir())[:2]
+    cfg = load_config(None, [f"pretrained_model_name_or_path={tiny_qwen_image_edit}", f"data_config.img_dir={edit_data}",
+                             "validation.every_n_steps=5", f"validation.reference_images=[{first}]",
+                             "validation.prompts=[make it blue, {prompt: make it red, cfg_scale: 0, "
+                             f"reference_images: [{second}], width: 32}}]"], default_family="qwen_image_edit")
+    renderer = ValidationRenderer(cfg, load_family(cfg), tmp_path, [])
+    assert renderer.text_requests() == [("make it blue", (first,)), ("", (first,)), ("make it red", (second,))]
+    assert [(r.width, r.use_cfg) for r in renderer.renders] == [(1024, True), (32, False)]
