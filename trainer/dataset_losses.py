@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from trainer.async_step import copy_to_host
 from trainer.config import REGULARIZATION
 
 
@@ -55,13 +56,7 @@ class DatasetLosses:
             groups.append(regularization)
             keys.append(f"loss/{REGULARIZATION}")
         sums = torch.stack([torch.stack(group).float().sum() for group in groups])
-        if self.cuda:
-            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-            host.copy_(sums, non_blocking=True)
-            event: Optional[torch.cuda.Event] = torch.cuda.Event()
-            event.record()
-        else:
-            host, event = sums, None
+        host, event = copy_to_host(sums, self.cuda)
         self.pending[step] = _Pending(keys, [len(group) for group in groups], host, event)
         self.current = []
 
