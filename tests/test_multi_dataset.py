@@ -257,3 +257,19 @@ def test_each_validation_prompt_renders_with_its_own_reference(tiny_qwen_image_e
     renderer = ValidationRenderer(cfg, load_family(cfg), tmp_path, [])
     assert renderer.text_requests() == [("make it blue", (first,)), ("", (first,)), ("make it red", (second,))]
     assert [(r.width, r.use_cfg) for r in renderer.renders] == [(1024, True), (32, False)]
+
+
+def test_dataset_losses_average_each_datasets_micro_batches_and_weight_regularization() -> None:
+    from trainer.dataset_losses import DatasetLosses
+
+    book = DatasetLosses(["a", "b", "r"], ["train", "train", "regularization"], 0.5, torch.device("cpu"))
+    assert float(book.weigh(2, torch.tensor(2.0))) == 1.0, "a regularisation batch trains at half weight"
+    assert float(book.weigh(0, torch.tensor(1.0))) == 1.0 and float(book.weigh(0, torch.tensor(3.0))) == 3.0
+    book.end_step(1)  # one optimizer step of three accumulated micro-batches
+    book.weigh(1, torch.tensor(4.0))
+    book.end_step(2)
+    assert book.fields(1, 9.9) == {"loss/a": 2.0, "loss/r": 2.0, "loss/regularization": 2.0}
+    assert book.fields(2, 9.9) == {"loss/b": 4.0} and book.fields(3, 9.9) == {}
+    single = DatasetLosses(["only"], ["train"], 1.0, torch.device("cpu"))
+    assert float(single.weigh(0, torch.tensor(0.7))) == pytest.approx(0.7) and single.current == []
+    assert single.fields(1, 0.7) == {"loss/only": 0.7}, "one dataset: its loss is the step's, no device work"
