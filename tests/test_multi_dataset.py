@@ -80,6 +80,15 @@ def test_bad_entries_name_the_entry_and_key(folders: Dict[str, Path], override: 
         load(folders, *override.split(","))
 
 
+@pytest.mark.parametrize("datasets, message", [
+    ("[{}]", r"key 'datasets\[0\]\.img_dir' is required"),
+    ("[/some/folder]", r"key 'datasets\[0\]': expected a mapping of keys to values, got '/some/folder'"),
+])
+def test_an_entry_without_a_folder_is_named(datasets: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["pretrained_model_name_or_path=x", f"datasets={datasets}"])
+
+
 def test_an_empty_dataset_is_named_in_the_error(folders: Dict[str, Path], tmp_path: Path,
                                                 tiny_qwen_image: Path) -> None:
     from trainer.datasets import TrainingData
