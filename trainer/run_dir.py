@@ -51,8 +51,11 @@ class RunFolder:
     def open(self, resume_from_checkpoint: Optional[str], overwrite: bool) -> Optional[Path]:
         """Create the folder and decide between a fresh run and a resume: returns the checkpoint to
         resume from, or None. Refuses to overwrite another run unasked; with ``overwrite`` the
-        first process removes the previous run's outputs (before any process starts writing)."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        first process removes the previous run's outputs. Only the first process creates and removes:
+        the others wait for it at the engine's first barrier (``trainer/distributed.py``)."""
+        first = int(os.environ.get("RANK", "0")) == 0  # before the Accelerator: the launcher's rank
+        if first:
+            self.path.mkdir(parents=True, exist_ok=True)
         checkpoints = ckpt.list_checkpoints(self.path)
         if resume_from_checkpoint and resume_from_checkpoint != "latest":
             path = Path(resume_from_checkpoint)
@@ -67,7 +70,7 @@ class RunFolder:
                     f"output_dir '{self.path}' holds another run ({len(checkpoints)} checkpoint(s)"
                     f"{', a final ' + self.final.name if self.final.exists() else ''}); set resume_from_checkpoint: "
                     "latest to continue it, overwrite_output_dir: true to replace it, or choose another output_dir")
-            if int(os.environ.get("RANK", "0")) == 0:  # before the Accelerator: the launcher's rank
+            if first:
                 self._remove_previous_run(checkpoints)
         return None
 
