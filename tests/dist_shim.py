@@ -41,6 +41,12 @@ def _partial_state(self, cpu: bool = False, **kwargs):
     _partial_init(self, cpu, **kwargs)
 
 
+if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+    import importlib
+
+    # DeepSpeed's shared-memory all-reduce is a CPU speed-up that compiles a C++ extension on first
+    # use (a minute); gloo alone gives the same sums.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 S.AcceleratorState.__init__ = _accelerator_state
 S.PartialState.__init__ = _partial_state
 script = os.path.abspath(sys.argv[1])
