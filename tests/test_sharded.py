@@ -166,3 +166,70 @@ def test_sharded_resume_equals_the_uninterrupted_run(runs, mode: str, script: st
     whole = runs(mode, script)
     assert losses(resumed) == losses(whole)
     assert max_difference(trained(resumed, script), trained(whole, script)) == 0.0
+
+
+@pytest.mark.e2e
+def test_an_fsdp_config_on_the_cpu_never_runs_as_one_process(tiny_qwen_image: Path, sample_data: Path,
+                                                              tmp_path: Path) -> None:
+    """``accelerate launch --cpu`` with an FSDP config starts one unsharded process without a word
+    from accelerate: the engine reads the launcher's config and refuses."""
+    config = accelerate_config("fsdp2", tmp_path)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--config_file", str(config),
+           str(ROOT / LORA), "--config", str(ROOT / QUICKSTART), f"pretrained_model_name_or_path={tiny_qwen_image}",
+           f"data_config.img_dir={sample_data}", f"output_dir={tmp_path / 'out'}", "report_to=none"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "key 'distributed_type' is FSDP but accelerate set up NO" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists(), "refused before training"
+
+
+class FakeAccelerator:
+    def __init__(self, kind: str, processes: int):
+        from accelerate.utils import DistributedType
+
+        self.distributed_type, self.num_processes = DistributedType[kind], processes
+
+
+@pytest.mark.parametrize("env, kind, processes, message", [
+    ({"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}, "MULTI_CPU", 2, "ACCELERATE_USE_FSDP=true"),  # --config fsdp.yaml, no --cpu
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "NO", 1, "ACCELERATE_USE_DEEPSPEED=true"),
+    ({"WORLD_SIZE": "2"}, "NO", 1, "the launcher started 2 processes but each runs as 1"),  # use_cpu without --cpu
+])
+def test_the_launch_guard_refuses_an_unsharded_or_split_run(monkeypatch, env, kind, processes, message) -> None:
+    from trainer.distributed import check_launch
+    from utils.errors import ConfigError
+
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("trainer.distributed.launcher_config", lambda: None)
+    with pytest.raises(ConfigError, match=message):
+        check_launch(FakeAccelerator(kind, processes))
+
+
+def test_more_processes_than_the_config_expects_are_reported(monkeypatch, logs) -> None:
+    from trainer.distributed import check_launch
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    monkeypatch.setattr("trainer.distributed.launcher_config",
+                        lambda: (Path("fsdp.yaml"), {"distributed_type": "FSDP", "num_processes": 2}))
+    check_launch(FakeAccelerator("FSDP", 4))
+    assert any("key 'num_processes' is 2 but the run has 4 processes" in r["message"] for r in logs)
+
+
+def test_only_the_first_process_creates_or_clears_the_output_folder(monkeypatch, tmp_path: Path) -> None:
+    from trainer.run_dir import RunFolder
+
+    monkeypatch.setenv("RANK", "1")
+    assert RunFolder(tmp_path / "new", "final_model").open(None, overwrite=True) is None
+    assert not (tmp_path / "new").exists(), "rank 1 waits for rank 0 to create it"
+    old = tmp_path / "old"
+    (old / "final_model").mkdir(parents=True)
+    RunFolder(old, "final_model").open(None, overwrite=True)
+    assert (old / "final_model").is_dir(), "rank 1 never removes the previous run"
+    monkeypatch.setenv("RANK", "0")
+    RunFolder(old, "final_model").open(None, overwrite=True)
+    assert not (old / "final_model").exists()
