@@ -233,3 +233,18 @@ def test_only_the_first_process_creates_or_clears_the_output_folder(monkeypatch,
     monkeypatch.setenv("RANK", "0")
     RunFolder(old, "final_model").open(None, overwrite=True)
     assert not (old / "final_model").exists()
+
+
+def test_the_planner_divides_what_each_mode_shards(tiny_qwen_image: Path) -> None:
+    from trainer.planner.model import model_spec
+    from trainer.planner.sharding import GIB, sharded_memory
+
+    spec = model_spec(str(tiny_qwen_image), None, "qwen_image").transformer
+    one = sharded_memory(spec, "adamw", "ddp", 1)
+    assert one.weights == one.gradients == spec.params * 4 / GIB and one.optimizer == spec.params * 8 / GIB
+    for mode, divided in {"ddp": (1, 1, 1), "zero2": (1, 1, 4), "zero3": (4, 4, 4), "fsdp": (4, 4, 4)}.items():
+        four = sharded_memory(spec, "adamw", mode, 4)
+        assert (one.weights / four.weights, one.gradients / four.gradients, one.optimizer / four.optimizer) \
+            == pytest.approx(divided), mode
+        assert (four.gathered_block > 0) == (mode in ("zero3", "fsdp"))
+    assert sharded_memory(spec, "adamw8bit", "ddp", 1).optimizer == pytest.approx(one.optimizer / 4)
