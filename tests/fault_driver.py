@@ -4,7 +4,8 @@
 
 Faults: kill_at_call:N (SIGKILL at the N-th micro-batch), kill_in_save:N:WHERE (SIGKILL during the
 N-th checkpoint save, WHERE = contents | manifest), slow:SECONDS (each micro-batch sleeps),
-nan_at:A-B (loss is NaN for micro-batch calls A..B), enospc_at_save:N (the N-th save hits a full disk).
+nan_at:A-B (loss is NaN for micro-batch calls A..B),
+fill_after_save:N (after the N-th save, a file beside output_dir fills its filesystem: a real full disk).
 """
 
 from __future__ import annotations
@@ -56,19 +57,34 @@ real_write = ckpt.write_checkpoint
 def faulty_write(output_dir, step, save_contents, state, is_main, barrier=lambda: None):
     calls["save"] += 1
     number, _, where = arg.partition(":")
-    if kind in ("kill_in_save", "enospc_at_save") and calls["save"] == int(number):
+    if kind == "kill_in_save" and calls["save"] == int(number):
         def contents(folder):
-            if kind == "enospc_at_save":
-                folder.mkdir(parents=True, exist_ok=True)
-                (folder / "partial.bin").write_bytes(b"x" * 10)
-                raise OSError(errno.ENOSPC, "No space left on device")
             save_contents(folder)
             if where == "contents":
                 die()
         if where == "manifest":
             ckpt._write_json = lambda *a, **k: die()
         return real_write(output_dir, step, contents, state, is_main, barrier)
-    return real_write(output_dir, step, save_contents, state, is_main, barrier)
+    saved = real_write(output_dir, step, save_contents, state, is_main, barrier)
+    if kind == "fill_after_save" and calls["save"] == int(arg):
+        fill_disk(Path(output_dir).parent / "filler")
+    return saved
+
+
+def fill_disk(filler: Path) -> None:
+    """Write ``filler`` until the filesystem has no space left."""
+    block = b"\0" * 65536
+    with open(filler, "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(block)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+        try:
+            while True:
+                fh.write(b"\0")
+        except OSError:
+            pass
 
 
 Trainer.training_step = faulty_step

@@ -64,6 +64,17 @@ def _flux_call(call: Call, pipe: Any) -> Prediction:
     return unpack(kw["hidden_states"]), kw["timestep"], text, [], unpack(out[0])
 
 
+def _flux2_call(call: Call, pipe: Any) -> Prediction:
+    """Flux2(Klein)Pipeline: patchified 128-channel latents flattened to tokens, 4-axis ids, t / 1000."""
+    _, kw, out = call
+    ids = kw["img_ids"][0]
+    h, w = int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1
+    unpack = lambda x: pipe._unpatchify_latents(x.transpose(1, 2).reshape(x.shape[0], -1, h, w))  # noqa: E731
+    assert torch.equal(kw["txt_ids"][0, :, 3], torch.arange(kw["encoder_hidden_states"].shape[1]))
+    return unpack(kw["hidden_states"]), kw["timestep"], {"prompt_embeds": kw["encoder_hidden_states"]}, [], \
+        unpack(out[0])
+
+
 def _kandinsky5_call(call: Call, pipe: Any) -> Prediction:
     """Kandinsky5T2IPipeline: channel-last (B, 1, h, w, C) latents, t = 1000 * sigma, unmasked text."""
     _, kw, out = call
@@ -93,6 +104,11 @@ def _flux_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
     return {"prompt_embeds": embeds[0], "pooled_prompt_embeds": pooled[0]}
 
 
+def _flux2_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
+    embeds, _ = pipe.encode_prompt([prompt], max_sequence_length=512)
+    return {"prompt_embeds": embeds[0]}
+
+
 def _kandinsky5_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
     qwen, clip, cu_seqlens = pipe.encode_prompt([prompt])
     return {"prompt_embeds_qwen": qwen[0, : int(cu_seqlens[1])], "prompt_embeds_clip": clip[0]}
@@ -115,6 +131,15 @@ def _qwen_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
 def _shift_scale_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     raw = pipe.vae.encode(pixels).latent_dist.mode()
     return (raw - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor, pipe.vae.decode(raw).sample
+
+
+def _batch_norm_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FLUX.2: 2x2 patchified latents normalised by the VAE's BatchNorm running statistics (held unpatchified)."""
+    raw = pipe.vae.encode(pixels).latent_dist.mode()
+    bn = pipe.vae.bn
+    assert not torch.allclose(bn.running_var, torch.ones_like(bn.running_var)), "statistics to apply"
+    normed = pipe._encode_vae_image(pixels, generator=None)
+    return pipe._unpatchify_latents(normed), pipe.vae.decode(raw).sample
 
 
 def _scale_only_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +182,11 @@ _FLUX_DOUBLE = _FLUX_IMG_ATTN | {"attn.add_q_proj", "attn.add_k_proj", "attn.add
 _FLUX_SINGLE_ATTN = {"attn.to_q", "attn.to_k", "attn.to_v"}
 _FLUX_SINGLE = _FLUX_SINGLE_ATTN | {"proj_mlp", "proj_out"}
 
+_FLUX2_IMG_ATTN = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"}
+_FLUX2_DOUBLE = _FLUX2_IMG_ATTN | {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                                   "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"}
+_FLUX2_SINGLE = {"attn.to_qkv_mlp_proj", "attn.to_out"}
+
 _K5_PROJ = ("to_query", "to_key", "to_value", "out_layer")
 _K5_VISUAL_ATTN = {f"{a}.{p}" for a in ("self_attention", "cross_attention") for p in _K5_PROJ}
 _K5_TEXT = {f"self_attention.{p}" for p in _K5_PROJ} | {"feed_forward.in_layer", "feed_forward.out_layer"}
@@ -179,6 +209,16 @@ FAMILY_CASES: Dict[str, FamilyCase] = {
         _flux_call, _flux_text, _shift_scale_vae,
         # Training sees one guidance value: a LoRA there could only learn a shift that distorts the others.
         all_linear_skips={"time_text_embed.guidance_embedder.linear_1", "time_text_embed.guidance_embedder.linear_2"}),
+    "flux2": FamilyCase(
+        {"attention": ({"transformer_blocks": _FLUX2_IMG_ATTN,
+                        "single_transformer_blocks": {"attn.to_qkv_mlp_proj"}}, set()),
+         "attention_mlp": ({"transformer_blocks": _FLUX2_DOUBLE, "single_transformer_blocks": _FLUX2_SINGLE}, set()),
+         "all_linear": ({"transformer_blocks": _FLUX2_DOUBLE, "single_transformer_blocks": _FLUX2_SINGLE},
+                        {"x_embedder", "context_embedder", "proj_out", "time_guidance_embed.timestep_embedder.linear_1",
+                         "time_guidance_embed.timestep_embedder.linear_2"})},
+        # FLUX.2's modulation is shared by all blocks and sits outside them.
+        lambda name: "modulation" in name or name.endswith("norm_out.linear"),
+        _flux2_call, _flux2_text, _batch_norm_vae),
     "kandinsky5": FamilyCase(
         {"attention": ({"visual_transformer_blocks": _K5_VISUAL_ATTN}, set()),
          "attention_mlp": ({"visual_transformer_blocks": _K5_VISUAL, "text_transformer_blocks": _K5_TEXT}, set()),

@@ -35,6 +35,7 @@ E2E_CASES: Dict[str, E2ECase] = {
     "qwen_image": E2ECase("train_configs/quickstart_tiny.yaml", modulation="_mod."),
     "qwen_image_edit": E2ECase("train_configs/quickstart_edit_tiny.yaml", data="edit_data", modulation="_mod."),
     "flux": E2ECase("train_configs/quickstart_flux_tiny.yaml"),
+    "flux2": E2ECase("train_configs/quickstart_flux2_tiny.yaml", modulation="modulation"),
     "kandinsky5": E2ECase("train_configs/train_kandinsky5_lora.yaml", modulation="modulation"),
     "z_image": E2ECase("train_configs/train_z_image_lora.yaml", modulation="adaLN_modulation"),
 }

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -10,7 +17,7 @@ from conftest import ROOT
 from trainer import checkpoint as ckpt, run_dir
 from trainer.adapters import final_weights_name, trained_weights
 from trainer.config import load_config
-from utils.errors import ConfigError
+from utils.errors import ConfigError, TrainingInterrupted
 from trainer.families.qwen_image.spec import SPEC
 from trainer.run_dir import RunFolder
 
@@ -34,9 +41,18 @@ def finished_run(out: Path) -> RunFolder:
     for step in (2, 4):
         checkpoint(out, step)
         folder.append_metrics({"step": step, "loss": 0.5})
-    folder.close()
     (out / LORA).write_bytes(b"final")
+    folder.release(4)
     return folder
+
+
+def opened(out: Path, resume: Optional[str] = None, overwrite: bool = False) -> Optional[Path]:
+    """What a run that starts (and at once ends) in ``out`` resumes from."""
+    folder = RunFolder(out, LORA)
+    try:
+        return folder.open(resume, overwrite)
+    finally:
+        folder.release(0)
 
 
 def test_a_fresh_folder_is_created(tmp_path: Path) -> None:
@@ -47,17 +63,18 @@ def test_a_fresh_folder_is_created(tmp_path: Path) -> None:
 def test_another_run_is_refused_unless_resumed_or_overwritten(tmp_path: Path) -> None:
     finished_run(tmp_path)
     with pytest.raises(ConfigError) as err:
-        RunFolder(tmp_path, LORA).open(None, overwrite=False)
-    assert f"output_dir '{tmp_path}' holds another run (2 checkpoint(s), a final {LORA})" in str(err.value)
+        opened(tmp_path)
+    assert f"output_dir '{tmp_path}' holds another run (2 complete checkpoint(s), a final {LORA})" in str(err.value)
     assert "resume_from_checkpoint: latest" in str(err.value) and "overwrite_output_dir: true" in str(err.value)
-    assert RunFolder(tmp_path, LORA).open("latest", overwrite=False) == tmp_path / "checkpoint-4"
-    assert RunFolder(tmp_path, LORA).open(str(tmp_path / "checkpoint-2"), overwrite=False) == tmp_path / "checkpoint-2"
-    with pytest.raises(ConfigError, match="'resume_from_checkpoint': '.*nowhere' is not a complete checkpoint"):
-        RunFolder(tmp_path, LORA).open(str(tmp_path / "nowhere"), overwrite=False)
+    assert opened(tmp_path, "latest") == tmp_path / "checkpoint-4"
+    assert opened(tmp_path, str(tmp_path / "checkpoint-2")) == tmp_path / "checkpoint-2"
+    with pytest.raises(ConfigError, match="'resume_from_checkpoint': '.*nowhere' cannot be resumed from: .*missing"):
+        opened(tmp_path, str(tmp_path / "nowhere"))
     kept = tmp_path / "notes.txt"
     kept.write_text("mine")
-    assert RunFolder(tmp_path, LORA).open(None, overwrite=True) is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "the previous run's outputs only are gone"
+    assert opened(tmp_path, overwrite=True) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", run_dir.STATUS_NAME], \
+        "the previous run's outputs only are gone"
 
 
 def test_metrics_append_read_and_truncate_on_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,7 +88,9 @@ def test_metrics_append_read_and_truncate_on_resume(tmp_path: Path, monkeypatch:
     folder.truncate_metrics(2)
     folder.append_metrics({"step": 3, "loss": 0.25})
     folder.close()
-    assert folder.read_metrics() == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}, {"step": 3, "loss": 0.25}]
+    records = folder.read_metrics()
+    assert all(isinstance(r.pop("time"), float) for r in records), "every line carries its unix time"
+    assert records == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}, {"step": 3, "loss": 0.25}]
     assert RunFolder(tmp_path / "empty", LORA).read_metrics() == []
 
 
@@ -92,3 +111,98 @@ def test_the_final_artefact_is_named_once(overrides: list, name: str, sample_dat
     cfg = config(sample_data, *overrides)
     assert final_weights_name(cfg) == name
     assert trained_weights(cfg, SPEC.lora_presets, object).final_name == name
+
+
+# -- one run per folder, run_status.json ----------------------------------------------------------
+def test_a_folder_is_owned_by_one_run_at_a_time(tmp_path: Path) -> None:
+    first = RunFolder(tmp_path, LORA, max_steps=10)
+    assert first.open(None, overwrite=False) is None
+    owner = json.loads((tmp_path / "run.lock").read_text())
+    assert owner["host"] == socket.gethostname() and owner["pid"] == os.getpid() and owner["started"] <= time.time()
+    status = json.loads((tmp_path / "run_status.json").read_text())
+    assert (status["state"], status["step"], status["max_steps"]) == ("running", 0, 10)
+    for overwrite in (False, True):  # whatever overwrite_output_dir says
+        with pytest.raises(ConfigError) as err:
+            RunFolder(tmp_path, LORA).open("latest", overwrite=overwrite)
+        message = str(err.value)
+        assert "\n" not in message and f"output_dir '{tmp_path}' is in use by another run" in message
+        assert f"pid {os.getpid()} on {socket.gethostname()}" in message and "started 20" in message
+    assert (tmp_path / "run.lock").exists(), "a refused run leaves the owner's lock alone"
+    first.release(3, TrainingInterrupted("stopped by signal at step 3"))
+    assert not (tmp_path / "run.lock").exists()
+    status = json.loads((tmp_path / "run_status.json").read_text())
+    assert (status["state"], status["step"], status["message"]) == ("stopped", 3, "stopped by signal at step 3")
+    second = RunFolder(tmp_path, LORA)
+    assert second.open(None, overwrite=False) is None
+    second.release(1, ValueError("boom"))
+    assert json.loads((tmp_path / "run_status.json").read_text())["state"] == "failed"
+
+
+def test_a_stale_lock_is_taken_over(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout),
+                                                   "started": time.time() - 60}))
+    folder = RunFolder(tmp_path, LORA)
+    folder.open(None, overwrite=False)
+    assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+    folder.release(0)
+    (tmp_path / "run.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": 0.0}))
+    with pytest.raises(ConfigError, match="in use by another run .pid 1 on elsewhere"):
+        RunFolder(tmp_path, LORA).open(None, overwrite=False)
+
+
+def test_two_processes_started_together_one_wins(tmp_path: Path) -> None:
+    code = ("import sys, time; sys.path.insert(0, {root!r}); from pathlib import Path\n"
+            "from trainer.run_lock import RunLock\n"
+            "lock = RunLock(Path({out!r})); time.sleep(1.5 - time.time() % 1); lock.acquire(); time.sleep(2); "
+            "lock.release()")
+    cmd = [sys.executable, "-c", code.format(root=str(ROOT), out=str(tmp_path))]
+    procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [(p.wait(), p.stderr.read()) for p in procs]
+    assert sorted(rc for rc, _ in results) == [0, 1, 1], results
+    assert all("is in use by another run" in err for rc, err in results if rc)
+
+
+# -- metrics, damaged and missing checkpoints ---------------------------------------------------------
+def test_a_torn_metrics_line_is_skipped_and_truncated_on_resume(tmp_path: Path, logs) -> None:
+    finished_run(tmp_path)
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 5, "epoch": 13, ')  # a full disk mid-line
+    assert [r["step"] for r in RunFolder(tmp_path, LORA).read_metrics()] == [2, 4]
+    assert any("skipped a torn line" in r["message"] for r in logs)
+    RunFolder(tmp_path, LORA).truncate_metrics(4)
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2 and "epoch\": 13" not in \
+        (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_and_said(tmp_path: Path, logs) -> None:
+    finished_run(tmp_path)
+    lora = tmp_path / "checkpoint-4" / LORA
+    lora.write_bytes(b"x" * lora.stat().st_size)  # same size, other bytes: only the checksum sees it
+    assert opened(tmp_path, "latest") == tmp_path / "checkpoint-2"
+    said = [r["message"] for r in logs if r["level"].name == "WARNING" and "checkpoint-4" in r["message"]]
+    assert said == [f"checkpoint-4 cannot be resumed from: {lora} does not match its recorded sha256 (the file was "
+                    "changed or damaged); resuming from checkpoint-2 instead"]
+    with pytest.raises(ConfigError) as err:
+        opened(tmp_path, str(tmp_path / "checkpoint-4"))
+    assert str(lora) in str(err.value) and f"resume_from_checkpoint={tmp_path / 'checkpoint-2'}" in str(err.value)
+    state = json.loads((tmp_path / "checkpoint-2" / ckpt.STATE_NAME).read_text())
+    state["global_step"] = "2"
+    (tmp_path / "checkpoint-2" / ckpt.STATE_NAME).write_text(json.dumps(state))
+    assert "global_step" in ckpt.problem(tmp_path / "checkpoint-2")
+
+
+def test_latest_without_a_usable_checkpoint_says_so_and_keeps_old_metrics_apart(tmp_path: Path, logs) -> None:
+    finished_run(tmp_path)
+    for step in (2, 4):
+        (tmp_path / f"checkpoint-{step}" / ckpt.STATE_NAME).unlink()
+    (tmp_path / ".checkpoint-5.tmp").mkdir()  # a save cut short by a second Ctrl-C
+    with pytest.raises(ConfigError) as err:  # a final file and nothing to resume: no contradictory hint
+        opened(tmp_path, "latest")
+    assert "holds another run (0 complete checkpoint(s), a final" in str(err.value)
+    assert "set resume_from_checkpoint" not in str(err.value)
+    (tmp_path / LORA).unlink()
+    assert opened(tmp_path, "latest") is None
+    assert any("no complete checkpoint" in r["message"] and "starting from step 0" in r["message"] for r in logs)
+    assert not (tmp_path / "metrics.jsonl").exists() and len(list(tmp_path.glob("metrics-*.jsonl.old"))) == 1
+    assert not list(tmp_path.glob(".checkpoint-*.tmp")), "the leftover of an interrupted save is removed"

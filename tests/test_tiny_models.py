@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import (
+    Flux2KleinPipeline,
     FluxPipeline,
     Kandinsky5T2IPipeline,
     QwenImageEditPipeline,
@@ -33,6 +34,7 @@ PIPELINES = {
     "qwen_image_edit": QwenImageEditPipeline,
     "qwen_image_edit_plus": QwenImageEditPlusPipeline,
     "flux": FluxPipeline,
+    "flux2": Flux2KleinPipeline,
     "kandinsky5": Kandinsky5T2IPipeline,
     "z_image": ZImagePipeline,
 }

@@ -6,7 +6,7 @@ complete (it then holds ``trainer_state.json``), so ``latest`` never points at a
 
 from __future__ import annotations
 
-import errno
+import hashlib
 import json
 import os
 import shutil
@@ -17,7 +17,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from loguru import logger
 
-from utils.errors import UserError
+from trainer import disk_full
+from trainer.signals import cleanup_on_exit
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 STATE_NAME = "trainer_state.json"
@@ -48,12 +49,46 @@ def _umask() -> int:
 
 def is_complete(folder: Path) -> bool:
     """A checkpoint is complete when its state file exists and every file its manifest lists is
-    there with the recorded size."""
+    there with the recorded size (cheap: no file is read; ``problem`` also checks the contents)."""
     try:
         files = read_state(folder).get("files", {})
     except (OSError, ValueError):
         return False
     return all((folder / name).is_file() and (folder / name).stat().st_size == size for name, size in files.items())
+
+
+def problem(folder: Path) -> Optional[str]:
+    """Why ``folder`` cannot be resumed from (naming the file), or None when every file its manifest
+    lists has the recorded size and sha256 and the loop position is well-formed."""
+    state_file = Path(folder) / STATE_NAME
+    try:
+        state = read_state(folder)
+    except FileNotFoundError:
+        return f"{state_file} is missing (an incomplete checkpoint)"
+    except (OSError, ValueError) as exc:
+        return f"{state_file} is unreadable ({exc})"
+    bad = [k for k in ("global_step", "epoch", "batches_done_in_epoch")
+           if not isinstance(state.get(k), int) or isinstance(state.get(k), bool) or state[k] < 0]
+    if bad or not isinstance(state.get("files", {}), dict):
+        return f"{state_file}: {', '.join(bad) or 'files'} is not a non-negative integer (or is missing)"
+    sums = state.get("sha256", {})
+    for name, size in state.get("files", {}).items():
+        path = Path(folder) / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, the checkpoint recorded {size}"
+        if name in sums and sha256(path) != sums[name]:
+            return f"{path} does not match its recorded sha256 (the file was changed or damaged)"
+    return None
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def list_checkpoints(output_dir: Path) -> List[Path]:
@@ -82,30 +117,40 @@ def write_checkpoint(
     own RNG state); after ``barrier`` only the main process writes the manifest and renames."""
     tmp = Path(output_dir) / f".checkpoint-{step}.tmp"
     final = Path(output_dir) / f"checkpoint-{step}"
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed save
-        tmp.mkdir(parents=True)
-    barrier()  # the folder exists before any process writes into it
-    try:
-        save_contents(tmp)
-        barrier()  # every process has written its files before the folder is sealed
-        if is_main:
-            manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-            _write_json(tmp / STATE_NAME, {**state, "files": manifest})
-            if final.exists():  # re-saving the same step (a resumed run): replace it whole
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-    except OSError as exc:
-        if is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_checkpoint(output_dir)
-        reason = "the disk is full" if exc.errno == errno.ENOSPC else str(exc)
-        raise UserError(f"saving checkpoint-{step} failed: {reason}. The previous checkpoint "
-                        f"({previous.name if previous else 'none'}) is intact; free space and resume with "
-                        "resume_from_checkpoint=latest") from None
+    remove_tmp = (lambda: shutil.rmtree(tmp, ignore_errors=True)) if is_main else (lambda: None)
+    with cleanup_on_exit(remove_tmp):  # a second signal inside the save leaves no .tmp behind
+        try:
+            remove_tmp()  # a leftover of a killed save
+            if is_main:
+                tmp.mkdir(parents=True)
+            barrier()  # the folder exists before any process writes into it
+            save_contents(tmp)
+            barrier()  # every process has written its files before the folder is sealed
+            if is_main:
+                _seal(tmp, final, state)
+        except BaseException as exc:
+            full = disk_full.is_disk_full(exc, Path(output_dir))  # before the partial folder frees its space
+            remove_tmp()
+            if not full:
+                raise
+            previous = latest_checkpoint(output_dir)
+            needed = disk_full.folder_bytes(previous) if previous else None
+            raise disk_full.DiskFullError(
+                disk_full.message(f"saving checkpoint-{step}", Path(output_dir), previous, needed)) from None
     if is_main:
         logger.info(f"saved {final}")
     return final
+
+
+def _seal(tmp: Path, final: Path, state: Dict[str, Any]) -> None:
+    """Write the manifest (size and sha256 of every file) and rename the folder into place."""
+    files = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
+    manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
+    sums = {str(p.relative_to(tmp)): sha256(p) for p in files}
+    _write_json(tmp / STATE_NAME, {**state, "files": manifest, "sha256": sums})
+    if final.exists():  # re-saving the same step (a resumed run): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def _write_json(path: Path, data: Dict[str, Any]) -> None:
@@ -144,7 +189,11 @@ def replace_folder(final: Path, write: Callable[[Path], None]) -> Path:
     """Write a folder beside ``final`` and swap it in only once complete."""
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps no half-written folder
+        raise
     old = final.with_name(f".{final.name}.old")
     if final.exists():
         os.replace(final, old)

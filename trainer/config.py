@@ -526,6 +526,7 @@ def _optimizer_problems(cfg: TrainConfig) -> List[str]:
 def _lora_problems(cfg: TrainConfig) -> List[str]:
     """The adapter, its export formats and its EMA."""
     comfyui = "comfyui" in cfg.lora_export_formats
+    unsupported = SPECS[cfg.family].comfyui_unsupported if comfyui and cfg.family in SPECS else ""
     return _failed(
         (cfg.rank >= 1, f"key 'rank': value {cfg.rank} must be >= 1"),
         (cfg.lora_alpha is None or cfg.lora_alpha > 0, f"key 'lora_alpha': value {cfg.lora_alpha} must be > 0"),
@@ -537,6 +538,7 @@ def _lora_problems(cfg: TrainConfig) -> List[str]:
          "key 'lora_target_modules': the list is empty"),
         (not (cfg.use_dora and comfyui), "key 'lora_export_formats': the ComfyUI export does not carry DoRA "
          "magnitudes; use diffusers only with use_dora: true"),
+        (not unsupported, f"key 'lora_export_formats': no ComfyUI export for {cfg.family}: {unsupported}"),
         (cfg.ema_decay is None or 0 < cfg.ema_decay < 1,
          f"key 'ema_decay': value {cfg.ema_decay} must be in (0, 1) (or null: off)"),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ from image_datasets.dataset import (
     shuffle_tags,
 )
 from image_datasets.checks import check_before_training
-from trainer import checkpoint as ckpt, distributed
+from trainer import checkpoint as ckpt, distributed, resume_check
 from trainer.adapters import TrainedWeights, final_weights_name, trained_weights
 from trainer.async_step import StepReadout, StepRecord, arm_device_skip, device_skip_supported, step_values
 from trainer.block_swap import BlockSwapper
@@ -52,6 +53,7 @@ from trainer.model_setup import prepare_transformer, transformer_load_device
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.platform import RunPolicy, configure_device, prepare_environment
 from trainer.quantization import check_available, quantization_spec
+from trainer.memory_check import warn_if_it_does_not_fit
 from trainer.reporting import plot_histogram, plot_losses, write_summary
 from trainer.run_dir import METRICS_NAME, RunFolder
 from trainer.signals import GracefulStop
@@ -87,7 +89,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.folder = RunFolder(cfg.output_dir, final_weights_name(cfg))
+        self.folder = RunFolder(cfg.output_dir, final_weights_name(cfg), cfg.max_train_steps)
         self.output_dir = self.folder.path
         self.state = RunState()
         self.stop = GracefulStop()
@@ -130,19 +132,23 @@ class Trainer:
         """Train and return the path of the final trained weights (LoRA file or pipeline folder)."""
         self.wall["imports"] = process_age_s()  # interpreter start to here: mostly imports
         try:
-            for phase in (self.setup, self.prepare_data, self.setup_model, self.train):
-                start = time.perf_counter()
-                phase()
-                self.wall[phase.__name__] = time.perf_counter() - start
-            if self.stop.requested:
-                self.accelerator.end_training()
-                raise TrainingInterrupted(
-                    f"stopped by signal at step {self.state.step}; checkpoint saved in "
-                    f"{self.output_dir / f'checkpoint-{self.state.step}'}. Resume with "
-                    "resume_from_checkpoint=latest", exit_code=128 + self.stop.requested)
-            return self.finish()
+            with self.stop:  # the whole run: a signal before the loop stops at once, in it after a checkpoint
+                for phase in (self.setup, self.prepare_data, self.setup_model, self.train):
+                    start = time.perf_counter()
+                    phase()
+                    self.wall[phase.__name__] = time.perf_counter() - start
+                if self.stop.requested:
+                    self.accelerator.end_training()
+                    raise TrainingInterrupted(
+                        f"stopped by signal at step {self.state.step}; checkpoint saved in "
+                        f"{self.output_dir / f'checkpoint-{self.state.step}'}. Resume with "
+                        "resume_from_checkpoint=latest", exit_code=128 + self.stop.requested)
+                return self.finish()
+        except Exception as exc:
+            self.folder.raise_if_disk_full(exc)  # a full disk anywhere: one clear line
+            raise
         finally:
-            self.folder.close()
+            self.folder.release(self.state.step, sys.exc_info()[1])
 
     # -- setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -172,6 +178,8 @@ class Trainer:
             set_seed(cfg.seed)
         self.family = load_family(cfg)
         distributed.configure(self.accelerator, cfg, self.family)  # the launch shards as asked; folder ready
+        warn_if_it_does_not_fit(cfg, self.device)  # the planner's verdict before any weights load
+        resume_check.refuse_incompatible(self.resume_from, cfg, self.family.model_path)
         if self.is_main:
             self.folder.write_config(cfg)
         logger.info(f"family {self.family.name}, model {self.family.model_path}, device {self.device}, "
@@ -295,7 +303,7 @@ class Trainer:
         models.clear()
 
     def _resume(self, path: Path) -> None:
-        self.accelerator.load_state(str(path))
+        resume_check.load(path, self.accelerator.load_state, self.cfg, self.samples, self.lr_scheduler)
         self.state.restore(ckpt.read_state(path))
         if self.is_main:  # steps logged after the checkpoint by the interrupted run are redone
             self.folder.truncate_metrics(self.state.step)
@@ -308,7 +316,7 @@ class Trainer:
                         disable=not self.is_main, dynamic_ncols=True)
         self.transformer.train()
         start, first_step = time.perf_counter(), state.step
-        with self.monitor.phase("train_loop", state.step), sdpa_context(self.attention), self.stop:
+        with self.monitor.phase("train_loop", state.step), sdpa_context(self.attention), self.stop.deferring():
             if self.validation.enabled and state.step == 0:
                 self._validate()  # the base model's samples, to compare against
             self.last_step_at = time.perf_counter()  # the first step is timed too (compilation)
@@ -477,11 +485,12 @@ class Trainer:
         """Trained weights + optimizer/scheduler/RNG state + loop position, written atomically."""
         self.folder.flush()
         path = ckpt.write_checkpoint(self.output_dir, self.state.step,
-                                     lambda folder: self.accelerator.save_state(str(folder)), self.state.saved(),
+                                     lambda folder: self.accelerator.save_state(str(folder)),
+                                     resume_check.record(self.cfg, self.family.model_path, self.samples, self.state.saved()),
                                      self.is_main, barrier=self.accelerator.wait_for_everyone)
         self.accelerator.wait_for_everyone()
         if self.is_main:
-            ckpt.prune_checkpoints(self.output_dir, self.cfg.checkpoints_total_limit)
+            self.folder.checkpointed(self.state.step, self.cfg.checkpoints_total_limit)
         return path
 
     def finish(self) -> Path:

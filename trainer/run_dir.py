@@ -3,15 +3,20 @@ the engine keeps in it besides checkpoints (``trainer/checkpoint.py``) and the t
 (``trainer/adapters.py``).
 
     output_dir/
+      run.lock                    the run that owns the folder (``trainer/run_lock.py``)
+      run_status.json             {"state", "step", "max_steps", "message", "time"}: running | finished |
+                                  failed | stopped, rewritten at start, at each checkpoint and at exit
       config.yaml                 the resolved config of the run
-      metrics.jsonl               one JSON line per logged step (truncated to the checkpoint on resume)
+      metrics.jsonl               one JSON line per logged step, each with "step" and "time" (unix);
+                                  truncated to the checkpoint on resume, moved aside on a fresh start
       train.log                   the full log
       summary.json                written at the end (``trainer/reporting.py``)
       checkpoint-N/               complete checkpoints only
       pytorch_lora_weights.safetensors | adapter_model.safetensors | final_model/   the final artefact
 
-``open`` is where a run takes the folder and ``close`` (also on errors) where it lets go: the place
-for a one-run-per-folder lock. Files written whole go through ``_write_atomic``.
+``open`` is where a run takes the folder (the lock: one run per folder, whatever
+``overwrite_output_dir`` says) and ``release`` (also on errors) where it lets go. Files written
+whole go through ``_write_atomic``.
 """
 
 from __future__ import annotations
@@ -21,58 +26,97 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import IO, Any, Dict, List, Optional
+from typing import IO, Any, Dict, List, Optional, Tuple
 
 from loguru import logger
 
-from trainer import checkpoint as ckpt
+from trainer import checkpoint as ckpt, disk_full
 from trainer.config import TrainConfig, config_to_yaml
-from utils.errors import ConfigError
+from trainer.run_lock import RunLock
+from trainer.signals import register_cleanup
+from utils.errors import ConfigError, TrainingInterrupted, UserError
 
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 LOG_NAME = "train.log"
 SUMMARY_NAME = "summary.json"
+STATUS_NAME = "run_status.json"
 METRICS_FLUSH_S = 1.0  # metrics.jsonl lines reach the file within this, and at every checkpoint
 
 
 class RunFolder:
     """``output_dir`` of one run; ``final_name`` is the name of its final artefact."""
 
-    def __init__(self, path: str | Path, final_name: str):
+    def __init__(self, path: str | Path, final_name: str, max_steps: int = 0):
         self.path = Path(path)
         self.final = self.path / final_name
         self.metrics = self.path / METRICS_NAME
         self.log = self.path / LOG_NAME
         self.summary = self.path / SUMMARY_NAME
+        self.status_file = self.path / STATUS_NAME
+        self.max_steps = max_steps
+        self.lock = RunLock(self.path)
+        self._unregister = lambda: None
+        self._started = False  # run_status.json belongs to this run once it has started
         self._metrics_file: Optional[IO[str]] = None
         self._flushed_at = float("-inf")  # the first line goes out at once
 
     def open(self, resume_from_checkpoint: Optional[str], overwrite: bool) -> Optional[Path]:
-        """Create the folder and decide between a fresh run and a resume: returns the checkpoint to
-        resume from, or None. Refuses to overwrite another run unasked; with ``overwrite`` the
-        first process removes the previous run's outputs. Only the first process creates and removes:
-        the others wait for it at the engine's first barrier (``trainer/distributed.py``)."""
-        first = int(os.environ.get("RANK", "0")) == 0  # before the Accelerator: the launcher's rank
-        if first:
+        """Create and lock the folder and decide between a fresh run and a resume: returns the
+        checkpoint to resume from, or None. Refuses a folder another run holds, and another run's
+        outputs unasked; with ``overwrite`` the first process removes them. Only the first process
+        creates, locks and removes: the others wait for it at the engine's first barrier
+        (``trainer/distributed.py``)."""
+        main = int(os.environ.get("RANK", "0")) == 0  # before the Accelerator: the launcher's rank
+        if main:
             self.path.mkdir(parents=True, exist_ok=True)
-        checkpoints = ckpt.list_checkpoints(self.path)
+            self.lock.acquire()
+            self._unregister = register_cleanup(self.lock.release)  # a second signal's hard exit
+            self._remove_partial_saves()
+        resume = self._choose_resume(resume_from_checkpoint, overwrite, main)
+        if resume is None and main:
+            self._move_old_metrics()
+        if main:
+            self._started = True
+            self.write_status("running", ckpt.read_state(resume)["global_step"] if resume else 0, "started")
+        return resume
+
+    def _choose_resume(self, resume_from_checkpoint: Optional[str], overwrite: bool, main: bool) -> Optional[Path]:
         if resume_from_checkpoint and resume_from_checkpoint != "latest":
-            path = Path(resume_from_checkpoint)
-            if not (path / ckpt.STATE_NAME).is_file():
-                raise ConfigError(f"key 'resume_from_checkpoint': '{path}' is not a complete checkpoint folder")
-            return path
-        if resume_from_checkpoint == "latest" and checkpoints:
-            return checkpoints[-1]
+            return _explicit_checkpoint(Path(resume_from_checkpoint))
+        checkpoints = ckpt.list_checkpoints(self.path)
+        if resume_from_checkpoint == "latest":
+            usable = _latest_usable(self.path)
+            if usable is not None:
+                return usable
+            checkpoints = []  # none can be resumed from: what is left of them is not a run to continue
+            if not self.final.exists():
+                logger.warning(f"resume_from_checkpoint=latest: no complete checkpoint in {self.path}; "
+                               "starting from step 0")
+                return None
         if checkpoints or self.final.exists():
             if not overwrite:
+                hint = "" if resume_from_checkpoint == "latest" else "set resume_from_checkpoint: latest to continue it, "
                 raise ConfigError(
-                    f"output_dir '{self.path}' holds another run ({len(checkpoints)} checkpoint(s)"
-                    f"{', a final ' + self.final.name if self.final.exists() else ''}); set resume_from_checkpoint: "
-                    "latest to continue it, overwrite_output_dir: true to replace it, or choose another output_dir")
-            if first:
+                    f"output_dir '{self.path}' holds another run ({len(checkpoints)} complete checkpoint(s)"
+                    f"{', a final ' + self.final.name if self.final.exists() else ''}); {hint}set "
+                    "overwrite_output_dir: true to replace it, or choose another output_dir")
+            if main:
                 self._remove_previous_run(checkpoints)
         return None
+
+    def _remove_partial_saves(self) -> None:
+        """``.checkpoint-N.tmp`` folders of a killed save (the lock says no run is writing them)."""
+        for tmp in self.path.glob(".checkpoint-*.tmp"):
+            shutil.rmtree(tmp, ignore_errors=True)
+            logger.info(f"removed {tmp.name}, left by an interrupted save")
+
+    def _move_old_metrics(self) -> None:
+        """A fresh start never appends to another run's ``metrics.jsonl``: it is kept aside."""
+        if self.metrics.is_file() and self.metrics.stat().st_size:
+            aside = self.metrics.with_name(f"metrics-{time.strftime('%Y%m%d-%H%M%S')}.jsonl.old")
+            os.replace(self.metrics, aside)
+            logger.warning(f"a fresh start: the previous {METRICS_NAME} was moved to {aside.name}")
 
     def _remove_previous_run(self, checkpoints: List[Path]) -> None:
         for path in checkpoints:
@@ -83,6 +127,47 @@ class RunFolder:
         self.metrics.unlink(missing_ok=True)
         logger.warning(f"overwrite_output_dir: removed the previous run's outputs in {self.path}")
 
+    # -- status and end of the run ----------------------------------------------------------------
+    def write_status(self, state: str, step: int, message: str) -> None:
+        """``run_status.json`` (read by a web UI), written whole; a full disk only loses the update."""
+        status = {"state": state, "step": step, "max_steps": self.max_steps, "message": message[:2000],
+                  "time": time.time()}
+        try:
+            _write_atomic(self.status_file, json.dumps(status))
+        except OSError:
+            try:  # a full disk has no room for a new file: rewrite the old one's block in place
+                _rewrite_in_place(self.status_file, json.dumps(status))
+            except OSError as exc:
+                logger.warning(f"{self.status_file} not updated: {exc}")
+
+    def checkpointed(self, step: int, limit: Optional[int]) -> None:
+        """After checkpoint-``step`` is saved (main process): prune old ones, update the status."""
+        ckpt.prune_checkpoints(self.path, limit)
+        self.write_status("running", step, f"saved checkpoint-{step}")
+
+    def raise_if_disk_full(self, exc: BaseException) -> None:
+        """Turn an out-of-space ``exc`` from anywhere in a run (metrics, export, cache, plots) into one
+        ``DiskFullError`` naming the file, the folder, the last good checkpoint and how to go on."""
+        if isinstance(exc, UserError) or not disk_full.is_disk_full(exc, self.path):
+            return
+        name = next((Path(e.filename) for e in disk_full.chain(exc) if isinstance(e, OSError) and e.filename), None)
+        what = f"writing {name.name}" if name else "the run"
+        raise disk_full.DiskFullError(disk_full.message(
+            what, name.parent if name else self.path, ckpt.latest_checkpoint(self.path))) from None
+
+    def release(self, step: int, error: Optional[BaseException] = None) -> None:
+        """End of the run, however it ends: close the metrics, record how it ended, drop the lock."""
+        self.close(quiet=error is not None)
+        if self._started:
+            if error is None:
+                self.write_status("finished", step, f"saved {self.final}")
+            elif isinstance(error, (TrainingInterrupted, KeyboardInterrupt)):
+                self.write_status("stopped", step, str(error) or "interrupted")
+            else:
+                self.write_status("failed", step, str(error) or type(error).__name__)
+        self.lock.release()
+        self._unregister()
+
     def flush(self) -> None:
         """Put the pending ``metrics.jsonl`` lines into the file (before a checkpoint is written, so
         every step up to it is logged; a resumed run redoes the steps after it)."""
@@ -90,11 +175,18 @@ class RunFolder:
             self._metrics_file.flush()
         self._flushed_at = time.monotonic()
 
-    def close(self) -> None:
-        """Flush and close what the run keeps open."""
-        if self._metrics_file is not None:
-            self._metrics_file.close()
-            self._metrics_file = None
+    def close(self, quiet: bool = False) -> None:
+        """Flush and close what the run keeps open; ``quiet`` (a run already failing, e.g. on a full
+        disk) logs a failed flush instead of raising over the first error."""
+        metrics, self._metrics_file = self._metrics_file, None
+        if metrics is None:
+            return
+        try:
+            metrics.close()
+        except OSError as exc:
+            if not quiet:
+                raise
+            logger.warning(f"{self.metrics}: the last lines were not written ({exc})")
 
     # -- files ------------------------------------------------------------------------------------
     def write_config(self, cfg: TrainConfig) -> Path:
@@ -106,31 +198,93 @@ class RunFolder:
         (one write a second instead of one per step)."""
         if self._metrics_file is None:
             self._metrics_file = open(self.metrics, "a")
+        record = {"step": record["step"], "time": record.get("time", time.time()), **record}
         self._metrics_file.write(json.dumps(record) + "\n")
         if time.monotonic() - self._flushed_at >= METRICS_FLUSH_S:
             self.flush()
 
     def read_metrics(self) -> List[Dict[str, Any]]:
         """The per-step records of ``metrics.jsonl`` (empty when there are none)."""
-        if not self.metrics.is_file():
-            return []
-        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+        return [record for _, record in self._parsed_metrics()]
 
     def truncate_metrics(self, last_step: int) -> None:
-        """Drop the records after ``last_step`` (a resumed run logs those steps again)."""
+        """Drop the records after ``last_step`` (a resumed run logs those steps again), and a torn line."""
         self.close()
         if self.metrics.is_file():
-            kept = [line for line in self.metrics.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+            kept = [line for line, record in self._parsed_metrics() if record["step"] <= last_step]
             _write_atomic(self.metrics, "".join(line + "\n" for line in kept))
+
+    def _parsed_metrics(self) -> List[Tuple[str, Dict[str, Any]]]:
+        """(line, record) of ``metrics.jsonl``; a line cut short (a crash or a full disk mid-write)
+        is skipped with a warning."""
+        if not self.metrics.is_file():
+            return []
+        parsed = []
+        for number, line in enumerate(self.metrics.read_text(errors="replace").splitlines(), start=1):
+            try:
+                record = json.loads(line) if line.strip() else None
+            except ValueError:
+                record = None
+                logger.warning(f"{self.metrics}:{number}: skipped a torn line ({line[:60]!r})")
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                parsed.append((line, record))
+        return parsed
 
     def write_summary(self, summary: Dict[str, Any]) -> Path:
         """``summary.json`` (its contents: ``trainer/reporting.py``)."""
         return _write_atomic(self.summary, json.dumps(summary, indent=2))
 
 
+def _latest_usable(output_dir: Path) -> Optional[Path]:
+    """The newest checkpoint whose files match its manifest; each newer one skipped is said, in one
+    line naming the damaged file and the checkpoint used instead."""
+    skipped: List[str] = []
+    for path in reversed(_checkpoint_folders(output_dir)):
+        why = ckpt.problem(path)
+        if why is None:
+            for reason in skipped:
+                logger.warning(f"{reason}; resuming from {path.name} instead")
+            return path
+        skipped.append(f"{path.name} cannot be resumed from: {why}")
+    for reason in skipped:
+        logger.warning(f"{reason}; no earlier checkpoint is usable")
+    return None
+
+
+def _explicit_checkpoint(path: Path) -> Path:
+    """``resume_from_checkpoint=<path>``, verified; a damaged one is refused naming the file and the
+    newest usable checkpoint beside it."""
+    why = ckpt.problem(path)
+    if why is None:
+        return path
+    others = [p for p in _checkpoint_folders(path.parent) if p.resolve() != path.resolve() and not ckpt.problem(p)]
+    instead = f"; resume from {others[-1]} instead (resume_from_checkpoint={others[-1]})" if others else ""
+    raise ConfigError(f"key 'resume_from_checkpoint': '{path}' cannot be resumed from: {why}{instead}")
+
+
+def _checkpoint_folders(output_dir: Path) -> List[Path]:
+    """``checkpoint-N`` folders, complete or not, oldest first."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+
+
+def _rewrite_in_place(path: Path, text: str) -> None:
+    """Overwrite an existing small file without allocating (padded with spaces: still valid JSON)."""
+    data = text.encode()
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, data.ljust(os.fstat(fd).st_size, b" "))
+    finally:
+        os.close(fd)
+
+
 def _write_atomic(path: Path, text: str) -> Path:
     """Write beside and rename into place: a reader never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk keeps no half-written file
+        raise
     return path

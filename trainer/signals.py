@@ -1,33 +1,89 @@
-"""SIGINT / SIGTERM during training: finish the current step, checkpoint, stop; a second signal exits now.
+"""SIGINT / SIGTERM for the whole run: during training, finish the current step, checkpoint, stop;
+before training (model loading, the cache pass) stop at once with one line (cache entries are
+written atomically, so a rerun continues the cache pass); a second signal exits now.
 
 A preempted cloud machine gets SIGTERM shortly before it dies; losing the steps since the last
-checkpoint is avoidable.
+checkpoint is avoidable. What an immediate exit would leave half-done (a ``.checkpoint-N.tmp``
+folder, the output folder's lock) is registered with ``cleanup_on_exit`` and removed first.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
+import time
+from contextlib import contextmanager
 from types import FrameType
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from loguru import logger
 
+from utils.errors import TrainingInterrupted
+
+_CLEANUPS: List[Callable[[], None]] = []
+# The same signal again within this is one signal delivered twice (a terminal's Ctrl-C reaches the
+# trainer directly and again through torchrun), not a user asking to exit at once.
+REPEAT_S = 0.2
+_PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent() -> None:
+    """Under a launcher, ask Linux for SIGTERM when it dies (plain ``accelerate launch`` killed by
+    SIGTERM does not pass it on): the run then checkpoints instead of running on orphaned. A no-op
+    elsewhere."""
+    launched = any(k.startswith(("ACCELERATE_", "TORCHELASTIC_")) for k in os.environ)
+    if not launched or not sys.platform.startswith("linux") or os.getppid() == 1:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+@contextmanager
+def cleanup_on_exit(cleanup: Callable[[], None]) -> Iterator[None]:
+    """Run ``cleanup`` if a second signal exits the process inside this block."""
+    _CLEANUPS.append(cleanup)
+    try:
+        yield
+    finally:
+        _CLEANUPS.remove(cleanup)
+
+
+def register_cleanup(cleanup: Callable[[], None]) -> Callable[[], None]:
+    """Run ``cleanup`` on an immediate exit until the returned function is called."""
+    _CLEANUPS.append(cleanup)
+    return lambda: _CLEANUPS.remove(cleanup) if cleanup in _CLEANUPS else None
+
+
+def _run_cleanups() -> None:
+    for cleanup in reversed(list(_CLEANUPS)):
+        try:
+            cleanup()
+        except Exception as exc:  # exiting anyway: say what stays behind
+            logger.error(f"cleanup before exit failed: {exc}")
+
 
 class GracefulStop:
-    """Context manager that turns the first SIGINT/SIGTERM into ``requested`` and the second into
-    an immediate exit. Handlers are only installed in the main thread, and restored on exit."""
+    """Context manager that turns the first SIGINT/SIGTERM into ``requested`` (inside ``deferring``,
+    i.e. the training loop) or a ``TrainingInterrupted`` raised at once (elsewhere), and the second
+    into an immediate exit. Handlers are only installed in the main thread, and restored on exit."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested: Optional[int] = None
         self._previous: Dict[int, Any] = {}
+        self._defer = False
+        self._first_at = 0.0
 
     def __enter__(self) -> "GracefulStop":
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+            stop_with_parent()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -35,11 +91,28 @@ class GracefulStop:
             signal.signal(sig, handler)
         self._previous = {}
 
+    @contextmanager
+    def deferring(self) -> Iterator["GracefulStop"]:
+        """Inside this block a signal only sets ``requested``: the loop stops at the step's end."""
+        self._defer = True
+        try:
+            yield self
+        finally:
+            self._defer = False
+
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         name = signal.Signals(signum).name
+        if self.requested == signum and time.monotonic() - self._first_at < REPEAT_S:
+            return
         if self.requested is not None:
             logger.error(f"second {name}: exiting now without saving")
+            _run_cleanups()
             os._exit(128 + signum)
-        self.requested = signum
+        self.requested, self._first_at = signum, time.monotonic()
+        if not self._defer:
+            raise TrainingInterrupted(
+                f"{name} received outside the training loop: stopped at once (finished cache entries and "
+                "checkpoints are kept); run the same command again, with resume_from_checkpoint=latest to "
+                "continue from the last checkpoint", exit_code=128 + signum)
         logger.warning(f"{name} received: stopping after this step with a checkpoint "
                        f"(send it again to exit at once)")

@@ -8,10 +8,13 @@ imports the runtime class of a run's family by name, when the run needs it.
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from utils.errors import ConfigError
 from trainer.families.flux.spec import SPEC as FLUX
+from trainer.families.flux2.spec import SPEC as FLUX2
 from trainer.families.kandinsky5.spec import SPEC as KANDINSKY5
 from trainer.families.qwen_image.spec import SPEC as QWEN_IMAGE
 from trainer.families.qwen_image_edit.spec import SPEC as QWEN_IMAGE_EDIT
@@ -21,7 +24,8 @@ from trainer.families.z_image.spec import SPEC as Z_IMAGE
 if TYPE_CHECKING:
     from trainer.families.base import ModelFamily
 
-SPECS: Dict[str, FamilySpec] = {spec.name: spec for spec in (QWEN_IMAGE, QWEN_IMAGE_EDIT, FLUX, KANDINSKY5, Z_IMAGE)}
+SPECS: Dict[str, FamilySpec] = {spec.name: spec for spec in (QWEN_IMAGE, QWEN_IMAGE_EDIT, FLUX, FLUX2, KANDINSKY5,
+                                                              Z_IMAGE)}
 
 
 def family_spec(name: str) -> FamilySpec:
@@ -36,7 +40,42 @@ def spec_for_pipeline(pipeline: str) -> Optional[FamilySpec]:
     return next((spec for spec in SPECS.values() if pipeline in spec.pipelines), None)
 
 
+def checkpoint_pipeline(name_or_path: str, revision: Optional[str] = None) -> Optional[str]:
+    """``_class_name`` of the checkpoint's ``model_index.json`` in a local folder or the HF cache (None
+    when neither has it: the download names what is missing later)."""
+    local = Path(name_or_path).expanduser() / "model_index.json"
+    if not local.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name_or_path, "model_index.json", revision=revision) \
+            if name_or_path.count("/") == 1 else None
+        local = Path(cached) if isinstance(cached, str) else local
+    if not local.is_file():
+        return None
+    try:
+        return json.loads(local.read_text()).get("_class_name")
+    except (OSError, ValueError):
+        return None  # unreadable: from_pretrained gives its own error
+
+
+def check_pipeline(family: str, name_or_path: str, revision: Optional[str] = None,
+                   pipeline: Optional[str] = None) -> None:
+    """A checkpoint whose pipeline class (``pipeline``, default: its model_index.json's) belongs to another
+    family fails here, before any weights load, naming both classes and the entry script that trains it."""
+    spec = family_spec(family)
+    pipeline = pipeline or checkpoint_pipeline(name_or_path, revision)
+    if pipeline is None or pipeline in spec.pipelines:
+        return
+    owner = spec_for_pipeline(pipeline)
+    use = (f"train it with {owner.entry_script} (family: {owner.name})" if owner is not None
+           else f"no family here trains {pipeline}")
+    raise ConfigError(
+        f"key 'pretrained_model_name_or_path': '{name_or_path}' is a {pipeline} checkpoint (model_index.json), "
+        f"but family '{spec.name}' ({spec.title}) trains {' / '.join(spec.pipelines)}; {use}")
+
+
 def load_family(cfg: Any) -> "ModelFamily":
     """The runtime family named by ``cfg.family``, for the checkpoint ``cfg.pretrained_model_name_or_path``."""
+    check_pipeline(cfg.family, cfg.pretrained_model_name_or_path, cfg.revision)
     module, _, cls = family_spec(cfg.family).runtime.partition(":")
     return getattr(importlib.import_module(module), cls)(cfg)

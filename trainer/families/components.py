@@ -69,3 +69,36 @@ def model_index(pipeline: str, **components: str) -> Dict[str, Any]:
         library, _, cls = where.partition(".")
         index[name] = [library, cls]
     return index
+
+# Qwen/Qwen3-8B: the text encoder of FLUX.2 [klein] 9B (the 4B model uses QWEN3_4B).
+QWEN3_8B: Dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu", "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000, "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+}
+
+# mistralai/Mistral-Small-3.2-24B-Instruct-2506: FLUX.2 [dev]'s text encoder (Mistral3ForConditionalGeneration:
+# a 40-layer Mistral language model of width 5120 and a Pixtral vision tower the prompt path never runs).
+MISTRAL_SMALL_3_24B: Dict[str, Any] = {
+    "architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+    "image_token_index": 10, "multimodal_projector_bias": False, "projector_hidden_act": "gelu",
+    "spatial_merge_size": 2, "vision_feature_layer": -1,
+    "text_config": {"model_type": "mistral", "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 32768,
+                    "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                    "vocab_size": 131072, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+                    "rope_theta": 1000000000.0, "tie_word_embeddings": False},
+    "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096,
+                      "num_hidden_layers": 24, "num_attention_heads": 16, "head_dim": 64, "patch_size": 14,
+                      "image_size": 1540, "num_channels": 3, "rope_theta": 10000.0, "hidden_act": "silu"},
+}
+
+# black-forest-labs/FLUX.2-dev vae/config.json (the klein checkpoints ship the same VAE):
+# AutoencoderKLFlux2, 32 latent channels, 2x2 patchified to 128 and normalised by its BatchNorm statistics.
+FLUX2_VAE: Dict[str, Any] = {
+    "_class_name": "AutoencoderKLFlux2", "act_fn": "silu", "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "in_channels": 3, "out_channels": 3, "latent_channels": 32, "layers_per_block": 2, "norm_num_groups": 32,
+    "mid_block_add_attention": True, "sample_size": 1024, "use_quant_conv": True, "use_post_quant_conv": True,
+    "batch_norm_eps": 0.0001, "batch_norm_momentum": 0.1, "patch_size": [2, 2],
+}

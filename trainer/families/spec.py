@@ -106,6 +106,8 @@ class FamilySpec:
     # planning without a download (files found locally or in the HF cache win). The first is the
     # family's reference checkpoint; "_shards" gives the transformer's number of weight files.
     hub_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Why ``lora_export_formats: [comfyui]`` is refused for this family ("" when the export is offered).
+    comfyui_unsupported: str = ""
 
     @property
     def block_attributes(self) -> Tuple[str, ...]:

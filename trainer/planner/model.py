@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
-from trainer.families import SPECS, family_spec, spec_for_pipeline
+from trainer.families import SPECS, check_pipeline, family_spec, spec_for_pipeline
 from trainer.families.spec import BlockLayout, FamilySpec
 
 COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "vae")
@@ -198,6 +198,8 @@ def model_spec(name_or_path: str, revision: Optional[str] = None, family: Option
     transformer's blocks are those of ``family`` (default: the family of the checkpoint's pipeline)."""
     configs = read_model_configs(name_or_path, revision)
     index = configs.files["model_index.json"]
+    if family is not None:  # the entry script's family: its checkpoint must be one of that family's
+        check_pipeline(family, name_or_path, revision, pipeline=index.get("_class_name"))
     spec = family_spec(family) if family is not None else spec_for_pipeline(index.get("_class_name", ""))
     if spec is None:
         raise ValueError(f"{name_or_path}: pipeline {index.get('_class_name')} is none of the families' "

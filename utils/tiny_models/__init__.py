@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised Qwen-Image / Qwen-Image-Edit(-Plus) / FLUX.1-dev / Kandinsky 5 / Z-Image
+"""Tiny, randomly initialised Qwen-Image / Qwen-Image-Edit(-Plus) / FLUX.1-dev / FLUX.2 [klein] / Kandinsky 5 / Z-Image
 pipelines for tests.
 
 Each builder uses the real diffusers/transformers classes, builds offline (tokenizers included), is
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import utils.quiet  # noqa: F401  (before diffusers and transformers load: their known-harmless warnings)
 from .flux import build_tiny_flux
+from .flux2 import build_tiny_flux2
 from .kandinsky5 import build_tiny_kandinsky5
 from .qwen_image import build_tiny_qwen_image
 from .qwen_image_edit import build_tiny_qwen_image_edit
@@ -26,6 +27,7 @@ _BUILDERS: dict[str, Callable[[Path, int], Path]] = {
     "qwen_image_edit": lambda out, seed: build_tiny_qwen_image_edit(out, seed, plus=False),
     "qwen_image_edit_plus": lambda out, seed: build_tiny_qwen_image_edit(out, seed, plus=True),
     "flux": build_tiny_flux,
+    "flux2": build_tiny_flux2,
     "kandinsky5": build_tiny_kandinsky5,
     "z_image": build_tiny_z_image,
 }
@@ -42,6 +44,7 @@ def build_tiny_pipeline(family: str, out_dir: str | Path, seed: int = 0) -> Path
 __all__ = [
     "FAMILIES",
     "build_tiny_flux",
+    "build_tiny_flux2",
     "build_tiny_kandinsky5",
     "build_tiny_pipeline",
     "build_tiny_qwen_image",

@@ -78,5 +78,8 @@ SPEC = FamilySpec(
     # The pipeline encodes a 34-token template prefix with every prompt and drops it.
     text=TextTokens(max_length=512, template=34),
     outer_layout=QWEN_OUTER_LAYOUT,
-    hub_configs={"Qwen/Qwen-Image": qwen_checkpoint("QwenImagePipeline")},
+    # Qwen-Image-2512 is the same DiT, text encoder and VAE under a new repository id (the field review,
+    # section 1b); its own scheduler file, read from the checkpoint, sets the shift when training.
+    hub_configs={"Qwen/Qwen-Image": qwen_checkpoint("QwenImagePipeline"),
+                 "Qwen/Qwen-Image-2512": qwen_checkpoint("QwenImagePipeline")},
 )
