@@ -64,10 +64,12 @@ class RunFolder:
     def open(self, resume_from_checkpoint: Optional[str], overwrite: bool) -> Optional[Path]:
         """Create and lock the folder and decide between a fresh run and a resume: returns the
         checkpoint to resume from, or None. Refuses a folder another run holds, and another run's
-        outputs unasked; with ``overwrite`` the first process removes them (before any process writes)."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        outputs unasked; with ``overwrite`` the first process removes them. Only the first process
+        creates, locks and removes: the others wait for it at the engine's first barrier
+        (``trainer/distributed.py``)."""
         main = int(os.environ.get("RANK", "0")) == 0  # before the Accelerator: the launcher's rank
         if main:
+            self.path.mkdir(parents=True, exist_ok=True)
             self.lock.acquire()
             self._unregister = register_cleanup(self.lock.release)  # a second signal's hard exit
             self._remove_partial_saves()
