@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,6 +37,17 @@ def wait_for(proc: subprocess.Popen, ready, what: str) -> None:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants (Linux ``/proc``)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    for child in (children.read_text().split() if children.exists() else []):
+        kill_tree(int(child))
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def no_leftovers(out: Path) -> None:
@@ -80,3 +92,32 @@ def test_a_clean_error_keeps_its_exit_code_under_the_launcher(tmp_path: Path) ->
     assert done.returncode == 2, done.stderr[-3000:]
     assert "error: key 'learning_rate'" in done.stderr
     assert "Traceback" not in done.stderr and "CalledProcessError" not in done.stderr
+
+
+def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(tiny_qwen_image: Path, sample_data: Path,
+                                                                      tmp_path: Path) -> None:
+    """torchrun, two processes; SIGTERM to rank 0 only: both agree to stop after the same step and
+    save one checkpoint together (stopping alone would leave the other in a collective: a hang)."""
+    out = tmp_path / "ddp"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(ROOT / "tests" / "fault_driver.py"),
+           *args(tiny_qwen_image, sample_data, out, "max_train_steps=1000", "checkpointing_steps=500",
+                 "gradient_accumulation_steps=1")]
+    env = {**os.environ, "FAULT": "slow:0.3", "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(proc, lambda: (out / "metrics.jsonl").exists() and len(losses(out)) >= 2, "two steps")
+    os.kill(json.loads((out / "run.lock").read_text())["pid"], signal.SIGTERM)  # rank 0 alone
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)  # the workers hang in a collective: leave nothing running
+        raise
+    latest = ckpt.latest_checkpoint(out)
+    assert latest is not None, stderr[-3000:]
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in latest.iterdir()}, "both saved"
+    assert "stopped by signal at step" in stderr and "Timeout" not in stderr
+    no_leftovers(out)

@@ -130,12 +130,12 @@ class Trainer:
                     start = time.perf_counter()
                     phase()
                     self.wall[phase.__name__] = time.perf_counter() - start
-                if self.stop.requested:
+                if self.stop.stopping:
                     self.accelerator.end_training()
                     raise TrainingInterrupted(
                         f"stopped by signal at step {self.state.step}; checkpoint saved in "
                         f"{self.output_dir / f'checkpoint-{self.state.step}'}. Resume with "
-                        "resume_from_checkpoint=latest", exit_code=128 + self.stop.requested)
+                        "resume_from_checkpoint=latest", exit_code=self.stop.exit_code)
                 return self.finish()
         except Exception as exc:
             self.folder.raise_if_disk_full(exc)  # a full disk anywhere: one clear line
@@ -336,6 +336,7 @@ class Trainer:
                 if not acc.sync_gradients:
                     continue
                 state.step += 1
+                self.stop.agree(acc)  # after this step, on every process alike
                 state.batches_done_in_epoch = (micro + 1) // cfg.gradient_accumulation_steps
                 self._account(records, progress)
                 losses = []
@@ -344,7 +345,7 @@ class Trainer:
                 if self._should_checkpoint():
                     self._account(self.readout.flush(), progress)
                     self.save_checkpoint()
-                if state.step >= cfg.max_train_steps or self.stop.requested:
+                if state.step >= cfg.max_train_steps or self.stop.stopping:
                     return
             state.epoch += 1
             state.batches_done_in_epoch = 0
@@ -452,7 +453,7 @@ class Trainer:
 
     def _should_checkpoint(self) -> bool:
         step = self.state.step
-        return step % self.cfg.checkpointing_steps == 0 or step == self.cfg.max_train_steps or self.stop.requested
+        return step % self.cfg.checkpointing_steps == 0 or step == self.cfg.max_train_steps or self.stop.stopping
 
     def _validate(self) -> None:
         """Render the validation prompts with the current weights (main process; the others wait)."""

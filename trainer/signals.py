@@ -76,6 +76,7 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.requested: Optional[int] = None
+        self.stopping = False  # every process agreed to stop after this step (``agree``)
         self._previous: Dict[int, Any] = {}
         self._defer = False
         self._first_at = 0.0
@@ -90,6 +91,24 @@ class GracefulStop:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal (SIGTERM for a process that stopped because another one was signalled)."""
+        return 128 + (self.requested or int(signal.SIGTERM))
+
+    def agree(self, accelerator: Any) -> bool:
+        """Whether to stop after this step, the same answer on every process: with several, the
+        signal reaches them at different steps, and a checkpoint is a collective (one process
+        saving while another trains on hangs both). One small all-reduce per step, then."""
+        stop = self.requested is not None
+        if accelerator.num_processes > 1:
+            import torch
+
+            flag = torch.tensor([float(stop)], device=accelerator.device)
+            stop = bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+        self.stopping = stop
+        return stop
 
     @contextmanager
     def deferring(self) -> Iterator["GracefulStop"]:
