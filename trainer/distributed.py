@@ -30,6 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from loguru import logger
 
+from trainer.adapters import adapter_parameters
 from trainer.config import TrainConfig
 from utils.errors import ConfigError
 
@@ -166,7 +167,7 @@ def gathered(accelerator: Accelerator, model: torch.nn.Module, is_main: bool
 
 
 def _gathered_adapter(model: torch.nn.Module, is_main: bool) -> Dict[str, torch.Tensor]:
-    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    trained = list(adapter_parameters(model).items())
     with _zero3_gathered([p for _, p in trained]):
         # Cloned: ZeRO-2 parameters are views of one flat buffer (safetensors refuses shared storage).
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in trained
