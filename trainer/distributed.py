@@ -55,6 +55,12 @@ def configure(accelerator: Accelerator, cfg: TrainConfig, family: Any) -> None:
         # The loader batches through a batch sampler (loader.batch_size is None): say it here.
         if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
             ds["train_micro_batch_size_per_gpu"] = cfg.data_config.train_batch_size
+        # DeepSpeed clips inside its own step: at the YAML's gradient_clipping, not max_grad_norm.
+        if ds.get("gradient_clipping", "auto") == "auto":
+            ds["gradient_clipping"] = cfg.max_grad_norm
+        elif float(ds["gradient_clipping"]) != cfg.max_grad_norm:
+            logger.warning(f"DeepSpeed clips gradients at its config's gradient_clipping "
+                           f"({ds['gradient_clipping']}), not at max_grad_norm ({cfg.max_grad_norm})")
         for name in ("load_text_encoder", "load_vae"):
             setattr(family, name, _unpartitioned(accelerator, getattr(family, name)))
     accelerator.wait_for_everyone()
