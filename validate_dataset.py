@@ -2,9 +2,12 @@
 
     python validate_dataset.py --path DIR [--config X.yaml] [--family F] [--caption-ext txt]
                                [--img-size N] [--control-dir D ...] [--json]
+    python validate_dataset.py --config X.yaml [--family F] [--json]
 
 With ``--config`` the image size, caption extension and reference folders come from the profile
-(flags win over it). Datasets of a family that trains on reference images (``--family
+(flags win over it). With ``--config`` and no ``--path`` every dataset of the profile is checked
+(each ``datasets`` entry with its own settings, or ``data_config.img_dir``), each reported under its
+name. Datasets of a family that trains on reference images (``--family
 qwen_image_edit``) find ``control/`` or ``control_0/``, ``control_1/``, ... beside DIR as the trainer does.
 
 Exit code: 0 when training can run (warnings allowed), 1 when an error would stop it,
@@ -18,9 +21,9 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
-from trainer.config import load_config
+from trainer.config import FolderKeys, dataset_entries, load_config, same_folder_warnings
 from utils.errors import UserError
 from trainer.families import SPECS  # the light specs: no diffusers, so --help stays instant
 
@@ -37,7 +40,7 @@ class Settings:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--path", required=True, help="folder of images and captions (data_config.img_dir)")
+    parser.add_argument("--path", help="folder of images and captions (default: every dataset of --config)")
     parser.add_argument("--config", help="training profile (YAML): img_size, caption_type, control dirs")
     parser.add_argument("--family", choices=list(SPECS), help="model family (the entry script's; wins over the config)")
     parser.add_argument("--caption-ext", help="caption file extension (default: txt or the config's)")
@@ -49,23 +52,57 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def resolve_settings(args: argparse.Namespace) -> Settings:
-    """Flags over config over defaults; families that use references find their folders as the trainer does."""
+@dataclass
+class Check:
+    """One folder to check, with its settings and the name it is reported under."""
+
+    path: str
+    settings: Settings
+    label: str = ""  # "datasets[1] (style)" when the config lists several
+
+
+def resolve_checks(args: argparse.Namespace) -> List[Check]:
+    """The folders to check: ``--path``, or every dataset of ``--config``. Flags over config over
+    defaults; families that use references find their folders as the trainer does."""
+    if not args.path:
+        if not args.config:
+            raise UserError("give --path DIR (a folder of images and captions) or --config X.yaml (its datasets)")
+        cfg = load_config(args.config, [f"family={args.family}"] if args.family else [])
+        labelled = bool(cfg.datasets)
+        for warning in same_folder_warnings(cfg.datasets):
+            print(f"warning: {warning}", file=sys.stderr)
+        return [_finish(args, entry.img_dir, Settings(entry.caption_type, entry.img_size, _controls(entry), cfg.family),
+                        f"datasets[{i}] ({entry.name})" if labelled else "")
+                for i, entry in enumerate(dataset_entries(cfg))]
     s = Settings(family=args.family)
     if args.config:
-        overrides = [f"data_config.img_dir={args.path}"] + ([f"family={args.family}"] if args.family else [])
+        overrides = ["datasets=[]", f"data_config.img_dir={args.path}"]
+        overrides += [f"family={args.family}"] if args.family else []
         cfg = load_config(args.config, overrides)
-        d = cfg.data_config
-        s = Settings(d.caption_type, d.img_size, [d.control_dir] if d.control_dir else list(d.control_dirs or []),
-                     cfg.family)
+        s = Settings(cfg.data_config.caption_type, cfg.data_config.img_size, _controls(cfg.data_config), cfg.family)
+    return [_finish(args, args.path, s)]
+
+
+def resolve_settings(args: argparse.Namespace) -> Settings:
+    """The settings of ``--path`` (flags over config over defaults)."""
+    return resolve_checks(args)[0].settings
+
+
+def _controls(keys: FolderKeys) -> List[str]:
+    return [keys.control_dir] if keys.control_dir else list(keys.control_dirs or [])
+
+
+def _finish(args: argparse.Namespace, path: str, s: Settings, label: str = "") -> Check:
+    """``s`` with the flags applied, and the reference folders found beside ``path`` when the family
+    needs them and none are named."""
     s.caption_ext = args.caption_ext or s.caption_ext
     s.img_size = args.img_size or s.img_size
     s.control_dirs = args.control_dir or s.control_dirs
     if _uses_references(s.family) and not s.control_dirs:
         from image_datasets.dataset import find_control_dirs  # imports torch: only when needed
 
-        s.control_dirs = [str(p) for p in find_control_dirs(args.path, None, None)]
-    return s
+        s.control_dirs = [str(p) for p in find_control_dirs(path, None, None)]
+    return Check(path, s, label)
 
 
 def _uses_references(family: Optional[str]) -> bool:
@@ -73,35 +110,46 @@ def _uses_references(family: Optional[str]) -> bool:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Check the dataset and print the report; the exit code says whether training can run."""
+    """Check the datasets and print the reports; the exit code says whether training can run."""
     args = parse_args(argv)
     try:
-        s = resolve_settings(args)
+        checks = resolve_checks(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    reports = [(check, check_one(check, args)) for check in checks]
+    if args.json:
+        out = [{**({"dataset": c.label} if c.label else {}), **r.to_dict()} for c, r in reports]
+        print(json.dumps(out[0] if len(out) == 1 and not checks[0].label else out, indent=2))
+    else:
+        for check, report in reports:
+            if check.label:
+                print(f"=== {check.label}: {check.path}")
+            print(report.format())
+            print()
+            print(report.verdict())
+            print()
+    return 1 if any(report.errors for _, report in reports) else 0
+
+
+def check_one(check: Check, args: argparse.Namespace) -> Any:
+    """The report of one folder (its problems name their files)."""
     # Heavy imports (torch, through the dataset module) after the arguments and config are known good.
     from image_datasets.checks import ERROR, Problem, check_dataset
     from image_datasets.dataset import find_control_dirs
 
-    if s.family is None and not s.control_dirs and find_control_dirs(args.path, None, None):
+    s, path = check.settings, check.path
+    if s.family is None and not s.control_dirs and find_control_dirs(path, None, None):
         users = " or ".join(name for name, spec in SPECS.items() if spec.uses_references)
-        print(f"note: reference folders found beside {args.path}; pass --family {users} to check "
+        print(f"note: reference folders found beside {path}; pass --family {users} to check "
               "them as reference images", file=sys.stderr)
-    report = check_dataset(args.path, s.caption_ext, s.img_size, control_dirs=s.control_dirs,
-                           min_size=args.min_size)
+    report = check_dataset(path, s.caption_ext, s.img_size, control_dirs=s.control_dirs, min_size=args.min_size)
     if _uses_references(s.family) and not s.control_dirs:  # the trainer refuses this before anything else
-        report.problems.insert(0, Problem(Path(args.path), ERROR, f"{s.family} trains on reference images, "
+        report.problems.insert(0, Problem(Path(path), ERROR, f"{s.family} trains on reference images, "
                                           "and no control/ or control_0/ folder is beside this one",
                                           "add the reference folder, or name it with --control-dir / "
                                           "data_config.control_dir", "folder"))
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print(report.format())
-        print()
-        print(report.verdict())
-    return 1 if report.errors else 0
+    return report
 
 
 if __name__ == "__main__":

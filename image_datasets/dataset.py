@@ -218,12 +218,12 @@ class ImageCaptionDataset(Dataset):
     are encoded live. Loader workers run this, so cached tensors are read off the training thread."""
 
     def __init__(self, samples: Sequence[Sample], features: Optional[Callable[[int], Dict[str, object]]] = None,
-                 load_pixels: bool = False, random_ratio: bool = False, random_crop: bool = False):
+                 load_pixels: bool = False, random_ratio: bool = False, random_crop: bool | Sequence[bool] = False):
         self.samples = list(samples)
         self.features = features
         self.load_pixels = load_pixels
         self.random_ratio = random_ratio
-        self.random_crop = random_crop
+        self.random_crop = random_crop  # for all samples, or per sample (several datasets)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -235,7 +235,8 @@ class ImageCaptionDataset(Dataset):
             item.update(self.features(index))
         if self.load_pixels:
             rng = random.Random() if self.random_ratio else None
-            item["pixels"] = load_image(sample, rng, self.random_crop)
+            crop = self.random_crop if isinstance(self.random_crop, bool) else self.random_crop[index]
+            item["pixels"] = load_image(sample, rng, crop)
             item["reference_pixels"] = [pixels_at(open_rgb(path), size)
                                         for path, size in zip(sample.references, sample.reference_sizes)]
         return item
@@ -258,42 +259,64 @@ def collate(items: List[Dict[str, object]]) -> Dict[str, object]:
 
 
 class SizeGroupedBatchSampler(Sampler[List[int]]):
-    """Batches whose samples share one group (latent size, reference sizes), so they stack without padding.
+    """Batches whose samples share one group (latent size, reference sizes; for several datasets also
+    the dataset), so they stack without padding and a batch never mixes groups.
 
-    Each epoch shuffles within size groups and then the batch order, from ``seed + epoch``;
-    every sample appears exactly once per epoch. ``set_epoch`` is called by the engine.
+    Each epoch shuffles within groups and then the batch order, from ``seed + epoch``; every sample
+    appears ``repeats[index]`` times per epoch (once by default), so groups are drawn in proportion
+    to their samples x repeats. The order depends on nothing but the seed and the epoch: a resumed
+    run that skips the batches already done continues exactly. ``set_epoch`` is called by the engine.
     """
 
-    def __init__(self, sizes: Sequence[Hashable], batch_size: int, shuffle: bool = True, seed: int = 0):
+    def __init__(self, sizes: Sequence[Hashable], batch_size: int, shuffle: bool = True, seed: int = 0,
+                 repeats: Optional[Sequence[int]] = None):
         self.sizes = list(sizes)
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
+        self.repeats = list(repeats) if repeats is not None else [1] * len(self.sizes)
+        if len(self.repeats) != len(self.sizes) or min(self.repeats, default=1) < 1:
+            raise ValueError("repeats: one count >= 1 per sample")
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _batches(self) -> List[List[int]]:
-        rng = random.Random(self.seed + self.epoch)
+    def batches(self, epoch: int) -> List[List[int]]:
+        """The batches of ``epoch``, in the order they are drawn."""
+        rng = random.Random(self.seed + epoch)
         groups: Dict[Hashable, List[int]] = {}
         for index, size in enumerate(self.sizes):
             groups.setdefault(size, []).append(index)
         batches = []
         for size in sorted(groups, key=repr):
-            indices = groups[size]
-            if self.shuffle:
-                rng.shuffle(indices)
-            batches += [indices[i:i + self.batch_size] for i in range(0, len(indices), self.batch_size)]
+            drawn: List[int] = []
+            for round_ in range(max(self.repeats[i] for i in groups[size])):
+                # Each repeat is its own shuffled pass, so an image meets itself in a batch only
+                # where two passes join.
+                indices = [i for i in groups[size] if self.repeats[i] > round_]
+                if self.shuffle:
+                    rng.shuffle(indices)
+                drawn += indices
+            batches += [drawn[i:i + self.batch_size] for i in range(0, len(drawn), self.batch_size)]
         if self.shuffle:
             rng.shuffle(batches)
         return batches
 
+    def drawn(self, epoch: int, batches_done: int) -> List[int]:
+        """How often each sample was drawn by a run that finished epochs ``0 .. epoch - 1`` and the
+        first ``batches_done`` batches of ``epoch`` (a full epoch draws each sample ``repeats`` times)."""
+        counts = [epoch * r for r in self.repeats]
+        for batch in self.batches(epoch)[:batches_done] if batches_done else []:
+            for index in batch:
+                counts[index] += 1
+        return counts
+
     def __iter__(self) -> Iterator[List[int]]:
-        return iter(self._batches())
+        return iter(self.batches(self.epoch))
 
     def __len__(self) -> int:
         counts: Dict[Hashable, int] = {}
-        for size in self.sizes:
-            counts[size] = counts.get(size, 0) + 1
+        for size, repeats in zip(self.sizes, self.repeats):
+            counts[size] = counts.get(size, 0) + repeats
         return sum(-(-n // self.batch_size) for n in counts.values())

@@ -1,6 +1,6 @@
 """Write the small sample dataset used by the quick-start and the tests.
 
-    python -m image_datasets.sample_data --out data/sample_dataset [--size 64] [--count 6]
+    python -m image_datasets.sample_data --out data/sample_dataset [--size 64] [--count 6] [--offset 0]
 
 Each image is a coloured shape on a plain background with a caption saying so, in the standard
 layout (``img1.png`` + ``img1.txt``), across png/jpg/webp and one non-square image.
@@ -54,11 +54,12 @@ def make_edit_dataset(out: Path, size: int = 64, count: int = 4, references: int
     return out / "images"
 
 
-def make_sample_dataset(out: Path, size: int = 64, count: int = 6) -> Path:
-    """Write ``count`` image/caption pairs into ``out`` and return it."""
+def make_sample_dataset(out: Path, size: int = 64, count: int = 6, offset: int = 0) -> Path:
+    """Write ``count`` image/caption pairs into ``out`` and return it; ``offset`` starts at another
+    sample (another set of colours and shapes, for a second dataset)."""
     out.mkdir(parents=True, exist_ok=True)
     for i in range(count):
-        img, caption = draw_sample(i, size)
+        img, caption = draw_sample(i + offset, size)
         img.save(out / f"img{i + 1}.{FORMATS[i % len(FORMATS)]}", quality=95)
         (out / f"img{i + 1}.txt").write_text(caption + "\n", encoding="utf-8")
     return out
@@ -69,10 +70,11 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=Path("data/sample_dataset"))
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--count", type=int, default=6)
+    parser.add_argument("--offset", type=int, default=0, help="first sample to draw (another dataset's images)")
     parser.add_argument("--edit-references", type=int, default=0,
                         help="write an Edit dataset with this many reference folders instead")
     args = parser.parse_args()
     if args.edit_references:
         print(make_edit_dataset(args.out, args.size, args.count, args.edit_references))
     else:
-        print(make_sample_dataset(args.out, args.size, args.count))
+        print(make_sample_dataset(args.out, args.size, args.count, args.offset))

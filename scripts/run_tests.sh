@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+bash scripts/setup_browser.sh  # the web page's browser test skips, saying why, where it cannot install
 # shellcheck disable=SC1091
 . .venv/bin/activate
 python -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@"

@@ -43,6 +43,8 @@ def test_every_shipped_yaml_fits_the_schema(path: Path, data_dir: Path) -> None:
     raw = OmegaConf.load(path)
     folders = [f"data_config.img_dir={data_dir}"] + \
         ([f"data_config.control_dir={data_dir}"] if raw.data_config.get("control_dir") else [])
+    if raw.get("datasets"):  # several datasets: each entry's folder
+        folders = [f"datasets.{i}.img_dir={data_dir}" for i in range(len(raw.datasets))]
     cfg = load_config(path, folders, default_family=ENTRY_FAMILIES[script])
     assert cfg.family == raw.get("family", ENTRY_FAMILIES[script]), "the YAML's family key wins over the script's"
     assert cfg.max_train_steps >= 1

@@ -360,7 +360,9 @@ def test_text_conditions_match_the_pipeline(name: str, pipeline: Callable[[str],
         assert set(cond) == set(theirs) == set(spec.text.conditions)
         for key, (width, per_token) in spec.text.conditions.items():
             assert cond[key].shape[-1] == config[width] and cond[key].dim() == (2 if per_token else 1)
-            torch.testing.assert_close(cond[key], theirs[key], atol=1e-5, rtol=1e-4)
+            # We encode two prompts as one batch, the pipeline one at a time: fp32 kernels differ
+            # there by ~1.5e-5 (seen with one thread); a wrong layer or template differs by far more.
+            torch.testing.assert_close(cond[key], theirs[key], atol=5e-5, rtol=1e-4)
     batch = family.collate_text(conds, CPU, torch.bfloat16)
     assert all(v.dtype == torch.bfloat16 for v in batch.values() if v is not None and v.is_floating_point())
     defaults = inspect.signature(pipe.__call__).parameters

@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"utils": 0, "image_datasets": 1, "trainer": 2}  # then the entry scripts at the root: 3
 ENTRY_LAYER = 3
+# then the entry scripts at the root, and the web page's package (webui/, started by webui.py): 3
+LAYERS = {"utils": 0, "image_datasets": 1, "trainer": 2, "webui": ENTRY_LAYER}
 
 Edges = Dict[str, Dict[str, int]]  # module -> {imported project module: line of the first import}
 
 
 def project_modules() -> Dict[str, Path]:
-    """Dotted module name -> file, for the three packages and the entry scripts beside them."""
+    """Dotted module name -> file, for the packages and the entry scripts beside them."""
     modules = {path.stem: path for path in ROOT.glob("*.py")}
     for package in LAYERS:
         for path in sorted((ROOT / package).rglob("*.py")):

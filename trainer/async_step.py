@@ -58,6 +58,18 @@ def arm_device_skip(optimizer: torch.optim.Optimizer, values: torch.Tensor) -> N
     optimizer.found_inf = (~torch.isfinite(values).all()).float()
 
 
+def copy_to_host(values: torch.Tensor, cuda: bool) -> Tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+    """A host copy of ``values``: on CUDA a non-blocking copy into pinned memory, readable once the
+    returned event has completed; elsewhere a plain copy (and no event)."""
+    if not cuda:
+        return values.detach().clone(), None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One optimizer step's numbers, on the host: its loss and gradient norm, and the epoch and
@@ -90,13 +102,7 @@ class StepReadout:
 
     def push(self, values: torch.Tensor, step: int, epoch: int, lr: float) -> List[StepRecord]:
         """Hand over a step's ``step_values``; returns the records now readable, oldest first."""
-        if self.cuda:
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            event: Optional[torch.cuda.Event] = torch.cuda.Event()
-            event.record()
-        else:
-            host, event = values.detach().clone(), None
+        host, event = copy_to_host(values, self.cuda)
         self.pending.append(((step, epoch, lr), host, event))
         return self._read(keep=self.lag)
 

@@ -77,53 +77,43 @@ class Section:
         return choice_problems(self, prefix)
 
 
+BUCKET_MODES = ("longest_side", "area")
+ROLES = ("train", "regularization")
+# The loss key of the regularisation datasets (``loss/regularization``): no dataset may take it as its name.
+REGULARIZATION = "regularization"
+
+
 @dataclass
-class DataConfig(Section):
-    """Where the images are and how they are turned into training samples."""
+class FolderKeys(Section):
+    """How one folder of images and captions becomes training samples: the keys a ``datasets`` entry
+    may set for itself (``data_config`` holds them for a one-folder run, and as the entries' defaults)."""
 
     img_dir: str = ""
     img_size: int = 1024  # longest side after resize, as in FlyMyAI
-    train_batch_size: int = 1
-    num_workers: int = 2
-    caption_dropout_rate: float = 0.0
-    random_ratio: bool = False  # random aspect crop (16:9, 4:3, 1:1); needs live image encoding
-    bucket_mode: str = one_of("longest_side", ("longest_side", "area"),
-                              "longest_side (FlyMyAI) or area (aspect buckets at img_size^2)")
     resolutions: Optional[List[int]] = None  # multi-resolution training, e.g. [512, 768, 1024]
-    random_crop: bool = False  # crop window at random instead of centred (needs live image encoding)
+    bucket_mode: str = one_of("longest_side", BUCKET_MODES,
+                              "longest_side (FlyMyAI) or area (aspect buckets at img_size^2)")
     caption_type: str = "txt"  # caption file extension
-    skip_bad_samples: bool = False  # train without unreadable images / bad captions (one warning each)
     trigger_word: Optional[str] = None  # put in front of every caption ("ohwx, a photo of ...")
+    caption_dropout_rate: float = 0.0
     shuffle_caption_tags: bool = False  # shuffle comma-separated tags each step (trigger stays first)
+    random_crop: bool = False  # crop window at random instead of centred (needs live image encoding)
     control_dir: Optional[str] = None  # Qwen-Image-Edit reference images (FlyMyAI's key)
     control_dirs: Optional[List[str]] = None  # several reference folders (Edit-2509/2511), in order
-    # Edit reference resize areas in pixels; default: the pipeline's (Edit: 1024^2 for both,
-    # Edit-Plus: 384^2 for the vision tower, 1024^2 for the VAE).
-    reference_condition_area: Optional[int] = None
-    reference_vae_area: Optional[int] = None
+    skip_bad_samples: bool = False  # train without unreadable images / bad captions (one warning each)
 
     def problems(self, prefix: str) -> List[str]:
-        areas = {key: getattr(self, key) for key in ("reference_condition_area", "reference_vae_area")}
         folders = ([self.control_dir] if self.control_dir else []) + list(self.control_dirs or [])
         return super().problems(prefix) + _failed(
-            (bool(self.img_dir), f"key '{prefix}img_dir' is required (the folder of images and captions)"),
             (not self.img_dir or Path(self.img_dir).is_dir(),
              f"key '{prefix}img_dir': folder '{self.img_dir}' does not exist"),
             (self.img_size >= 16, f"key '{prefix}img_size': value {self.img_size} must be at least 16"),
-            (self.train_batch_size >= 1,
-             f"key '{prefix}train_batch_size': value {self.train_batch_size} must be >= 1"),
-            (self.num_workers >= 0, f"key '{prefix}num_workers': value {self.num_workers} must be >= 0"),
             (0.0 <= self.caption_dropout_rate <= 1.0,
              f"key '{prefix}caption_dropout_rate': value {self.caption_dropout_rate} must be in [0, 1]"),
             (bool(re.fullmatch(r"[A-Za-z0-9_]+", self.caption_type)),
              f"key '{prefix}caption_type': value '{self.caption_type}' must be a file extension such as txt"),
             *[(res >= 16, f"key '{prefix}resolutions': value {res} must be at least 16")
               for res in self.resolutions or []],
-            (not (self.random_ratio and self.train_batch_size > 1),
-             f"key '{prefix}random_ratio': random aspect crops give each image its own size; "
-             "use train_batch_size: 1"),
-            *[(area is None or area >= 32 * 32, f"key '{prefix}{key}': value {area} must be at least 1024 "
-               "(32x32 pixels)") for key, area in areas.items()],
             (self.control_dir is None or self.control_dirs is None,
              f"keys '{prefix}control_dir' and '{prefix}control_dirs': set one of them"),
             *[(Path(folder).is_dir(), f"key '{prefix}control_dir(s)': folder '{folder}' does not exist")
@@ -131,11 +121,90 @@ class DataConfig(Section):
         )
 
 
+FOLDER_KEYS = tuple(f.name for f in dataclasses.fields(FolderKeys))
+
+
+@dataclass
+class DataConfig(FolderKeys):
+    """Where the images are and how they are turned into training samples. With ``datasets`` given,
+    the folder keys here are the entries' defaults and ``img_dir`` stays unset."""
+
+    train_batch_size: int = 1
+    num_workers: int = 2
+    random_ratio: bool = False  # random aspect crop (16:9, 4:3, 1:1); needs live image encoding
+    # Edit reference resize areas in pixels; default: the pipeline's (Edit: 1024^2 for both,
+    # Edit-Plus: 384^2 for the vision tower, 1024^2 for the VAE).
+    reference_condition_area: Optional[int] = None
+    reference_vae_area: Optional[int] = None
+
+    def problems(self, prefix: str) -> List[str]:
+        areas = {key: getattr(self, key) for key in ("reference_condition_area", "reference_vae_area")}
+        return super().problems(prefix) + _failed(
+            (self.train_batch_size >= 1,
+             f"key '{prefix}train_batch_size': value {self.train_batch_size} must be >= 1"),
+            (self.num_workers >= 0, f"key '{prefix}num_workers': value {self.num_workers} must be >= 0"),
+            (not (self.random_ratio and self.train_batch_size > 1),
+             f"key '{prefix}random_ratio': random aspect crops give each image its own size; "
+             "use train_batch_size: 1"),
+            *[(area is None or area >= 32 * 32, f"key '{prefix}{key}': value {area} must be at least 1024 "
+               "(32x32 pixels)") for key, area in areas.items()],
+        )
+
+
+@dataclass
+class DatasetEntry(FolderKeys):
+    """One folder of a several-dataset run (an item of ``datasets``): its own folder keys (those it
+    leaves out take ``data_config``'s), how often each image is seen per epoch, and its role."""
+
+    name: Optional[str] = None  # default: the folder's name (made unique with the entry's index)
+    repeats: int = 1  # each image is seen this many times per epoch
+    role: str = one_of("train", ROLES, "train, or regularization (prior preservation, weighted by "
+                       "regularization_weight)")
+
+    def problems(self, prefix: str) -> List[str]:
+        return super().problems(prefix) + _failed(
+            (bool(self.img_dir), f"key '{prefix}img_dir' is required (the folder of images and captions)"),
+            (self.repeats >= 1, f"key '{prefix}repeats': value {self.repeats} must be >= 1"),
+            (self.name is None or (bool(self.name) and "/" not in self.name),
+             f"key '{prefix}name': value '{self.name}' must be a non-empty name without '/'"),
+            (self.name != REGULARIZATION or self.role == REGULARIZATION,
+             f"key '{prefix}name': '{REGULARIZATION}' names the regularisation loss; choose another name"),
+        )
+
+
+@dataclass
+class ValidationPrompt:
+    """One validation prompt with its own settings; a setting left null takes the ``validation``
+    section's. A plain string in ``validation.prompts`` is a prompt with every setting null."""
+
+    prompt: str = ""
+    negative_prompt: Optional[str] = None
+    width: Optional[int] = None
+    height: Optional[int] = None
+    seed: Optional[int] = None
+    cfg_scale: Optional[float] = None
+    guidance: Optional[float] = None
+    reference_images: Optional[List[str]] = None  # Edit: this prompt's reference images
+
+    def problems(self, prefix: str) -> List[str]:
+        return _failed(
+            (bool(self.prompt.strip()), f"key '{prefix}prompt': the prompt is empty"),
+            *[(value is None or value >= 16, f"key '{prefix}{key}': value {value} must be >= 16")
+              for key, value in (("width", self.width), ("height", self.height))],
+            (self.cfg_scale is None or self.cfg_scale >= 0,
+             f"key '{prefix}cfg_scale': value {self.cfg_scale} must be >= 0"),
+            *[(Path(ref).is_file(), f"key '{prefix}reference_images': file '{ref}' does not exist")
+              for ref in self.reference_images or []],
+        )
+
+
 @dataclass
 class ValidationConfig(Section):
     """Sample images rendered with the current weights during training."""
 
-    prompts: List[str] = field(default_factory=list)  # "[trigger]" stands for data_config.trigger_word
+    # Each a string or a mapping of ValidationPrompt's keys (its own size, seed, guidance, references);
+    # loaded as ValidationPrompt. "[trigger]" stands for the first train dataset's trigger_word.
+    prompts: List[Any] = field(default_factory=list, metadata={"item": ValidationPrompt})
     every_n_steps: int = 0  # 0: off
     seed: int = 0
     steps: int = 20
@@ -159,7 +228,8 @@ class ValidationConfig(Section):
             (self.height >= 16, f"key '{prefix}height': value {self.height} must be >= 16"),
             *[(Path(ref).is_file(), f"key '{prefix}reference_images': file '{ref}' does not exist")
               for ref in self.reference_images],
-        )
+        ) + [problem for i, p in enumerate(self.prompts) if isinstance(p, ValidationPrompt)
+             for problem in p.problems(f"{prefix}prompts[{i}].")]
 
 
 @dataclass
@@ -196,6 +266,9 @@ class TrainConfig:
 
     # Data and caching
     data_config: DataConfig = field(default_factory=DataConfig)
+    # Several folders in one run (each a DatasetEntry); instead of data_config.img_dir.
+    datasets: List[DatasetEntry] = field(default_factory=list, metadata={"item": DatasetEntry})
+    regularization_weight: float = 1.0  # loss weight of role: regularization batches
     precompute_text_embeddings: bool = True
     precompute_image_embeddings: bool = True
     save_cache_on_disk: bool = True
@@ -320,6 +393,7 @@ class FlyMyAIKeys:
 
 
 FLYMYAI_KEYS = tuple(f.name for f in dataclasses.fields(FlyMyAIKeys))
+MAX_CONFIG_BYTES = 4 * 2**20  # a training config is a few KiB; past this it is the wrong file
 
 
 def load_config(
@@ -337,19 +411,25 @@ def load_config(
     user = _read_yaml(path) if path is not None else OmegaConf.create({})
     if profile_defaults:
         user = OmegaConf.merge(OmegaConf.create(profile_defaults), user)
-    if overrides:
-        user = OmegaConf.merge(user, _parse_overrides(overrides))
     source = str(path) if path is not None else "<overrides>"
+    if overrides:
+        user = _apply_overrides(user, overrides, source)
     raw = OmegaConf.to_container(user, resolve=False)
     unknown = _unknown_keys(raw, TrainConfig, also=FLYMYAI_KEYS)
     if unknown:
         raise ConfigError(f"{source}: " + "; ".join(unknown))
     try:
         raw, problems = flymyai_compat(raw)
+        raw, item_problems = _typed_items(raw)
+        if item_problems:
+            raise ConfigError(f"{source}: " + "; ".join(item_problems))
         merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), raw)
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{source}: {_describe_type_error(exc)}") from None
+    cfg.validation.prompts = [_typed(ValidationPrompt, p if isinstance(p, dict) else {"prompt": p})
+                              for p in cfg.validation.prompts]
+    _name_datasets(cfg.datasets)
     if cfg.family is None:
         cfg.family = default_family
     if cfg.mixed_precision in ("False", "false"):  # YAML 1.1 reads a bare `no` as false
@@ -395,13 +475,33 @@ def _read_yaml(path: str | os.PathLike) -> DictConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {path.stat().st_size / 2**20:.1f} MiB is far too large for a training config "
+                          f"(a few KiB; the limit is {MAX_CONFIG_BYTES // 2**20} MiB): is this the right file?")
     try:
         data = OmegaConf.load(path)  # OmegaConf uses a safe YAML loader: data, never code
     except Exception as exc:  # yaml.YAMLError and OmegaConf grammar errors
+        if "node expansion exceeds" in str(exc):  # OmegaConf counts every node, aliases or not
+            raise ConfigError(f"{path}: too many YAML values (over OmegaConf's limit of 10000, with aliases "
+                              "expanded; a training config has a few hundred): is this the right file?") from None
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, DictConfig):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
     return data
+
+
+def _apply_overrides(user: DictConfig, overrides: List[str], source: str) -> DictConfig:
+    """``key=value`` overrides on the YAML; a key through a list item (``datasets.1.repeats=3``)
+    sets that item's key."""
+    indexed = [item for item in overrides if re.search(r"\.\d+(\.|=)", item.partition("=")[0] + "=")]
+    user = OmegaConf.merge(user, _parse_overrides([item for item in overrides if item not in indexed]))
+    for item in indexed:
+        key, _, value = item.partition("=")
+        try:
+            OmegaConf.update(user, key, _parse_overrides([f"v={value}"]).v, merge=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"{source}: override {item!r}: {str(exc).splitlines()[0]}") from None
+    return user
 
 
 def _parse_overrides(overrides: List[str]) -> DictConfig:
@@ -432,12 +532,74 @@ def _unknown_keys(data: Any, schema: type, prefix: str = "", also: Sequence[str]
         sub = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
         if sub is not None and dataclasses.is_dataclass(sub):
             problems += _unknown_keys(value, sub, prefix=f"{full}.")
+        item = fields[key].metadata.get("item")
+        if item is not None and isinstance(value, list):  # a list of sections: each entry by its index
+            for index, entry in enumerate(value):
+                problems += _unknown_keys(entry, item, prefix=f"{full}[{index}].")
     return problems
 
 
-def _describe_type_error(exc: OmegaConfBaseException) -> str:
-    key = getattr(exc, "full_key", None) or "?"
+def _typed_items(raw: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+    """``raw`` with each ``datasets`` entry filled with data_config's folder keys it leaves out, and
+    the problems of its list items (a wrong type, an entry that is not a mapping), each named by its
+    index: OmegaConf's own message would name the key without its list and index."""
+    problems: List[str] = []
+    data = raw.get("data_config") if isinstance(raw.get("data_config"), dict) else {}
+    entries = raw.get("datasets")
+    if entries:
+        if data.get("img_dir"):
+            problems.append("keys 'datasets' and 'data_config.img_dir': give the folders as datasets entries, "
+                            "or one folder as data_config.img_dir, not both")
+        defaults = {key: data[key] for key in FOLDER_KEYS if key in data}
+        raw["datasets"] = [{**defaults, **entry} if isinstance(entry, dict) else entry for entry in entries]
+    validation = raw.get("validation") if isinstance(raw.get("validation"), dict) else {}
+    for key, items, schema, plain in (
+            ("datasets", raw.get("datasets") or [], DatasetEntry, ()),
+            ("validation.prompts", validation.get("prompts") or [], ValidationPrompt, (str,))):
+        for index, item in enumerate(items):
+            if isinstance(item, plain):
+                continue
+            if not isinstance(item, dict):
+                problems.append(f"key '{key}[{index}]': expected a mapping of keys to values, got {item!r}")
+                continue
+            try:
+                _typed(schema, item)
+            except OmegaConfBaseException as exc:
+                problems.append(_describe_type_error(exc, prefix=f"{key}[{index}]."))
+    return raw, problems
+
+
+def _typed(schema: type, values: Dict[str, Any]) -> Any:
+    """``values`` as an instance of the dataclass ``schema`` (OmegaConf's type conversion and checks)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+
+
+def dataset_name(entry: FolderKeys) -> str:
+    """A dataset's default name: its folder's name."""
+    return Path(entry.img_dir).name or "dataset"
+
+
+def _name_datasets(entries: List[DatasetEntry]) -> None:
+    """Give each entry without a name its folder's name; names that would collide (with each other,
+    a given name or the regularisation loss key) get the entry's index as a suffix."""
+    given = [e.name for e in entries if e.name]
+    defaults = [dataset_name(e) for e in entries]
+    for index, entry in enumerate(entries):
+        if entry.name:
+            continue
+        name = defaults[index]
+        taken = defaults.count(name) > 1 or name in given or name == REGULARIZATION
+        entry.name = f"{name}_{index}" if taken else name
+
+
+def _describe_type_error(exc: OmegaConfBaseException, prefix: str = "") -> str:
+    key = prefix + (getattr(exc, "full_key", None) or "?")
     message = str(exc).splitlines()[0]
+    section = re.search(r"is not a subclass of (\w+)", message)
+    if section and not getattr(exc, "full_key", None):  # a value where a section belongs (data_config=5)
+        key = prefix + next((f.name for f in dataclasses.fields(TrainConfig)
+                    if getattr(f.default_factory, "__name__", None) == section.group(1)), "?")
+        return f"key '{key}': is a section (a mapping of keys), not a single value"
     match = re.search(r"Value '(.*?)' (?:of type '.*?' )?could not be converted to (\w+)", message)
     if match:
         kind = {"Integer": "integer", "Float": "number", "Boolean": "boolean (true/false)"}
@@ -478,22 +640,78 @@ def _model_problems(cfg: TrainConfig) -> List[str]:
     )
 
 
+def dataset_entries(cfg: TrainConfig) -> List[DatasetEntry]:
+    """The run's datasets: the ``datasets`` list, or one entry made of ``data_config``'s folder keys
+    (a FlyMyAI config), named after its folder."""
+    if cfg.datasets:
+        return list(cfg.datasets)
+    d = cfg.data_config
+    return [DatasetEntry(**{key: getattr(d, key) for key in FOLDER_KEYS}, name=dataset_name(d))]
+
+
+def _entry_prefixes(cfg: TrainConfig) -> List[Tuple[str, DatasetEntry]]:
+    """Each dataset with the key prefix its problems are reported under."""
+    if not cfg.datasets:
+        return [("data_config.", dataset_entries(cfg)[0])]
+    return [(f"datasets[{i}].", entry) for i, entry in enumerate(cfg.datasets)]
+
+
+def same_folder_warnings(entries: Sequence[DatasetEntry]) -> List[str]:
+    """Entries that read one folder with the same settings (only their name, repeats or role
+    differ): they train the same samples twice."""
+    seen: Dict[str, int] = {}
+    warnings = []
+    for index, entry in enumerate(entries):
+        settings = {k: v for k, v in dataclasses.asdict(entry).items() if k not in ("name", "repeats", "role")}
+        settings["img_dir"] = str(Path(entry.img_dir).resolve())
+        signature = repr(sorted(settings.items()))
+        if signature in seen:
+            warnings.append(f"datasets[{index}] ({entry.name}) reads folder '{entry.img_dir}' with the same "
+                            f"settings as datasets[{seen[signature]}]: its samples train twice; use one entry "
+                            "with repeats instead")
+        seen.setdefault(signature, index)
+    return warnings
+
+
 def _data_problems(cfg: TrainConfig) -> List[str]:
-    """The data section against the caching keys and the model family."""
+    """The datasets against each other, the caching keys and the model family."""
     d, p = cfg.data_config, []
-    live_image = "set precompute_image_embeddings: false (a cached latent has one fixed crop)"
+    roles = [e.role for e in cfg.datasets]
+    names = [e.name for e in cfg.datasets]
     p += _failed(
-        (not (d.random_crop and cfg.precompute_image_embeddings),
-         f"key 'data_config.random_crop': a random crop needs live image encoding; {live_image}"),
+        (bool(d.img_dir) or bool(cfg.datasets),
+         "key 'data_config.img_dir' is required (the folder of images and captions), or a 'datasets' list"),
         (not (d.random_ratio and cfg.precompute_image_embeddings),
-         f"key 'data_config.random_ratio': a random crop needs live image encoding; {live_image}"),
-        (not (d.shuffle_caption_tags and cfg.precompute_text_embeddings),
-         "key 'data_config.shuffle_caption_tags': shuffled captions change every step; "
+         "key 'data_config.random_ratio': a random crop needs live image encoding; set "
+         "precompute_image_embeddings: false (a cached latent has one fixed crop)"),
+        (not roles or "train" in roles,
+         "key 'datasets': every entry has role: regularization; add at least one role: train dataset "
+         "(regularisation images only keep the model from drifting while it learns the train set)"),
+        (cfg.regularization_weight >= 0,
+         f"key 'regularization_weight': value {cfg.regularization_weight} must be >= 0"),
+        *[(names.count(name) == 1, f"key 'datasets[{i}].name': '{name}' names another entry too")
+          for i, name in enumerate(names) if name is not None],
+    )
+    for index, entry in enumerate(cfg.datasets):
+        p += entry.problems(f"datasets[{index}].")
+    for prefix, entry in _entry_prefixes(cfg):
+        p += _entry_problems(cfg, prefix, entry)
+    return p
+
+
+def _entry_problems(cfg: TrainConfig, prefix: str, e: FolderKeys) -> List[str]:
+    """One dataset's keys against the caching keys and the model family."""
+    p = _failed(
+        (not (e.random_crop and cfg.precompute_image_embeddings),
+         f"key '{prefix}random_crop': a random crop needs live image encoding; set "
+         "precompute_image_embeddings: false (a cached latent has one fixed crop)"),
+        (not (e.shuffle_caption_tags and cfg.precompute_text_embeddings),
+         f"key '{prefix}shuffle_caption_tags': shuffled captions change every step; "
          "set precompute_text_embeddings: false"),
     )
-    if (d.control_dir or d.control_dirs) and cfg.family in SPECS and not SPECS[cfg.family].uses_references:
+    if (e.control_dir or e.control_dirs) and cfg.family in SPECS and not SPECS[cfg.family].uses_references:
         users = [spec for spec in SPECS.values() if spec.uses_references]
-        p.append(f"key 'data_config.control_dir': reference images are only used by the "
+        p.append(f"key '{prefix}control_dir': reference images are only used by the "
                  f"{', '.join(u.name for u in users)} family, not '{cfg.family}' "
                  f"(use {', '.join(u.entry_script for u in users)})")
     return p

@@ -28,24 +28,15 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from image_datasets.buckets import at_resolutions, bucket_report
-from image_datasets.dataset import (
-    ImageCaptionDataset,
-    Sample,
-    SizeGroupedBatchSampler,
-    add_trigger_word,
-    collate,
-    find_control_dirs,
-    scan_image_folder,
-    shuffle_tags,
-)
-from image_datasets.checks import check_before_training
+from image_datasets.dataset import ImageCaptionDataset, Sample, SizeGroupedBatchSampler, collate, shuffle_tags
 from trainer import checkpoint as ckpt, distributed, resume_check
 from trainer.adapters import TrainedWeights, final_weights_name, trained_weights
 from trainer.async_step import StepReadout, StepRecord, arm_device_skip, device_skip_supported, step_values
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
-from utils.errors import DataError, TrainingDiverged, TrainingInterrupted
+from trainer.dataset_losses import DatasetLosses
+from trainer.datasets import TrainingData
+from utils.errors import TrainingDiverged, TrainingInterrupted
 from trainer.families import load_family
 from trainer.families.base import ModelFamily
 from trainer.features import FeatureStore, latent_shape
@@ -107,7 +98,9 @@ class Trainer:
         self.monitor: Optional[MemoryMonitor] = None
         self.family: Optional[ModelFamily] = None
         # prepare_data
+        self.data: Optional[TrainingData] = None  # every dataset's samples (trainer/datasets.py)
         self.samples: List[Sample] = []
+        self.dataset_losses: Optional[DatasetLosses] = None
         self.validation: Optional[ValidationRenderer] = None
         self.features: Optional[FeatureStore] = None
         self.sampler: Optional[SizeGroupedBatchSampler] = None
@@ -188,12 +181,16 @@ class Trainer:
     # -- data -------------------------------------------------------------------------------------
     def prepare_data(self) -> None:
         cfg, d = self.cfg, self.cfg.data_config
-        self.samples = self._scan_samples()
-        self.validation = ValidationRenderer(cfg, self.family, self.output_dir, [s.caption for s in self.samples])
+        self.data = TrainingData.scan(cfg, self.family)
+        self.samples = self.data.samples
+        self.dataset_losses = DatasetLosses([e.name for e in self.data.entries], [e.role for e in self.data.entries],
+                                            cfg.regularization_weight, self.device)
+        self.validation = ValidationRenderer(cfg, self.family, self.output_dir, [s.caption for s in self.samples],
+                                             self.data.trigger_word())
         if self.is_main:
             self._plot_timestep_density()
         groups = sorted({(s.size, s.reference_sizes) for s in self.samples})
-        logger.info(f"{len(self.samples)} samples from {d.img_dir}; sizes (target, references) {groups}")
+        logger.info(f"sizes (target, references) {groups}")
         self.features = FeatureStore(cfg, self.family, self.samples, self.accelerator, self.weight_dtype,
                                      keep_encoders=self.policy.keep_encoders)
         with self.monitor.phase("cache_pass"):
@@ -202,11 +199,10 @@ class Trainer:
             self.family.load_text_encoder(self.device, self.weight_dtype)
         if (not cfg.precompute_image_embeddings or self.validation.enabled) and self.family.vae is None:
             self.family.load_vae(self.device, self.weight_dtype)  # live encoding, or decoding samples
-        self.sampler = SizeGroupedBatchSampler([s.group for s in self.samples], d.train_batch_size,
-                                               shuffle=True, seed=cfg.seed or 0)
+        self.sampler = self.data.batch_sampler(d.train_batch_size, seed=cfg.seed or 0)
         # The workers read the cached tensors, the loader pins them; the step moves them (non-blocking).
         dataset = ImageCaptionDataset(self.samples, self.features.reader(), not cfg.precompute_image_embeddings,
-                                      random_ratio=d.random_ratio, random_crop=d.random_crop)
+                                      random_ratio=d.random_ratio, random_crop=self.data.random_crops())
         loader = DataLoader(
             dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=d.num_workers,
             pin_memory=self.policy.pin_memory, persistent_workers=d.num_workers > 0)
@@ -219,25 +215,6 @@ class Trainer:
         sigmas = draw_sigmas(cfg, self.family, latent_shape(self.family, size, 20_000), gen)
         plot_histogram(sigmas.tolist(), self.output_dir / "timestep_density.png",
                        f"{cfg.timestep_sampling} + shift {cfg.timestep_shift} at {size[0]}x{size[1]}")
-
-    def _scan_samples(self) -> List[Sample]:
-        """The training samples, after the dataset checks (before any model loads)."""
-        d, family = self.cfg.data_config, self.family
-        control_dirs: List[Path] = []
-        if family.uses_references:
-            control_dirs = find_control_dirs(d.img_dir, d.control_dir, d.control_dirs)
-            if not control_dirs:
-                raise DataError(f"{family.name} trains on reference images: set data_config.control_dir (or "
-                                f"control_dirs), or put them in a control/ folder beside {d.img_dir}")
-            family.check_references(len(control_dirs))
-            logger.info(f"reference folders: {', '.join(map(str, control_dirs))}")
-        skip = check_before_training(d.img_dir, d.caption_type, d.img_size, family.pixel_multiple,
-                                     control_dirs, skip_bad=d.skip_bad_samples)
-        samples = scan_image_folder(d.img_dir, d.caption_type, d.img_size, family.pixel_multiple, control_dirs,
-                                    family.reference_size if family.uses_references else None, exclude=skip)
-        samples = at_resolutions(samples, d.resolutions or [d.img_size], family.pixel_multiple, d.bucket_mode)
-        logger.info(f"buckets ({d.bucket_mode}): {bucket_report(samples)}")
-        return add_trigger_word(samples, d.trigger_word)
 
     # -- model ------------------------------------------------------------------------------------
     def setup_model(self) -> None:
@@ -289,7 +266,8 @@ class Trainer:
         if self.is_main:
             self.weights.save(model, Path(output_dir), trained)
             if self.ema is not None:
-                save_file({f"{i}": t.contiguous() for i, t in enumerate(self.ema.shadow_params)},
+                save_file({**{f"{i}": t.contiguous() for i, t in enumerate(self.ema.shadow_params)},  # + its step:
+                           "optimization_step": torch.tensor(self.ema.optimization_step)},  # the decay warms up
                           str(Path(output_dir) / EMA_NAME))
         weights.clear()
 
@@ -300,6 +278,7 @@ class Trainer:
             shadow = load_file(str(Path(input_dir) / EMA_NAME))
             for i, param in enumerate(self.ema.shadow_params):
                 param.data.copy_(shadow[str(i)])
+            self.ema.optimization_step = int(shadow.get("optimization_step", self.ema.optimization_step))
         models.clear()
 
     def _resume(self, path: Path) -> None:
@@ -373,7 +352,7 @@ class Trainer:
     def training_step(self, batch: Dict[str, Any], micro_step: int) -> torch.Tensor:
         """Flow-matching loss of one micro-batch. Randomness comes from a generator seeded by the
         epoch and micro-step, so a resumed run draws the same noise, timesteps and caption drops."""
-        cfg, d, features = self.cfg, self.cfg.data_config, self.features
+        cfg, d, features = self.cfg, self.data.entry(batch), self.features  # the batch's dataset's settings
         seed = step_seed(cfg.seed or 0, self.state.epoch, micro_step, self.accelerator.process_index)
         gen = torch.Generator().manual_seed(seed)
         # The global RNGs too (LoRA dropout draws from them): iterators and workers also consume
@@ -386,8 +365,9 @@ class Trainer:
             rng = random.Random(seed)
             captions = [shuffle_tags(c, rng, keep=1 if d.trigger_word else 0) for c in captions]
         text = features.batch_text(batch, captions, drop)
-        return flow_matching_step(cfg, self.family, self.transformer, latents, text, references, gen,
-                                  self.weight_dtype, self.accelerator.autocast)
+        return self.dataset_losses.weigh(self.data.dataset(batch), flow_matching_step(
+            cfg, self.family, self.transformer, latents, text, references, gen, self.weight_dtype,
+            self.accelerator.autocast))
 
     def _clip_gradients(self) -> Optional[torch.Tensor]:
         """Clip at ``max_grad_norm``; the norm stays on the device (read with the loss)."""
@@ -409,6 +389,7 @@ class Trainer:
         loss = self.accelerator.gather(torch.stack(losses)).float().mean()  # every micro-batch and process
         values = step_values(loss, grad_norm)
         known = dict(step=self.state.step + 1, epoch=self.state.epoch, lr=self.lr_scheduler.get_last_lr()[0])
+        self.dataset_losses.end_step(known["step"])
         if self.skip_on_device:
             arm_device_skip(self.raw_optimizer, values)
             self._optimizer_step(ok=True)
@@ -454,9 +435,10 @@ class Trainer:
         state.loss_avg = loss if state.loss_avg is None else 0.9 * state.loss_avg + 0.1 * loss
         progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)  # drawn by update, rate-limited
         progress.update(1)
+        per_dataset = self.dataset_losses.fields(record.step, loss)
         if record.step % self.cfg.log_every_n_steps:
             return
-        logs = {"loss": loss, "loss_smoothed": state.loss_avg, "lr": lr,
+        logs = {"loss": loss, **per_dataset, "loss_smoothed": state.loss_avg, "lr": lr,
                 **({"grad_norm": grad_norm} if grad_norm is not None else {})}
         if step_time > 0:
             samples = (self.cfg.data_config.train_batch_size * self.cfg.gradient_accumulation_steps
@@ -464,7 +446,8 @@ class Trainer:
             logs.update(step_time_s=step_time, samples_per_s=samples / step_time)
         self.accelerator.log(logs, step=record.step)
         if self.is_main:
-            self.folder.append_metrics({"step": record.step, "epoch": record.epoch, "loss": loss, "lr": lr,
+            self.folder.append_metrics({"step": record.step, "epoch": record.epoch, "loss": loss, **per_dataset,
+                                        "lr": lr,
                                         **({"grad_norm": grad_norm} if grad_norm is not None else {})})
 
     def _should_checkpoint(self) -> bool:
@@ -484,9 +467,9 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Trained weights + optimizer/scheduler/RNG state + loop position, written atomically."""
         self.folder.flush()
+        record = resume_check.record(self.cfg, self.family.model_path, self.samples, self.state.saved())
         path = ckpt.write_checkpoint(self.output_dir, self.state.step,
-                                     lambda folder: self.accelerator.save_state(str(folder)),
-                                     resume_check.record(self.cfg, self.family.model_path, self.samples, self.state.saved()),
+                                     lambda folder: self.accelerator.save_state(str(folder)), record,
                                      self.is_main, barrier=self.accelerator.wait_for_everyone)
         self.accelerator.wait_for_everyone()
         if self.is_main:
@@ -511,7 +494,9 @@ class Trainer:
             write_summary(self.folder, self.cfg, self.train_seconds, self.monitor.log_summary(),
                           {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME,
                            **({"contact_sheet": str(sheet)} if sheet else {})},
-                          {"wall_seconds": {k: round(v, 2) for k, v in self.wall.items() if v is not None},
+                          {"datasets": self.data.summary(self.sampler, self.state, self.cfg.gradient_accumulation_steps
+                                                         * self.accelerator.num_processes),
+                           "wall_seconds": {k: round(v, 2) for k, v in self.wall.items() if v is not None},
                            "first_step_s": self.first_step_s, "compiled": self.compiled,
                            "attention_backend": self.attention.name})
         self.accelerator.end_training()

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from image_datasets.cache import FeatureCache, Tensors, cache_key
 from image_datasets.dataset import Sample, file_hash, open_rgb, pixels_at
 from trainer.async_step import to_device
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, dataset_entries
 
 ENCODE_BATCH = 8  # prompts per text-encoder call in the cache pass (the memory planner plans for it)
 HOLD_BYTES = 1 << 30  # a run's disk-cache entries up to this size are read once and held in memory
@@ -121,7 +121,7 @@ class FeatureStore:
     def _drops_per_sample(self) -> bool:
         """Whether each sample has its own caption-dropout condition (Edit: the empty prompt sees
         the sample's references), rather than one shared empty prompt."""
-        return self.family.uses_references and self.cfg.data_config.caption_dropout_rate > 0
+        return self.family.uses_references and any(e.caption_dropout_rate > 0 for e in dataset_entries(self.cfg))
 
     # -- the cache pass ---------------------------------------------------------------------------
     def cache_pass(self, validation_prompts: Sequence[TextRequest] = ()) -> None:

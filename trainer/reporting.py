@@ -1,10 +1,13 @@
-"""End-of-run reports: ``summary.json`` and a loss-curve PNG (drawn with Pillow, no plotting stack)."""
+"""End-of-run reports: ``summary.json``, the loss curve (matplotlib, imported only when plotting) and
+the timestep histogram (Pillow)."""
 
 from __future__ import annotations
 
 import hashlib
+import math
+import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from PIL import Image, ImageDraw
 
@@ -21,36 +24,56 @@ def smoothed(values: List[float], beta: float = 0.9) -> List[float]:
     return out
 
 
-def plot_losses(records: List[Dict[str, Any]], path: Path, size: tuple = (800, 400)) -> Path:
-    """Raw (light) and smoothed (dark) loss against step."""
-    width, height = size
-    image = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(image)
-    margin = 40
-    draw.rectangle([margin, margin // 2, width - margin // 2, height - margin], outline="black")
-    if records:
-        steps = [r["step"] for r in records]
-        losses = [r["loss"] for r in records]
-        lo, hi = min(losses), max(losses)
-        span_x, span_y = max(steps[-1] - steps[0], 1), max(hi - lo, 1e-12)
+def loss_series(records: List[Dict[str, Any]]) -> Dict[str, Tuple[List[int], List[float]]]:
+    """Each loss the metrics carry (``loss``, then each ``loss/<dataset>`` and ``loss/regularization``
+    in the order first seen): the steps it was logged at and its finite values."""
+    series: Dict[str, Tuple[List[int], List[float]]] = {}
+    for record in records:
+        for key, value in record.items():
+            if (key == "loss" or key.startswith("loss/")) and isinstance(value, (int, float)) and math.isfinite(value):
+                steps, values = series.setdefault(key, ([], []))
+                steps.append(record["step"])
+                values.append(float(value))
+    return series
 
-        def xy(step: float, loss: float) -> tuple:
-            x = margin + (step - steps[0]) / span_x * (width - 1.5 * margin)
-            y = height - margin - (loss - lo) / span_y * (height - 1.5 * margin)
-            return x, y
 
-        for series, colour in ((losses, (170, 190, 230)), (smoothed(losses), (20, 60, 160))):
-            points = [xy(s, v) for s, v in zip(steps, series)]
-            draw.line(points if len(points) > 1 else points * 2, fill=colour, width=2)
-        draw.text((margin, 2), f"loss {lo:.4f} .. {hi:.4f}, steps {steps[0]}..{steps[-1]}", fill="black")
-    image.save(path)
+def plot_losses(records: List[Dict[str, Any]], path: Path, size: Tuple[float, float] = (8.0, 4.0)) -> Path:
+    """The loss against step with axes, ticks and a legend: the overall loss (raw, light; smoothed,
+    dark) and, for a run of several datasets, each dataset's and the regularisation loss (smoothed).
+    ``size`` in inches at 100 dpi. matplotlib is imported here only (Agg canvas, no display):
+    training never pays its import."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=size, dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    series = loss_series(records)
+    if "loss" in series:
+        steps, values = series.pop("loss")
+        axes.plot(steps, values, color="#aabee6", linewidth=1, label="loss")
+        axes.plot(steps, smoothed(values), color="#143ca0", linewidth=2, label="loss (smoothed)")
+    if len(series) > 1 or any(key.endswith("/regularization") for key in series):  # one dataset: the same curve
+        for key, (steps, values) in series.items():
+            axes.plot(steps, smoothed(values), linewidth=1.5, linestyle="--" if key == "loss/regularization" else "-",
+                      label=f"{key} (smoothed)")
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.set_title("training loss")
+    axes.grid(True, alpha=0.3)
+    if axes.lines:
+        axes.legend(loc="best", fontsize="small")
+    tmp = path.with_name(f".{path.name}.tmp")
+    figure.savefig(tmp, format="png")
+    os.replace(tmp, path)  # a reader never sees half a file
     return path
 
 
 def write_summary(folder: RunFolder, cfg: TrainConfig, seconds: float, memory: Dict[str, Any],
                   outputs: Dict[str, str], timing: Optional[Dict[str, Any]] = None) -> Path:
     """``summary.json``: config hash, steps, time (and ``timing``: start-up phases, first step,
-    compile and attention choices), final loss, peak memory, output paths."""
+    compile and attention choices, the datasets and what the run drew of each), final loss, peak
+    memory, output paths."""
     records = folder.read_metrics()
     losses = [r["loss"] for r in records]
     summary = {

@@ -96,7 +96,8 @@ class RunFolder:
                 return None
         if checkpoints or self.final.exists():
             if not overwrite:
-                hint = "" if resume_from_checkpoint == "latest" else "set resume_from_checkpoint: latest to continue it, "
+                hint = "" if resume_from_checkpoint == "latest" else \
+                    "set resume_from_checkpoint: latest to continue it, "
                 raise ConfigError(
                     f"output_dir '{self.path}' holds another run ({len(checkpoints)} complete checkpoint(s)"
                     f"{', a final ' + self.final.name if self.final.exists() else ''}); {hint}set "
@@ -259,7 +260,7 @@ def _explicit_checkpoint(path: Path) -> Path:
         return path
     others = [p for p in _checkpoint_folders(path.parent) if p.resolve() != path.resolve() and not ckpt.problem(p)]
     instead = f"; resume from {others[-1]} instead (resume_from_checkpoint={others[-1]})" if others else ""
-    raise ConfigError(f"key 'resume_from_checkpoint': '{path}' cannot be resumed from: {why}{instead}")
+    raise ConfigError(f"key 'resume_from_checkpoint': '{path}' is not a complete checkpoint folder: {why}{instead}")
 
 
 def _checkpoint_folders(output_dir: Path) -> List[Path]:

@@ -4,50 +4,87 @@ nothing is reloaded from disk and the text encoder is not needed again."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 from loguru import logger
 from PIL import Image
 
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, ValidationPrompt
 from utils.errors import ConfigError
 
 TextRequest = Tuple[str, Tuple[Path, ...]]
 TRIGGER = "[trigger]"
 
 
+@dataclass(frozen=True)
+class PromptRender:
+    """One validation prompt with every setting resolved (its own, else the section's)."""
+
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    seed: int
+    cfg_scale: float
+    use_cfg: bool
+    guidance: Optional[float]
+    references: Tuple[Path, ...]
+
+
 class ValidationRenderer:
     """Renders ``cfg.validation.prompts`` at step 0, every ``every_n_steps`` and at the last step into
-    ``output_dir/samples``, with the family's classifier-free guidance."""
+    ``output_dir/samples``, with the family's classifier-free guidance. Each prompt may carry its own
+    size, seed, guidance, negative prompt and (Edit) reference images."""
 
-    def __init__(self, cfg: TrainConfig, family: Any, output_dir: Path, prompts_fallback: List[str]):
+    def __init__(self, cfg: TrainConfig, family: Any, output_dir: Path, prompts_fallback: List[str],
+                 trigger_word: Optional[str] = None):
         self.cfg, self.family = cfg, family
         v = cfg.validation
         self.enabled = v.every_n_steps > 0
-        # FlyMyAI's sample_* keys carry no prompts: render the first captions of the dataset then.
-        # "[trigger]" in a prompt stands for data_config.trigger_word, as in ai-toolkit's sample prompts.
-        trigger = cfg.data_config.trigger_word or ""
-        self.prompts = [" ".join(p.replace(TRIGGER, trigger).split()).strip(" ,") for p in v.prompts] \
-            or prompts_fallback[:2]
-        self.references = tuple(Path(p) for p in v.reference_images)
-        self.folder = output_dir / "samples"
-        self.rendered: Dict[int, List[Path]] = {}
-        if v.guidance is not None and not family.distilled_guidance:
-            raise ConfigError(f"key 'validation.guidance': {family.name} has no distilled-guidance input; "
-                              "classifier-free guidance is 'validation.cfg_scale'")
         self.cfg_scale = v.cfg_scale if v.cfg_scale is not None else family.default_cfg_scale
         self.use_cfg = self.cfg_scale > family.cfg_off_value
+        self.references = tuple(Path(p) for p in v.reference_images)
+        # FlyMyAI's sample_* keys carry no prompts: render the first captions of the dataset then.
+        # "[trigger]" in a prompt stands for the trigger word, as in ai-toolkit's sample prompts.
+        trigger = (trigger_word if trigger_word is not None else cfg.data_config.trigger_word) or ""
+        given = [p if isinstance(p, ValidationPrompt) else ValidationPrompt(prompt=p) for p in v.prompts] \
+            or [ValidationPrompt(prompt=caption) for caption in prompts_fallback[:2]]
+        self.renders = [self._resolve(p, trigger, f"validation.prompts[{i}]." if v.prompts else "validation.")
+                        for i, p in enumerate(given)]
+        self.prompts = [r.prompt for r in self.renders]
+        self.folder = output_dir / "samples"
+        self.rendered: Dict[int, List[Path]] = {}
+
+    def _resolve(self, p: ValidationPrompt, trigger: str, key: str) -> PromptRender:
+        """``p`` with the section's settings where it has none; distilled guidance only where the
+        family has the input."""
+        v, family = self.cfg.validation, self.family
+        guidance = p.guidance if p.guidance is not None else v.guidance
+        if guidance is not None and not family.distilled_guidance:
+            where = key + "guidance" if p.guidance is not None else "validation.guidance"
+            raise ConfigError(f"key '{where}': {family.name} has no distilled-guidance input; "
+                              "classifier-free guidance is 'validation.cfg_scale'")
+        scale = p.cfg_scale if p.cfg_scale is not None else self.cfg_scale
+        refs = tuple(Path(r) for r in p.reference_images) if p.reference_images is not None else self.references
+        return PromptRender(
+            prompt=" ".join(p.prompt.replace(TRIGGER, trigger).split()).strip(" ,"),
+            negative_prompt=p.negative_prompt if p.negative_prompt is not None else v.negative_prompt,
+            width=p.width or v.width, height=p.height or v.height, seed=p.seed if p.seed is not None else v.seed,
+            cfg_scale=scale, use_cfg=scale > family.cfg_off_value, guidance=guidance, references=refs)
 
     def text_requests(self) -> List[TextRequest]:
-        """The prompts to encode in the cache pass (with the Edit references), then the negative
-        prompt when classifier-free guidance is on."""
+        """The prompts to encode in the cache pass (each with its Edit references), each followed by
+        its negative prompt when its classifier-free guidance is on."""
         if not self.enabled:
             return []
-        negative = [(self.cfg.validation.negative_prompt, self.references)] if self.use_cfg else []
-        return [(p, self.references) for p in self.prompts] + negative
+        requests: List[TextRequest] = []
+        for r in self.renders:
+            requests += [(r.prompt, r.references)] + ([(r.negative_prompt, r.references)] if r.use_cfg else [])
+        return requests
 
     def due(self, step: int) -> bool:
         """Every ``every_n_steps``, and at the last step (the trained weights' own samples)."""
@@ -59,22 +96,24 @@ class ValidationRenderer:
                dtype: torch.dtype, autocast: Callable[[], Any]) -> List[Path]:
         """One PNG per prompt under ``samples/step-N/``; returns their paths. ``conds`` are the
         cached conditions of ``text_requests()``, in its order."""
-        v = self.cfg.validation
-        negative = conds[-1] if self.use_cfg else None
-        conds = conds[:-1] if self.use_cfg else conds
         was_training = transformer.training
         transformer.eval()
         pipe = self._pipeline(transformer)
         folder = self.folder / f"step-{step:06d}"
         folder.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for index, cond in enumerate(conds):
-            kwargs = self._guidance_kwargs(negative, dtype, transformer.device)
-            kwargs.update(self.family.render_kwargs(cond, dtype, transformer.device), width=v.width, height=v.height,
-                          num_inference_steps=v.steps, generator=torch.Generator("cpu").manual_seed(v.seed))
-            if self.references:
-                refs = [Image.open(p).convert("RGB") for p in self.references]
+        paths, pending = [], iter(conds)
+        for index, r in enumerate(self.renders):
+            cond = next(pending)
+            negative = next(pending) if r.use_cfg else None
+            kwargs = self._guidance_kwargs(r, negative, dtype, transformer.device)
+            kwargs.update(self.family.render_kwargs(cond, dtype, transformer.device), width=r.width, height=r.height,
+                          num_inference_steps=self.cfg.validation.steps,
+                          generator=torch.Generator("cpu").manual_seed(r.seed))
+            if r.references:
+                refs = [Image.open(p).convert("RGB") for p in r.references]
                 kwargs["image"] = refs if len(refs) > 1 or self.family.max_references > 1 else refs[0]
+            if hasattr(pipe, "resolutions"):  # Kandinsky 5 snaps any other size to its list: render as asked
+                pipe.resolutions = [(r.width, r.height)]
             with autocast():
                 image = pipe(**kwargs, return_dict=False)[0][0]  # (images,): Kandinsky 5 names it .image
             paths.append(folder / f"prompt-{index}.png")
@@ -84,15 +123,15 @@ class ValidationRenderer:
         logger.info(f"validation samples at step {step}: {folder}")
         return paths
 
-    def _guidance_kwargs(self, negative: Dict[str, torch.Tensor] | None, dtype: torch.dtype,
+    def _guidance_kwargs(self, r: PromptRender, negative: Dict[str, torch.Tensor] | None, dtype: torch.dtype,
                          device: torch.device) -> Dict[str, Any]:
         """The CFG scale (with the negative prompt's embeddings when on) and distilled guidance."""
         kwargs: Dict[str, Any] = {self.family.cfg_argument: self.family.cfg_off_value}
         if negative is not None:
-            kwargs[self.family.cfg_argument] = self.cfg_scale
+            kwargs[self.family.cfg_argument] = r.cfg_scale
             kwargs.update({f"negative_{k}": t for k, t in self.family.render_kwargs(negative, dtype, device).items()})
-        if self.cfg.validation.guidance is not None:
-            kwargs["guidance_scale"] = self.cfg.validation.guidance
+        if r.guidance is not None:
+            kwargs["guidance_scale"] = r.guidance
         return kwargs
 
     def _pipeline(self, transformer: torch.nn.Module):
@@ -103,18 +142,16 @@ class ValidationRenderer:
         pipe = cls.from_pretrained(self.family.model_path, transformer=transformer, vae=self.family.vae,
                                    revision=self.cfg.revision, **absent)
         pipe.set_progress_bar_config(disable=True)
-        if hasattr(pipe, "resolutions"):  # Kandinsky 5 snaps any other size to its list: render as asked
-            pipe.resolutions = [(self.cfg.validation.width, self.cfg.validation.height)]
         return pipe
 
     def contact_sheet(self) -> Path | None:
-        """A grid: one row per prompt, one column per rendered step, written to ``samples/``."""
+        """A grid: one row per prompt, one column per rendered step (cells as large as the largest
+        prompt's size), written to ``samples/``."""
         if not self.rendered:
             return None
         steps = sorted(self.rendered)
-        first = Image.open(self.rendered[steps[0]][0])
-        w, h = first.size
-        sheet = Image.new("RGB", (w * len(steps), h * len(self.prompts)), "white")
+        w, h = max(r.width for r in self.renders), max(r.height for r in self.renders)
+        sheet = Image.new("RGB", (w * len(steps), h * len(self.renders)), "white")
         for col, step in enumerate(steps):
             for row, path in enumerate(self.rendered[step]):
                 sheet.paste(Image.open(path).convert("RGB"), (col * w, row * h))

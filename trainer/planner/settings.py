@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from image_datasets.dataset import IMAGE_EXTENSIONS, find_control_dirs
 from trainer.activation_offload import offloads_block_inputs
 from trainer.adapters import resolve_lora_targets
-from trainer.config import TORCHAO_WEIGHTS, TrainConfig, load_config
+from trainer.config import TORCHAO_WEIGHTS, TrainConfig, dataset_entries, load_config
 from utils.errors import ConfigError
 from trainer.families import family_spec
 from trainer.families.spec import IMAGE_PIXELS_PER_TOKEN, FamilySpec, ReferenceTokens
@@ -153,7 +153,7 @@ def resolve_settings(cfg: TrainConfig, spec: ModelSpec, *, blocks_to_swap: Optio
         precompute_image=cfg.precompute_image_embeddings, cache_on_disk=cfg.save_cache_on_disk,
         keep_encoders=keeps_encoders(cfg, unified), device=device,
         unified_memory=unified, streamed_loading=streamed_loading,
-        num_images=None if cfg.save_cache_on_disk else _count_images(cfg.data_config.img_dir),
+        num_images=None if cfg.save_cache_on_disk else _count_images([e.img_dir for e in dataset_entries(cfg)]),
         references=tokens.references, encode_tokens=tokens.encode_tokens, encode_batch=tokens.encode_batch,
         vision_patches=tokens.vision_patches, validation_pixels=_validation_pixels(cfg),
         dora=cfg.use_dora,
@@ -172,19 +172,20 @@ def _check_quantization(name: Optional[str]) -> Optional[str]:
     return name
 
 
-def _count_images(folder: str) -> Optional[int]:
-    root = Path(folder)
-    if not folder or not root.is_dir():
+def _count_images(folders: Sequence[str]) -> Optional[int]:
+    """The images of every dataset folder (None when one is unknown: planned without the data)."""
+    roots = [Path(folder) for folder in folders]
+    if not all(folders) or not all(root.is_dir() for root in roots):
         return None
-    return sum(1 for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    return sum(1 for root in roots for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
 
 
 def _reference_count(cfg: TrainConfig) -> int:
-    """Reference folders as the trainer finds them (one when there is no dataset to look at)."""
-    d = cfg.data_config
-    if not (d.img_dir or d.control_dir or d.control_dirs):
-        return 1
-    return max(1, len(find_control_dirs(d.img_dir, d.control_dir, d.control_dirs)))
+    """Reference folders as the trainer finds them, the most of any dataset (one when there is no
+    dataset to look at)."""
+    counts = [len(find_control_dirs(d.img_dir, d.control_dir, d.control_dirs)) for d in dataset_entries(cfg)
+              if d.img_dir or d.control_dir or d.control_dirs]
+    return max([1, *counts])
 
 
 def _side_tokens(side: int, pixels_per_token: int = IMAGE_PIXELS_PER_TOKEN) -> int:
@@ -237,10 +238,10 @@ def _validation_pixels(cfg: TrainConfig) -> int:
 
 
 def _plan_side(cfg: TrainConfig) -> int:
-    """The largest training resolution (``resolutions`` trains each image at each size), on the
-    family's 16-pixel grid (VAE 8 x 2x2 packing); planned as a square of that side."""
-    d = cfg.data_config
-    side = max(d.resolutions or [d.img_size])
+    """The largest training resolution of any dataset (``resolutions`` trains each image at each size),
+    on the family's 16-pixel grid (VAE 8 x 2x2 packing); planned as a square of that side, the
+    largest bucket there is (an ``area`` bucket holds at most side^2 pixels)."""
+    side = max(max(d.resolutions or [d.img_size]) for d in dataset_entries(cfg))
     return (side // IMAGE_PIXELS_PER_TOKEN) * IMAGE_PIXELS_PER_TOKEN
 
 
@@ -257,13 +258,21 @@ def load_plan_config(path: str, overrides: Sequence[str] = (), family: Optional[
     except ConfigError as exc:
         if "does not exist" not in str(exc):
             raise
-    raw = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))).get("data_config", {})
+    plain = [item for item in overrides if not re.search(r"\.\d+[.=]", item)]  # not through a list item
+    user = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(plain))
+    entries = list(user.get("datasets") or [])
     placeholder = tempfile.mkdtemp(prefix="plan-no-data-")
-    swaps = [f"data_config.img_dir={placeholder}"]
-    if raw.get("control_dir"):
-        swaps.append(f"data_config.control_dir={placeholder}")
-    if raw.get("control_dirs"):
-        swaps.append(f"data_config.control_dirs=[{','.join([placeholder] * len(raw['control_dirs']))}]")
+    swaps = []
+    for prefix, keys in [("data_config.", user.get("data_config", {}))] + \
+            [(f"datasets.{i}.", entry) for i, entry in enumerate(entries)]:
+        if prefix == "data_config." and entries:
+            continue  # the entries hold the folders
+        swaps.append(f"{prefix}img_dir={placeholder}")
+        if keys.get("control_dir"):
+            swaps.append(f"{prefix}control_dir={placeholder}")
+        if keys.get("control_dirs"):
+            swaps.append(f"{prefix}control_dirs=[{','.join([placeholder] * len(keys['control_dirs']))}]")
     cfg = load_config(path, [*overrides, *swaps], default_family=family, **extra)
-    cfg.data_config.img_dir = ""  # unknown dataset: no in-memory cache estimate
+    for keys in [cfg.data_config, *cfg.datasets]:
+        keys.img_dir = ""  # unknown dataset: no in-memory cache estimate
     return cfg

@@ -1,0 +1,113 @@
+"""The run's datasets: each folder of ``datasets`` (or ``data_config``'s one folder) scanned with its own
+settings, the batch sampler that draws from all of them, and what a run drew of each.
+
+Batches never mix datasets (nor sizes): a batch belongs to one dataset, so the step applies that
+dataset's caption settings and the per-dataset loss is the loss of its batches. Each dataset's
+batches are drawn in proportion to ``images x repeats`` (every sample ``repeats`` times an epoch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List
+
+from loguru import logger
+
+from image_datasets.buckets import at_resolutions, bucket_report
+from image_datasets.checks import check_before_training
+from image_datasets.dataset import (Sample, SizeGroupedBatchSampler, add_trigger_word, find_control_dirs,
+                                    scan_image_folder)
+from trainer.config import REGULARIZATION, DatasetEntry, TrainConfig, dataset_entries, same_folder_warnings
+from utils.errors import DataError
+
+
+def scan_dataset(entry: DatasetEntry, family: Any) -> List[Sample]:
+    """The training samples of one folder, after the dataset checks (before any model loads)."""
+    control_dirs: List[Path] = []
+    if family.uses_references:
+        control_dirs = find_control_dirs(entry.img_dir, entry.control_dir, entry.control_dirs)
+        if not control_dirs:
+            raise DataError(f"{family.name} trains on reference images: set data_config.control_dir (or "
+                            f"control_dirs), or put them in a control/ folder beside {entry.img_dir}")
+        family.check_references(len(control_dirs))
+        logger.info(f"reference folders: {', '.join(map(str, control_dirs))}")
+    skip = check_before_training(entry.img_dir, entry.caption_type, entry.img_size, family.pixel_multiple,
+                                 control_dirs, skip_bad=entry.skip_bad_samples)
+    samples = scan_image_folder(entry.img_dir, entry.caption_type, entry.img_size, family.pixel_multiple,
+                                control_dirs, family.reference_size if family.uses_references else None, exclude=skip)
+    samples = at_resolutions(samples, entry.resolutions or [entry.img_size], family.pixel_multiple, entry.bucket_mode)
+    logger.info(f"buckets of {entry.name} ({entry.bucket_mode}): {bucket_report(samples)}")
+    return add_trigger_word(samples, entry.trigger_word)
+
+
+@dataclass
+class TrainingData:
+    """Every dataset's samples in one list, and which dataset each sample comes from."""
+
+    entries: List[DatasetEntry]
+    samples: List[Sample]
+    dataset_of: List[int]  # sample index -> index in ``entries``
+
+    @classmethod
+    def scan(cls, cfg: TrainConfig, family: Any) -> "TrainingData":
+        """Scan every dataset of ``cfg``; a problem names the dataset it is in."""
+        entries = dataset_entries(cfg)
+        for warning in same_folder_warnings(entries):
+            logger.warning(warning)
+        samples: List[Sample] = []
+        dataset_of: List[int] = []
+        for index, entry in enumerate(entries):
+            try:
+                found = scan_dataset(entry, family)
+            except DataError as exc:
+                if not cfg.datasets:
+                    raise
+                raise DataError(f"datasets[{index}] ({entry.name}): {exc}") from None
+            samples += found
+            dataset_of += [index] * len(found)
+        data = cls(entries, samples, dataset_of)
+        where = entries[0].img_dir if len(entries) == 1 else f"{len(entries)} datasets"
+        logger.info(f"{len(samples)} samples from {where}: " + ", ".join(
+            f"{e.name} {data.count(i)} x{e.repeats}" + (" (regularization)" if e.role == REGULARIZATION else "")
+            for i, e in enumerate(entries)))
+        return data
+
+    def count(self, dataset: int) -> int:
+        """The samples of one dataset (images x resolutions)."""
+        return self.dataset_of.count(dataset)
+
+    def batch_sampler(self, batch_size: int, seed: int) -> SizeGroupedBatchSampler:
+        """Batches of one dataset and one size each, every sample ``repeats`` times an epoch."""
+        groups = [(d, s.group) for d, s in zip(self.dataset_of, self.samples)]
+        repeats = [self.entries[d].repeats for d in self.dataset_of]
+        return SizeGroupedBatchSampler(groups, batch_size, shuffle=True, seed=seed, repeats=repeats)
+
+    def random_crops(self) -> List[bool]:
+        """Per sample: whether its crop window is placed at random (its dataset's ``random_crop``)."""
+        return [self.entries[d].random_crop for d in self.dataset_of]
+
+    def dataset(self, batch: Dict[str, Any]) -> int:
+        """The dataset of a batch (all its samples share one)."""
+        return self.dataset_of[batch["index"][0]]
+
+    def entry(self, batch: Dict[str, Any]) -> DatasetEntry:
+        """The settings of a batch's dataset (caption dropout, tag shuffling, trigger word)."""
+        return self.entries[self.dataset(batch)]
+
+    def trigger_word(self) -> str:
+        """The first train dataset's trigger word ("[trigger]" in validation prompts)."""
+        return next((e.trigger_word for e in self.entries if e.role == "train" and e.trigger_word), "")
+
+    def summary(self, sampler: SizeGroupedBatchSampler, state: Any, batches_per_step: int) -> List[Dict[str, Any]]:
+        """``summary.json``'s ``datasets``: each folder, its role, images, repeats and the samples the
+        run drew from it, from where the loop stands (``state``: its epoch and the optimizer steps
+        done in it, each of ``batches_per_step`` batches over all processes)."""
+        drawn = sampler.drawn(state.epoch, state.batches_done_in_epoch * batches_per_step)
+        out = []
+        for index, entry in enumerate(self.entries):
+            mine = [i for i, d in enumerate(self.dataset_of) if d == index]
+            out.append({"name": entry.name, "path": entry.img_dir, "role": entry.role,
+                        "images": len({self.samples[i].image_path for i in mine}), "repeats": entry.repeats,
+                        "samples_seen": sum(drawn[i] for i in mine)})
+        return out

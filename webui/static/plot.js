@@ -1,0 +1,39 @@
+// A small line chart drawn as SVG (no plotting library, nothing fetched): plotLines(svg, {name: [[x, y], ...]}).
+"use strict";
+const PLOT_COLOURS = ["#1d4ed8", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#9ca3af"];
+
+function plotLines(svg, series) {
+  const W = 600, H = 260, L = 60, R = 10, T = 10, B = 30;
+  const ns = "http://www.w3.org/2000/svg";
+  svg.replaceChildren();
+  const all = Object.values(series).flat().filter(p => Number.isFinite(p[1]));
+  if (!all.length) return;
+  const xs = all.map(p => p[0]), ys = all.map(p => p[1]);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1), y0 = Math.min(...ys), y1 = Math.max(...ys, y0 + 1e-12);
+  const sx = x => L + (x - x0) / (x1 - x0) * (W - L - R), sy = y => H - B - (y - y0) / (y1 - y0) * (H - T - B);
+  const add = (tag, attrs, text) => {
+    const el = document.createElementNS(ns, tag);
+    for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+    if (text !== undefined) el.textContent = text;
+    svg.appendChild(el);
+    return el;
+  };
+  add("rect", {x: L, y: T, width: W - L - R, height: H - T - B, fill: "none", stroke: "#999"});
+  const fmt = v => Math.abs(v) >= 1e-2 && Math.abs(v) < 1e4 ? v.toPrecision(3) : v.toExponential(1);
+  add("text", {x: 2, y: T + 10, "font-size": 11}, fmt(y1));
+  add("text", {x: 2, y: H - B, "font-size": 11}, fmt(y0));
+  add("text", {x: L, y: H - 8, "font-size": 11}, `step ${x0}`);
+  add("text", {x: W - R - 70, y: H - 8, "font-size": 11}, `step ${x1}`);
+  Object.entries(series).forEach(([name, points], i) => {
+    const colour = PLOT_COLOURS[i % PLOT_COLOURS.length];
+    const good = points.filter(p => Number.isFinite(p[1]));
+    add("polyline", {points: good.map(p => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" "),
+                     fill: "none", stroke: colour, "stroke-width": 1.5, "data-series": name, "data-count": good.length});
+    add("text", {x: L + 8 + 130 * i, y: T + 14, "font-size": 11, fill: colour}, name);
+  });
+}
+
+function smoothSeries(points, beta = 0.9) {  // bias-corrected EMA, as trainer/reporting.py smooths
+  let avg = 0;
+  return points.map(([x, y], i) => { avg = beta * avg + (1 - beta) * y; return [x, avg / (1 - beta ** (i + 1))]; });
+}
