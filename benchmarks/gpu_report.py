@@ -275,6 +275,7 @@ MEMORY_ROWS: Tuple[Tuple[str, Tuple[str, ...], str], ...] = (
     ("24gb", ("quantization.backend=torchao", "quantization.weights=int8_weight_only"), "torchao int8 weight-only"),
     ("24gb", ("quantize=false", "blocks_to_swap=30"), "bf16 blocks, 30 swapped"),
     ("24gb", ("quantize=false",), "bf16 blocks, none swapped"),
+    ("flux2_klein", (), "FLUX.2 [klein] base 4B profile, as shipped (bf16)"),
 )
 
 
@@ -295,7 +296,8 @@ def memory_section(run: Run) -> str:
                      fmt(rep.device_peak_gib), f"{budget:.0f}" if shipped else "", within, fmt(rep.planned_gib),
                      fmt(rep.plan_error, "+.0%"), f"{rep.steps.median_step_s:.3f}"))
         free_memory()
-    body = (f"Qwen-Image LoRA at {run.resolution}^2 with each profile's YAML as the engine builds it: blocks "
+    body = (f"Qwen-Image LoRA (FLUX.2 klein in its row) at {run.resolution}^2 with each profile's YAML as the "
+            "engine builds it: blocks "
             "quantized one at a time by `place`, `blocks_to_swap` blocks in host memory with `BlockSwapper`, "
             "8-bit AdamW, gradient checkpointing with the kept block inputs in host memory; 5 steps. *Load peak* "
             "and *train peak* are `torch.cuda.max_memory_allocated`; *device peak* is `max_memory_reserved` plus "

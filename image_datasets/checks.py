@@ -238,6 +238,9 @@ def check_before_training(
     folders themselves are wrong, or when no sample is left. With ``skip_bad`` logs one warning per
     skipped image. Warnings are summarised in one line (the CLI lists them).
     """
+    if img_size % multiple:  # the sizes are floored to the model's pixel multiple: say so
+        logger.warning(f"data_config.img_size {img_size} is not a multiple of {multiple} (the model's pixel "
+                       f"multiple): images are sized to at most {img_size // multiple * multiple}")
     report = check_dataset(img_dir, caption_ext, img_size, multiple, control_dirs, fast=True)
     cli = _cli_command(img_dir, caption_ext, img_size, control_dirs)
     if report.fatal() or (report.errors and (not skip_bad or report.ok_samples == 0)):

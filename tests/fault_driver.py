@@ -5,7 +5,7 @@
 Faults: kill_at_call:N (SIGKILL at the N-th micro-batch), kill_in_save:N:WHERE (SIGKILL during the
 N-th checkpoint save, WHERE = contents | manifest), slow:SECONDS (each micro-batch sleeps),
 nan_at:A-B (loss is NaN for micro-batch calls A..B),
-fill_after_save:N (after the N-th save, a file beside output_dir fills its filesystem: a real full disk).
+slow_cache:SECONDS (each cache entry written sleeps first), fill_after_save:N (after the N-th save, a file beside output_dir fills its filesystem: a real full disk).
 """
 
 from __future__ import annotations
@@ -87,6 +87,16 @@ def fill_disk(filler: Path) -> None:
             pass
 
 
+def slow_put(self, key, tensors):
+    time.sleep(float(arg))
+    real_put(self, key, tensors)
+
+
+if kind == "slow_cache":
+    from image_datasets.cache import FeatureCache
+
+    real_put = FeatureCache.put
+    FeatureCache.put = slow_put
 Trainer.training_step = faulty_step
 ckpt.write_checkpoint = faulty_write
 sys.exit(cli.main("qwen_image", "fault-injection driver", sys.argv[1:]))

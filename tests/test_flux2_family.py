@@ -14,10 +14,10 @@ from typing import Any, Dict, List
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from diffusers import Flux2Pipeline, Flux2Transformer2DModel
+from diffusers import Flux2Pipeline
 from safetensors.torch import load_file
 
-from conftest import ROOT, family_pipeline, read_losses, train_in_process
+from conftest import ROOT, family_pipeline, lora_keys_match, read_losses, train_in_process
 from trainer.config import TrainConfig, load_config
 from trainer.families import check_pipeline, load_family
 from trainer.flow_matching import apply_shift
@@ -69,40 +69,68 @@ def test_auto_shift_is_flux2_shift_over_the_transformers_tokens(tiny_flux2: Path
     torch.testing.assert_close(ours, shift * sigmas / (1 + (shift - 1) * sigmas))
 
 
-def test_dev_embeds_guidance_and_has_no_cfg(tiny_flux2: Path, tmp_path: Path) -> None:
-    """A Flux2Pipeline checkpoint: predict passes the guidance embedding as Flux2Pipeline does (checked on a
-    guidance-embedding transformer inside the real pipeline); validation's scale is that guidance, and
-    validation.cfg_scale is refused."""
-    dev = variant(tiny_flux2, tmp_path, "dev", _class_name="Flux2Pipeline")
-    family = family_for(dev, guidance_scale=2.5)
+@pytest.fixture(scope="module")
+def tiny_flux2_dev(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny FLUX.2 [dev]-style pipeline (Mistral-3 encoder, guidance embedding)."""
+    from utils.tiny_models.flux2 import build_tiny_flux2_dev
+
+    return build_tiny_flux2_dev(tmp_path_factory.mktemp("models") / "tiny-flux2-dev")
+
+
+def test_dev_is_its_pipelines_text_and_transformer_call(tiny_flux2_dev: Path) -> None:
+    """A Flux2Pipeline checkpoint: the cached text is Flux2Pipeline's (Mistral-3 layers 10/20/30, the
+    encoder loaded without its LM head), predict passes the guidance embedding as the pipeline does, and
+    validation.cfg_scale is refused (dev's guidance_scale is the embedded guidance)."""
+    family = family_for(tiny_flux2_dev, guidance_scale=2.5)
     assert family.dev and family.distilled_guidance and family.pipeline_class is Flux2Pipeline
-    assert family.text_layers == (10, 20, 30)
-    klein = family_pipeline("flux2", tiny_flux2)
-    config = {**klein.transformer.config, "guidance_embeds": True}
-    torch.manual_seed(0)
-    transformer = Flux2Transformer2DModel.from_config(config).eval()
-    pipe = Flux2Pipeline(scheduler=klein.scheduler, vae=klein.vae, text_encoder=None, tokenizer=None,
-                         transformer=transformer)
-    embeds = torch.randn(1, 512, config["joint_attention_dim"], generator=torch.Generator().manual_seed(1))
-    call = transformer_calls(pipe, prompt_embeds=embeds, height=64, width=64, guidance_scale=2.5)[1]
+    pipe = Flux2Pipeline.from_pretrained(tiny_flux2_dev)
+    pipe.set_progress_bar_config(disable=True)
+    family.load_text_encoder(torch.device("cpu"), torch.float32)
+    for prompt, cond in zip(["a red circle", ""], family.encode_prompts(["a red circle", ""])):
+        theirs, _ = pipe.encode_prompt([prompt], max_sequence_length=512)
+        torch.testing.assert_close(cond["prompt_embeds"], theirs[0], atol=1e-5, rtol=1e-4)
+    call = transformer_calls(pipe, prompt="a red circle", height=64, width=64, guidance_scale=2.5)[1]
     assert torch.equal(call["guidance"], torch.full((1,), 2.5))
     ids = call["img_ids"][0]
     h, w = int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1
     unpack = lambda x: pipe._unpatchify_latents(x.transpose(1, 2).reshape(1, -1, h, w))  # noqa: E731
     with torch.no_grad():
-        ours = family.predict(transformer, unpack(call["hidden_states"]), call["timestep"],
+        ours = family.predict(pipe.transformer, unpack(call["hidden_states"]), call["timestep"],
                               {"prompt_embeds": call["encoder_hidden_states"]})
     torch.testing.assert_close(ours, unpack(call["out"][0]), atol=1e-5, rtol=1e-4)
-    cfg = TrainConfig(family="flux2", pretrained_model_name_or_path=str(dev))
+    cfg = TrainConfig(family="flux2", pretrained_model_name_or_path=str(tiny_flux2_dev))
     cfg.validation.cfg_scale = 3.0
     with pytest.raises(ConfigError, match=r"validation\.cfg_scale.*dev.*validation\.guidance"):
         load_family(cfg)
 
 
+@pytest.mark.e2e
+def test_dev_trains_and_its_lora_loads_in_flux2pipeline(tiny_flux2_dev: Path, sample_data: Path,
+                                                        tmp_path: Path) -> None:
+    out = tmp_path / "dev"
+    train_in_process(QUICKSTART, "flux2", f"pretrained_model_name_or_path={tiny_flux2_dev}",
+                     f"data_config.img_dir={sample_data}", f"output_dir={out}", "report_to=none", "max_train_steps=2",
+                     "rank=4", "lora_alpha=8", "lora_target=all_linear", "guidance_scale=1.0",
+                     "validation.every_n_steps=100", "validation.steps=2", "validation.width=64",
+                     "validation.height=64", "validation.prompts=[a red circle]", "validation.guidance=3.5")
+    assert sorted(p.parent.name for p in (out / "samples").glob("step-*/prompt-0.png")) == \
+        ["step-000000", "step-000002"]
+    pipe = Flux2Pipeline.from_pretrained(tiny_flux2_dev)
+    lora_keys_match(pipe, out, "dev")
+    assert pipe.transformer.peft_config["dev"].lora_alpha == 8
+
+
 def test_klein_base_renders_with_cfg_and_a_distilled_klein_warns(tiny_flux2: Path, tmp_path: Path,
                                                                  logs: List[Dict[str, Any]]) -> None:
-    family = family_for(tiny_flux2)
+    from trainer.validation import ValidationRenderer
+
+    cfg = TrainConfig(family="flux2", pretrained_model_name_or_path=str(tiny_flux2))
+    cfg.validation.every_n_steps, cfg.validation.prompts = 10, ["a red circle"]
+    family = load_family(cfg)
     assert not family.dev and not family.distilled_guidance and family.default_cfg_scale == 4.0
+    renderer = ValidationRenderer(cfg, family, tmp_path, [])
+    assert (renderer.use_cfg, renderer.cfg_scale) == (True, 4.0)
+    assert renderer.text_requests()[-1] == ("", ()), "the negative prompt is cached with the captions"
     distilled = family_for(variant(tiny_flux2, tmp_path, "distilled", is_distilled=True))
     assert distilled.default_cfg_scale == 1.0
     assert any("is_distilled" in r["message"] and "FLUX.2-klein-base" in r["message"] for r in logs)
@@ -122,7 +150,8 @@ def test_a_checkpoint_of_another_family_fails_before_loading(tiny_flux2: Path, s
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
         code = main("flux", "train", ["--config", str(ROOT / "train_configs/quickstart_flux_tiny.yaml"),
-                                      f"pretrained_model_name_or_path={tiny_flux2}", f"data_config.img_dir={sample_data}",
+                                      f"pretrained_model_name_or_path={tiny_flux2}",
+                                      f"data_config.img_dir={sample_data}",
                                       f"output_dir={tmp_path / 'out'}", "report_to=none"])
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -158,21 +187,24 @@ def test_config_refuses_what_flux2_does_not_offer(sample_data: Path, override: s
 
 @pytest.mark.e2e
 def test_resume_is_bit_equal(tiny_flux2: Path, sample_data: Path, tmp_path: Path) -> None:
-    """Four steps straight, and two steps then a resume to four: the same LoRA, bit for bit (caption and
-    LoRA dropout draw from every random stream)."""
+    """Four steps straight, and two steps then a resume to four: the same adapter and EMA, bit for bit
+    (caption and module dropout draw from every random stream). LoKr with EMA: the LoRA path is the shared
+    end-to-end test's."""
     def run(out: Path, steps: int, *extra: str) -> None:
         train_in_process(QUICKSTART, "flux2", f"pretrained_model_name_or_path={tiny_flux2}",
                          f"data_config.img_dir={sample_data}", f"output_dir={out}", "report_to=none",
                          f"max_train_steps={steps}", "checkpointing_steps=2", "lr_scheduler=constant",
                          "lr_warmup_steps=0", "data_config.caption_dropout_rate=0.3", "lora_dropout=0.1",
-                         "overwrite_output_dir=false", "data_config.train_batch_size=2", *extra)
+                         "overwrite_output_dir=false", "data_config.train_batch_size=2", "adapter_type=lokr",
+                         "ema_decay=0.9", *extra)
 
     run(tmp_path / "straight", 4)
     run(tmp_path / "resumed", 2)
     run(tmp_path / "resumed", 4, "resume_from_checkpoint=latest")
-    want = load_file(str(tmp_path / "straight" / "pytorch_lora_weights.safetensors"))
-    got = load_file(str(tmp_path / "resumed" / "pytorch_lora_weights.safetensors"))
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    for name in ("adapter_model.safetensors", "ema/adapter_model.safetensors"):  # peft's LoKr file, its EMA
+        want, got = load_file(str(tmp_path / "straight" / name)), load_file(str(tmp_path / "resumed" / name))
+        assert "lokr" in " ".join(want) and want.keys() == got.keys(), name
+        assert all(torch.equal(want[k], got[k]) for k in want), f"{name} differs after the resume"
     assert read_losses(tmp_path / "resumed") == read_losses(tmp_path / "straight")
 
 

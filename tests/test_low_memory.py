@@ -282,6 +282,9 @@ OFFLOAD_CASES = {
                    ["data_config.img_size=64", "data_config.num_workers=0", "lora_target=all_linear"]),
     "z_image": ("z_image", "tiny_z_image", "sample_data", "train_configs/train_z_image_lora.yaml",
                 ["data_config.img_size=64", "data_config.num_workers=0", "lora_target=all_linear"]),
+    # FLUX.2's blocks take 4-axis rotary tuples and shared modulation tensors: quantized, swapped and offloaded.
+    "flux2+swap+qfloat8": ("flux2", "tiny_flux2", "sample_data", "train_configs/quickstart_flux2_tiny.yaml",
+                           ["blocks_to_swap=1", "quantize=true"]),
     "qwen_image+swap": ("qwen_image", "tiny_qwen_image", "sample_data", QUICKSTART, ["blocks_to_swap=1"]),
     "qwen_image+qfloat8": ("qwen_image", "tiny_qwen_image", "sample_data", QUICKSTART, ["quantize=true"]),
 }

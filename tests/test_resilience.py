@@ -1,10 +1,11 @@
-"""Never lose a user's work: exact resume after SIGKILL, kill during save, SIGTERM, NaN (a full disk:
-``test_disk_full.py``)."""
+"""Never lose a user's work: exact resume after SIGKILL, kill during save, SIGTERM, NaN, a resume with
+a changed config (a full disk: ``test_disk_full.py``; signals through the launcher: ``test_launch.py``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT
-from trainer import checkpoint as ckpt
+from trainer import checkpoint as ckpt, resume_check
+from trainer.config import load_config
+from utils.errors import ConfigError
 
 pytestmark = pytest.mark.e2e
 CONFIG = ROOT / "train_configs" / "quickstart_tiny.yaml"
@@ -140,3 +143,50 @@ def test_repeated_nan_stops_with_the_last_good_checkpoint(tiny_qwen_image: Path,
     latest = ckpt.latest_checkpoint(out)
     assert latest is not None and latest.name == "checkpoint-3"
     assert all(torch.isfinite(v).all() for v in lora(latest).values())
+
+
+# -- resume with a changed config: refused when it would corrupt the run, else applied and said ----
+def config(model: Path, data: Path, out: Path, *extra: str):
+    return load_config(CONFIG, args(model, data, out, *extra)[2:], default_family="qwen_image")
+
+
+def test_changes_that_would_corrupt_the_run_are_refused(reference: Path, tiny_qwen_image: Path,
+                                                        sample_data: Path, tmp_path: Path) -> None:
+    latest = ckpt.latest_checkpoint(reference)
+    state = ckpt.read_state(latest)
+    assert state["config"]["learning_rate"] > 0 and len(state["fingerprints"]["base_model"]) == 64
+    assert ckpt.problem(latest) is None and set(state["sha256"]) == set(state["files"])
+    cfg = config(tiny_qwen_image, sample_data, reference, "lora_alpha=32", "lora_target=all_linear")
+    with pytest.raises(ConfigError) as err:
+        resume_check.refuse_incompatible(latest, cfg, str(tiny_qwen_image))
+    assert "key 'lora_alpha': the checkpoint trained with 8, this run has 32.0" in str(err.value)
+    assert "key 'lora_target': the checkpoint trained with 'attention_mlp', this run has 'all_linear'" in str(err.value)
+    with pytest.raises(ConfigError, match="key 'max_train_steps': 2 is below the step of .*checkpoint-8 .8."):
+        resume_check.refuse_incompatible(latest, config(tiny_qwen_image, sample_data, reference,
+                                                        "max_train_steps=2"), str(tiny_qwen_image))
+    other = tmp_path / "other-model"  # same shape, other weights
+    shutil.copytree(tiny_qwen_image, other)
+    weights = next((other / "transformer").glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-64:] = bytes(64)
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="key 'pretrained_model_name_or_path': .* another base model"):
+        resume_check.refuse_incompatible(latest, config(other, sample_data, reference), str(other))
+    resume_check.refuse_incompatible(latest, config(tiny_qwen_image, sample_data, reference), str(tiny_qwen_image))
+
+
+def test_a_new_learning_rate_and_schedule_apply_and_are_said(reference: Path, tiny_qwen_image: Path,
+                                                            sample_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    (out / "pytorch_lora_weights.safetensors").unlink()  # continue the run past its end
+    resumed = run(args(tiny_qwen_image, sample_data, out, "resume_from_checkpoint=latest", "max_train_steps=10",
+                       "learning_rate=1e-5", "lr_scheduler=constant"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for said in ("learning_rate changed 0.001 -> 1e-05: applied from step 8",
+                 "lr_scheduler changed 'cosine' -> 'constant': applied from step 8",
+                 "max_train_steps changed 8 -> 10: applied from step 8"):
+        assert said in resumed.stderr, said
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert [r["lr"] for r in records[8:]] == [1e-5, 1e-5], "the new rate is used, not the checkpoint's"

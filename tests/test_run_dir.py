@@ -68,7 +68,8 @@ def test_another_run_is_refused_unless_resumed_or_overwritten(tmp_path: Path) ->
     assert "resume_from_checkpoint: latest" in str(err.value) and "overwrite_output_dir: true" in str(err.value)
     assert opened(tmp_path, "latest") == tmp_path / "checkpoint-4"
     assert opened(tmp_path, str(tmp_path / "checkpoint-2")) == tmp_path / "checkpoint-2"
-    with pytest.raises(ConfigError, match="'resume_from_checkpoint': '.*nowhere' cannot be resumed from: .*missing"):
+    with pytest.raises(ConfigError, match="'resume_from_checkpoint': '.*nowhere' is not a complete checkpoint "
+                                          "folder: .*missing"):
         opened(tmp_path, str(tmp_path / "nowhere"))
     kept = tmp_path / "notes.txt"
     kept.write_text("mine")

@@ -137,7 +137,7 @@ def test_profiles_are_listed_and_read(client: TestClient) -> None:
     assert client.get("/api/profiles/quickstart_tiny.yaml").json()["text"] == QUICKSTART
 
 
-def test_config_errors_are_the_clis(client: TestClient, tmp_path: Path) -> None:
+def test_config_errors_are_the_clis(client: TestClient, tmp_path: Path, sample_data: Path) -> None:
     bad = QUICKSTART + "learnin_rate: 1\n"
     response = client.post("/api/runs", json={"config": bad, "entry": "train.py", "overrides": ["max_train_steps=x"]})
     assert response.status_code == 422
@@ -149,7 +149,9 @@ def test_config_errors_are_the_clis(client: TestClient, tmp_path: Path) -> None:
     assert response.json()["detail"]["message"] == stderr.getvalue().strip().replace(str(path), "config.yaml")
     assert "unknown key 'learnin_rate' (did you mean 'learning_rate'?)" in response.json()["detail"]["errors"]
     # value errors (after the keys are known) and the form's edits, typed by the schema
-    errors = client.post("/api/runs", json={"config": QUICKSTART, "form": {"rank": "0", "lr_scheduler": "no"}}).json()
+    # (the data folder exists, so that only the two edited keys are wrong, also on a fresh clone)
+    form = {"rank": "0", "lr_scheduler": "no", "data_config.img_dir": str(sample_data)}
+    errors = client.post("/api/runs", json={"config": QUICKSTART, "form": form}).json()
     assert errors["detail"]["errors"] == ["key 'lr_scheduler': value 'no' is not one of constant, constant_with_warmup, "
                                           "linear, cosine, cosine_with_restarts, polynomial", "key 'rank': value 0 must be >= 1"]
     for body in ({"config": "a: [", "entry": "train.py"}, {"config": QUICKSTART, "entry": "rm.py"},

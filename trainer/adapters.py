@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Dict, Mapping, Protocol
+from typing import Any, Dict, Mapping, Optional, Protocol
 
 import torch
 from loguru import logger
@@ -19,6 +19,8 @@ from trainer.checkpoint import LORA_WEIGHTS_NAME, load_sharded_state_dict, repla
 from trainer.config import TrainConfig
 from utils.errors import ConfigError, UserError
 from trainer.families.spec import TargetSpec
+
+Tensors = Dict[str, torch.Tensor]
 
 
 def resolve_lora_targets(cfg: TrainConfig, presets: Mapping[str, TargetSpec]) -> TargetSpec:
@@ -78,11 +80,13 @@ def skip_lora_input_upcast(transformer: torch.nn.Module) -> int:
     return len(layers)
 
 
-def lora_state_dict(transformer: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """The adapter weights in peft's naming (what diffusers' ``save_lora_weights`` expects)."""
+def lora_state_dict(transformer: torch.nn.Module, trained: Optional[Tensors] = None) -> Tensors:
+    """The adapter weights in peft's naming (what diffusers' ``save_lora_weights`` expects);
+    ``trained``: the adapter tensors by parameter name where they were gathered from shards."""
     # Hand peft only the adapter tensors: model.state_dict() would make quantized layers unpack
     # every weight at once (a whole-model spike at each save with qint4).
-    adapter = {name: param for name, param in transformer.named_parameters() if param.requires_grad}
+    adapter = trained if trained is not None else \
+        {name: param for name, param in transformer.named_parameters() if param.requires_grad}
     return get_peft_model_state_dict(transformer, state_dict=adapter)
 
 
@@ -111,11 +115,13 @@ class TrainedWeights(Protocol):
 
     def attach(self, transformer: torch.nn.Module) -> int:
         """Make the trained weights trainable (adding them where needed); returns their count."""
-    def save(self, transformer: torch.nn.Module, folder: Path) -> Path:
-        """Write the trained weights into a checkpoint ``folder``."""
+    def save(self, transformer: torch.nn.Module, folder: Path, trained: Optional[Tensors] = None) -> Path:
+        """Write the trained weights into a checkpoint ``folder`` (``trained``: LoRA tensors
+        gathered from shards, see ``trainer/distributed.py``)."""
     def load(self, transformer: torch.nn.Module, folder: Path) -> None:
         """Restore the trained weights from a checkpoint ``folder``."""
-    def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str) -> Path:
+    def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str,
+               trained: Optional[Tensors] = None) -> Path:
         """Write the final artefact into ``output_dir``; returns its path."""
 
 
@@ -130,12 +136,13 @@ class LoraWeights:
     def attach(self, transformer: torch.nn.Module) -> int:
         return add_lora(transformer, self.cfg, self.presets)
 
-    def save(self, transformer: torch.nn.Module, folder: Path) -> Path:
+    def save(self, transformer: torch.nn.Module, folder: Path, trained: Optional[Tensors] = None) -> Path:
         if self.peft_format:
-            return self._save_peft(transformer, folder)
-        return save_lora_file(folder, self.pipeline_class, lora_state_dict(transformer), lora_metadata(transformer))
+            return self._save_peft(transformer, folder, trained)
+        return save_lora_file(folder, self.pipeline_class, lora_state_dict(transformer, trained),
+                              lora_metadata(transformer))
 
-    def _save_peft(self, transformer: torch.nn.Module, folder: Path) -> Path:
+    def _save_peft(self, transformer: torch.nn.Module, folder: Path, trained: Optional[Tensors] = None) -> Path:
         import json
 
         from utils.fast_loading import save_file_atomic
@@ -143,7 +150,7 @@ class LoraWeights:
         folder.mkdir(parents=True, exist_ok=True)
         config = transformer.peft_config["default"]
         (folder / "adapter_config.json").write_text(json.dumps(config.to_dict(), indent=2, default=list))
-        return save_file_atomic(lora_state_dict(transformer), folder / PEFT_WEIGHTS_NAME)
+        return save_file_atomic(lora_state_dict(transformer, trained), folder / PEFT_WEIGHTS_NAME)
 
     def load(self, transformer: torch.nn.Module, folder: Path) -> None:
         from safetensors.torch import load_file
@@ -154,14 +161,16 @@ class LoraWeights:
             raise UserError(f"{folder}: the checkpoint's LoRA does not fit this model "
                             f"(unexpected {result.unexpected_keys[:3]})")
 
-    def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str) -> Path:
+    def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str,
+               trained: Optional[Tensors] = None) -> Path:
         """The final LoRA file in ``output_dir`` (and the ComfyUI file when asked for)."""
         output_dir.mkdir(parents=True, exist_ok=True)
         if "comfyui" in self.cfg.lora_export_formats:
             from trainer.lora_formats import save_comfyui_lora
 
-            save_comfyui_lora(output_dir / COMFYUI_NAME, lora_state_dict(transformer), lora_metadata(transformer))
-        return self.save(transformer, output_dir)
+            save_comfyui_lora(output_dir / COMFYUI_NAME, lora_state_dict(transformer, trained),
+                              lora_metadata(transformer))
+        return self.save(transformer, output_dir, trained)
 
 
 class FullWeights:
@@ -183,7 +192,7 @@ class FullWeights:
         logger.info(f"full fine-tuning: {count / 1e6:.1f}M trainable parameters")
         return count
 
-    def save(self, transformer: torch.nn.Module, folder: Path) -> Path:
+    def save(self, transformer: torch.nn.Module, folder: Path, trained: Optional[Tensors] = None) -> Path:
         target = folder / "transformer"
         transformer.save_pretrained(target, safe_serialization=True, max_shard_size=self.cfg.max_shard_size)
         return target
@@ -195,7 +204,8 @@ class FullWeights:
             raise UserError(f"{folder}: the checkpoint's transformer does not fit this model "
                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
 
-    def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str) -> Path:
+    def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str,
+               trained: Optional[Tensors] = None) -> Path:
         """``output_dir/final_model``: the base pipeline with the trained transformer, ready for
         ``from_pretrained``; written beside and renamed into place."""
         output_dir.mkdir(parents=True, exist_ok=True)

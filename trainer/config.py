@@ -393,6 +393,7 @@ class FlyMyAIKeys:
 
 
 FLYMYAI_KEYS = tuple(f.name for f in dataclasses.fields(FlyMyAIKeys))
+MAX_CONFIG_BYTES = 4 * 2**20  # a training config is a few KiB; past this it is the wrong file
 
 
 def load_config(
@@ -474,9 +475,15 @@ def _read_yaml(path: str | os.PathLike) -> DictConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {path.stat().st_size / 2**20:.1f} MiB is far too large for a training config "
+                          f"(a few KiB; the limit is {MAX_CONFIG_BYTES // 2**20} MiB): is this the right file?")
     try:
         data = OmegaConf.load(path)  # OmegaConf uses a safe YAML loader: data, never code
     except Exception as exc:  # yaml.YAMLError and OmegaConf grammar errors
+        if "node expansion exceeds" in str(exc):  # OmegaConf counts every node, aliases or not
+            raise ConfigError(f"{path}: too many YAML values (over OmegaConf's limit of 10000, with aliases "
+                              "expanded; a training config has a few hundred): is this the right file?") from None
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, DictConfig):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
@@ -588,6 +595,11 @@ def _name_datasets(entries: List[DatasetEntry]) -> None:
 def _describe_type_error(exc: OmegaConfBaseException, prefix: str = "") -> str:
     key = prefix + (getattr(exc, "full_key", None) or "?")
     message = str(exc).splitlines()[0]
+    section = re.search(r"is not a subclass of (\w+)", message)
+    if section and not getattr(exc, "full_key", None):  # a value where a section belongs (data_config=5)
+        key = prefix + next((f.name for f in dataclasses.fields(TrainConfig)
+                    if getattr(f.default_factory, "__name__", None) == section.group(1)), "?")
+        return f"key '{key}': is a section (a mapping of keys), not a single value"
     match = re.search(r"Value '(.*?)' (?:of type '.*?' )?could not be converted to (\w+)", message)
     if match:
         kind = {"Integer": "integer", "Float": "number", "Boolean": "boolean (true/false)"}

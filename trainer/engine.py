@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from image_datasets.dataset import ImageCaptionDataset, Sample, SizeGroupedBatchSampler, collate, shuffle_tags
-from trainer import checkpoint as ckpt, resume_check
+from trainer import checkpoint as ckpt, distributed, resume_check
 from trainer.adapters import TrainedWeights, final_weights_name, trained_weights
 from trainer.async_step import StepReadout, StepRecord, arm_device_skip, device_skip_supported, step_values
 from trainer.block_swap import BlockSwapper
@@ -170,6 +170,7 @@ class Trainer:
         if cfg.seed is not None:
             set_seed(cfg.seed)
         self.family = load_family(cfg)
+        distributed.configure(self.accelerator, cfg, self.family)  # the launch shards as asked; folder ready
         warn_if_it_does_not_fit(cfg, self.device)  # the planner's verdict before any weights load
         resume_check.refuse_incompatible(self.resume_from, cfg, self.family.model_path)
         if self.is_main:
@@ -234,9 +235,9 @@ class Trainer:
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         optimizer = build_optimizer(cfg, self.params)
         lr_scheduler = build_lr_scheduler(cfg, optimizer, self.accelerator.num_processes)
-        # The transformer is already placed (swapped blocks must stay in host memory).
         self.transformer, self.optimizer, self.lr_scheduler = self.accelerator.prepare(
-            transformer, optimizer, lr_scheduler, device_placement=[False, None, None])
+            transformer, optimizer, lr_scheduler, **distributed.prepare_kwargs(self.accelerator))
+        self.params = distributed.trainable_parameters(self.transformer)  # FSDP2 replaces them
         self.raw_optimizer = optimizer
         acc = self.accelerator
         # FSDP and DeepSpeed clip and step their own way, and an fp16 loss scaler unscales first;
@@ -261,19 +262,23 @@ class Trainer:
 
     def _save_model_hook(self, models: List[torch.nn.Module], weights: List[Any], output_dir: str) -> None:
         """Save what trains (LoRA file, or the sharded transformer) instead of accelerate's default."""
+        model, trained = distributed.gathered(self.accelerator, self.transformer, self.is_main)  # every process
         if self.is_main:
-            self.weights.save(self.accelerator.unwrap_model(self.transformer), Path(output_dir))
+            self.weights.save(model, Path(output_dir), trained)
             if self.ema is not None:
-                save_file({f"{i}": t.contiguous() for i, t in enumerate(self.ema.shadow_params)},
+                save_file({**{f"{i}": t.contiguous() for i, t in enumerate(self.ema.shadow_params)},  # + its step:
+                           "optimization_step": torch.tensor(self.ema.optimization_step)},  # the decay warms up
                           str(Path(output_dir) / EMA_NAME))
         weights.clear()
 
     def _load_model_hook(self, models: List[torch.nn.Module], input_dir: str) -> None:
-        self.weights.load(self.accelerator.unwrap_model(self.transformer), Path(input_dir))
+        if not distributed.sharded(self.accelerator):  # FSDP / DeepSpeed: accelerate has restored it
+            self.weights.load(self.accelerator.unwrap_model(self.transformer), Path(input_dir))
         if self.ema is not None and (Path(input_dir) / EMA_NAME).is_file():
             shadow = load_file(str(Path(input_dir) / EMA_NAME))
             for i, param in enumerate(self.ema.shadow_params):
                 param.data.copy_(shadow[str(i)])
+            self.ema.optimization_step = int(shadow.get("optimization_step", self.ema.optimization_step))
         models.clear()
 
     def _resume(self, path: Path) -> None:
@@ -370,7 +375,7 @@ class Trainer:
             return None
         if self.plain_step:
             return torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
-        return self.accelerator.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        return distributed.host_norm(self.accelerator.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
 
     def _all_finite(self, loss: torch.Tensor) -> bool:
         return bool(torch.isfinite(self.accelerator.gather(loss.detach())).all())
@@ -462,9 +467,9 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Trained weights + optimizer/scheduler/RNG state + loop position, written atomically."""
         self.folder.flush()
+        record = resume_check.record(self.cfg, self.family.model_path, self.samples, self.state.saved())
         path = ckpt.write_checkpoint(self.output_dir, self.state.step,
-                                     lambda folder: self.accelerator.save_state(str(folder)),
-                                     resume_check.record(self.cfg, self.family.model_path, self.samples, self.state.saved()),
+                                     lambda folder: self.accelerator.save_state(str(folder)), record,
                                      self.is_main, barrier=self.accelerator.wait_for_everyone)
         self.accelerator.wait_for_everyone()
         if self.is_main:
@@ -475,9 +480,10 @@ class Trainer:
         """Write the final LoRA file (or full pipeline folder) into ``output_dir``; close the trackers."""
         self.accelerator.wait_for_everyone()
         final = self.folder.final
+        model, trained = distributed.gathered(self.accelerator, self.transformer, self.is_main)  # every process
         if self.is_main:
-            model = self.accelerator.unwrap_model(self.transformer)
-            final = self.weights.export(model, self.output_dir, self.family.model_path)
+            with distributed.unpartitioned_loading(self.accelerator):  # the base pipeline loads on one process
+                final = self.weights.export(model, self.output_dir, self.family.model_path, trained)
             logger.info(f"saved {final}")
             if self.ema is not None:
                 self._export_ema(model)

@@ -60,7 +60,7 @@ def prepare_transformer(cfg: TrainConfig, family: Any, transformer: torch.nn.Mod
     attention = choose_attention(cfg, transformer, shape, device, compute_dtype)
     compiled, why = compile_decision(cfg, device, spec)
     fp8 = maybe_fp8(cfg, transformer, blocks, compiled)
-    trainable = weights.attach(transformer)
+    trainable = weights.attach(transformer) - freeze(transformer, family.unused_modules(transformer))
     if compute_dtype != torch.float32:  # the forward runs under autocast
         skip_lora_input_upcast(transformer)
     trainable_to(transformer, device)  # frozen weights are where `place` put them
@@ -69,6 +69,19 @@ def prepare_transformer(cfg: TrainConfig, family: Any, transformer: torch.nn.Mod
     if compiled:
         compile_blocks(blocks, fallback_to_eager=cfg.compile is None)
     return TrainableTransformer(transformer, blocks, attention, swapper, compiled, fp8, trainable)
+
+
+def freeze(model: torch.nn.Module, modules: List[str]) -> int:
+    """Freeze the trainable weights under ``modules`` (they never get a gradient: an optimizer would
+    hold no state for them, and a sharded checkpoint could not be restored); returns their count."""
+    frozen = 0
+    for prefix in modules:
+        for param in model.get_submodule(prefix).parameters():
+            frozen += param.numel() if param.requires_grad else 0
+            param.requires_grad_(False)
+    if frozen:
+        logger.info(f"frozen {frozen} parameters that get no gradient ({', '.join(modules)})")
+    return frozen
 
 
 def trainable_to(model: torch.nn.Module, device: torch.device) -> None:

@@ -80,8 +80,8 @@ def load(checkpoint: Path, load_state: Callable[[str], Any], cfg: TrainConfig, s
     except Exception as exc:  # torch / safetensors / accelerate errors of a damaged or foreign checkpoint
         if isinstance(exc, UserError):
             raise
-        raise UserError(f"cannot resume from {checkpoint}: {type(exc).__name__}: {_first_line(exc)} (resume "
-                        "from an earlier checkpoint with resume_from_checkpoint=<its folder>, or start a new run)") from None
+        raise UserError(f"cannot resume from {checkpoint}: {type(exc).__name__}: {_first_line(exc)} (resume from "
+                        "an earlier checkpoint with resume_from_checkpoint=<its folder>, or start a new run)") from None
     _apply_schedule(scheduler, fresh)
     for line in _changes(state, cfg, samples):
         logger.warning(f"resume from {checkpoint.name}: {line}")

@@ -64,10 +64,12 @@ class RunFolder:
     def open(self, resume_from_checkpoint: Optional[str], overwrite: bool) -> Optional[Path]:
         """Create and lock the folder and decide between a fresh run and a resume: returns the
         checkpoint to resume from, or None. Refuses a folder another run holds, and another run's
-        outputs unasked; with ``overwrite`` the first process removes them (before any process writes)."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        outputs unasked; with ``overwrite`` the first process removes them. Only the first process
+        creates, locks and removes: the others wait for it at the engine's first barrier
+        (``trainer/distributed.py``)."""
         main = int(os.environ.get("RANK", "0")) == 0  # before the Accelerator: the launcher's rank
         if main:
+            self.path.mkdir(parents=True, exist_ok=True)
             self.lock.acquire()
             self._unregister = register_cleanup(self.lock.release)  # a second signal's hard exit
             self._remove_partial_saves()
@@ -94,7 +96,8 @@ class RunFolder:
                 return None
         if checkpoints or self.final.exists():
             if not overwrite:
-                hint = "" if resume_from_checkpoint == "latest" else "set resume_from_checkpoint: latest to continue it, "
+                hint = "" if resume_from_checkpoint == "latest" else \
+                    "set resume_from_checkpoint: latest to continue it, "
                 raise ConfigError(
                     f"output_dir '{self.path}' holds another run ({len(checkpoints)} complete checkpoint(s)"
                     f"{', a final ' + self.final.name if self.final.exists() else ''}); {hint}set "
@@ -257,7 +260,7 @@ def _explicit_checkpoint(path: Path) -> Path:
         return path
     others = [p for p in _checkpoint_folders(path.parent) if p.resolve() != path.resolve() and not ckpt.problem(p)]
     instead = f"; resume from {others[-1]} instead (resume_from_checkpoint={others[-1]})" if others else ""
-    raise ConfigError(f"key 'resume_from_checkpoint': '{path}' cannot be resumed from: {why}{instead}")
+    raise ConfigError(f"key 'resume_from_checkpoint': '{path}' is not a complete checkpoint folder: {why}{instead}")
 
 
 def _checkpoint_folders(output_dir: Path) -> List[Path]:

@@ -62,7 +62,10 @@ WEIGHT_STD = 0.02  # 1-D weights other than norms; matrices N(0, 1/fan_in) (0.01
 PROFILES: Dict[str, Tuple[str, float]] = {
     "24gb": ("train_configs/train_lora_4090.yaml", 22.0),
     "16gb": ("train_configs/train_lora_16gb.yaml", 15.0),
+    "flux2_klein": ("train_configs/train_flux2_klein_lora.yaml", 22.0),  # klein base 4B, bf16, 24 GB class
 }
+# The family of a profile whose entry script is not train.py's default (Qwen-Image).
+PROFILE_FAMILIES: Dict[str, str] = {"flux2_klein": "flux2"}
 
 
 # =========================================================================== scale and model folders
@@ -83,7 +86,10 @@ class Scale:
 
 FULL = Scale()
 TINY = Scale("tiny", layers=2, single_layers=2, heads=2, head_dim=16, text_dim=32, pooled_dim=32)
-SCALES = {"full": FULL, "tiny": TINY}
+# FLUX.2 [klein] base 9B from the family's reference (4B) config: its real depth, width and text width
+# (for flux2 only: other families have other sizes).
+KLEIN_9B = Scale("klein9b", layers=8, single_layers=24, heads=32, text_dim=3 * 4096)
+SCALES = {"full": FULL, "tiny": TINY, "klein9b": KLEIN_9B}
 
 
 def rope_axes(head_dim: int) -> List[int]:
@@ -815,6 +821,7 @@ def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: 
     as the engine builds it, and measure its peak against the budget and the planner. ``overrides``
     change the profile (another weight format, more or fewer swapped blocks)."""
     yaml, budget = PROFILES[profile]
+    family = PROFILE_FAMILIES.get(profile, family)
     device = torch.device(device)
     swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={ROOT}", *overrides],
                        default_family=family).blocks_to_swap
@@ -1067,7 +1074,8 @@ def machine_facts() -> Dict[str, Any]:
 
 
 __all__ = [
-    "FAMILIES", "FULL", "PROFILES", "SCALES", "TINY", "Batch", "KernelProfile", "Rig", "Scale",
+    "FAMILIES", "FULL", "KLEIN_9B", "PROFILES", "PROFILE_FAMILIES", "SCALES", "TINY", "Batch", "KernelProfile",
+    "Rig", "Scale",
     "StepFlops",
     "StepReport", "build_meta_transformer", "build_rig", "build_transformer", "compare_attention_backends",
     "convergence", "family_flops", "fp8_smoke", "gradient_flow", "lora_steps", "machine_facts", "materialise",

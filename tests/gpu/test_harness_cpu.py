@@ -218,7 +218,7 @@ def test_gpu_report_dry_run(tmp_path: Path) -> None:
     assert "`python benchmarks/gpu_report.py --dry-run --families qwen_image --steps 2 --sections steps`" in text
     assert "| Qwen-Image | on | auto (eager) |" in text and "| Qwen-Image | on | off (eager) |" in text
     assert "| Qwen-Image | off |" in text
-    memory_rows = [line for line in text.splitlines() if line.startswith(("| 24gb |", "| 16gb |"))]
+    memory_rows = [line for line in text.splitlines() if line.startswith(tuple(f"| {p} |" for p in harness.PROFILES))]
     assert len(memory_rows) == len(gpu_report.MEMORY_ROWS) and not any("failed" in r for r in memory_rows)
     startup_rows = [line for line in text.splitlines() if line.startswith("| python |")]
     assert len(startup_rows) == 2 and not any("failed" in r for r in startup_rows), startup_rows
@@ -251,3 +251,13 @@ def test_a_step_neither_casts_nor_copies_frozen_weights(family: str) -> None:
         with Copies():
             harness.train_step(rig, batch, gen)
     assert copies["all"] > 10 and copies["frozen"] == 0, copies
+
+
+def test_flux2_klein_9b_scale_and_profile() -> None:
+    """``KLEIN_9B`` turns FLUX.2's reference (klein 4B) transformer into klein 9B's published config, and the
+    FLUX.2 memory profile runs as its own family."""
+    nine = SPECS["flux2"].hub_configs["black-forest-labs/FLUX.2-klein-base-9B"]["transformer/config.json"]
+    published = {k: v for k, v in nine.items() if k != "_class_name"}
+    assert harness.transformer_config("flux2", harness.KLEIN_9B) == published
+    yaml, _ = harness.PROFILES["flux2_klein"]
+    assert harness.PROFILE_FAMILIES["flux2_klein"] == "flux2" and "flux2" in yaml

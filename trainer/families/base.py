@@ -53,6 +53,8 @@ class ModelFamily(Protocol):
         (quantization, block swap), the GPU straight away otherwise."""
     def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
         """The repeated blocks, in execution order (units of quantization and block swap)."""
+    def unused_modules(self, transformer: torch.nn.Module) -> List[str]:
+        """Modules whose outputs the prediction never uses (they never get a gradient: frozen)."""
     def image_seq_len(self, latent_shape: Sequence[int]) -> int:
         """Number of image tokens for a latent shape (drives the resolution-dependent shift)."""
     def predict(
@@ -149,6 +151,9 @@ class FamilyBase:
     def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
         """The repeated blocks in execution order (units of quantization, block swap, checkpointing)."""
         return [block for attribute in self.spec.block_attributes for block in getattr(transformer, attribute)]
+
+    def unused_modules(self, transformer: torch.nn.Module) -> List[str]:
+        return []
 
     def refuse_references(self, references: Sequence[torch.Tensor]) -> None:
         """``predict``'s guard: reference latents reach only a family that takes them."""

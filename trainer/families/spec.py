@@ -26,6 +26,15 @@ BlockLayout = Mapping[str, Tuple[str, str]]
 IMAGE_PIXELS_PER_TOKEN = 16  # every family here: an 8x VAE, then 2x2 latent patches per image token
 
 
+def double_single_targets(double: str, single: str, outer: str = "") -> str:
+    """One peft ``target_modules`` regex (peft full-matches it) for a transformer of double-stream
+    ``transformer_blocks`` and single-stream ``single_transformer_blocks`` (FLUX.1, FLUX.2): each layer is
+    anchored to its block list, so a suffix such as ``proj_out`` cannot also hit the final output layer;
+    ``outer`` adds layers outside the blocks."""
+    pattern = rf"transformer_blocks\.\d+\.({double})|single_transformer_blocks\.\d+\.({single})"
+    return f"{pattern}|{outer}" if outer else pattern
+
+
 @dataclass(frozen=True)
 class TextTokens:
     """How the family's prompts become text tokens (the planner's and the GPU harness's inputs)."""

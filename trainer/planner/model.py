@@ -219,6 +219,9 @@ def _build(library_class: Sequence[str], config: Mapping[str, Any]):
     from accelerate import init_empty_weights
 
     library, class_name = library_class[0], library_class[1]
+    if library not in ("diffusers", "transformers"):  # model_index.json is data: import nothing else it names
+        raise ValueError(f"model_index.json names library '{library}' for {class_name}; the planner builds "
+                         "diffusers and transformers components only")
     module = __import__(library)
     cls = getattr(module, class_name)
     with init_empty_weights(), warnings.catch_warnings():

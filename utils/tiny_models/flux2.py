@@ -82,3 +82,46 @@ def build_tiny_flux2(out_dir: str | Path, seed: int = 0) -> Path:
         is_distilled=False,  # the base model: real CFG at render time
     )
     return save_pipeline(pipe, out_dir)
+
+
+# A chat template for the tiny [dev] tokenizer: Flux2Pipeline sends [system, user] turns whose content is a
+# list of {"type": "text"} parts (Mistral-Small-3's own template renders them with [SYSTEM_PROMPT] / [INST]).
+MISTRAL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['content'] is string %}{% set parts = [message['content']] %}"
+    "{% else %}{% set parts = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') "
+    "| list %}{% endif %}{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ parts | join('') }}[/SYSTEM_PROMPT]"
+    "{% else %}[INST]{{ parts | join('') }}[/INST]{% endif %}{% endfor %}"
+)
+
+
+def build_tiny_flux2_dev(out_dir: str | Path, seed: int = 0) -> Path:
+    """A tiny FLUX.2 [dev]-style pipeline (``Flux2Pipeline``): a Mistral-3 text encoder deep enough for the
+    10/20/30 hidden states and a guidance-embedding transformer, the klein builder's VAE. The tokenizer is a
+    plain tokenizer with a chat template: the real checkpoint's PixtralProcessor needs torchvision, and the
+    prompt path uses only its tokenizer (what the family loads)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    from diffusers import Flux2Pipeline
+
+    tokenizer = build_qwen_tokenizer()
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    text = MistralConfig(vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=32, num_hidden_layers=31,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 head_dim=8, patch_size=14, image_size=56)
+    config = Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=2)
+    transformer = init_model(
+        lambda: Flux2Transformer2DModel(
+            patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=3 * TEXT_HIDDEN, timestep_guidance_channels=32,
+            axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True),  # dev embeds the guidance scale
+        seed, "transformer")
+    pipe = Flux2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
+        vae=init_model(_vae, seed, "vae"),
+        text_encoder=init_model(lambda: Mistral3ForConditionalGeneration(config), seed, "text_encoder"),
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    return save_pipeline(pipe, out_dir)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from trainer.families.components import CLIP_L_TEXT, FLUX_VAE, T5_XXL_ENCODER, model_index
-from trainer.families.spec import BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens
+from trainer.families.spec import (BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens,
+                                   double_single_targets)
 
 T5_MAX_LENGTH = 512  # FLUX.1-dev's T5 context: FluxPipeline's default and its upper limit
 
@@ -21,21 +22,16 @@ _SINGLE_MLP = r"proj_mlp|proj_out"
 # there could only learn a shift that distorts every other value used at render time.
 _OUTER = r"x_embedder|context_embedder|proj_out|time_text_embed\.(timestep_embedder|text_embedder)\.linear_[12]"
 
-
-def _blocks(double: str, single: str, outer: str = "") -> str:
-    """One regex that peft full-matches against module names. Block layers are anchored to their
-    block: a bare ``proj_out`` suffix would also hit the model's final output layer."""
-    pattern = rf"transformer_blocks\.\d+\.({double})|single_transformer_blocks\.\d+\.({single})"
-    return f"{pattern}|{outer}" if outer else pattern
-
+_DOUBLE_ALL = f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}"
+_SINGLE_ALL = f"{_SINGLE_ATTN}|{_SINGLE_MLP}"
 
 # Modulation (norm1.linear, norm1_context.linear, norm.linear, norm_out.linear) is never a target.
 FLUX_LORA_PRESETS: Dict[str, TargetSpec] = {
     # FlyMyAI's FLUX targets (to_q/to_k/to_v/to_out.0): image-stream attention in double blocks,
     # joint attention in single blocks.
-    "attention": _blocks(_IMG_ATTN, _SINGLE_ATTN),
-    "attention_mlp": _blocks(f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_ATTN}|{_SINGLE_MLP}"),
-    "all_linear": _blocks(f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_ATTN}|{_SINGLE_MLP}", _OUTER),
+    "attention": double_single_targets(_IMG_ATTN, _SINGLE_ATTN),
+    "attention_mlp": double_single_targets(_DOUBLE_ALL, _SINGLE_ALL),
+    "all_linear": double_single_targets(_DOUBLE_ALL, _SINGLE_ALL, _OUTER),
 }
 
 # The planner's maps of a FluxTransformerBlock and a FluxSingleTransformerBlock (trainer.families.spec.BlockLayout).

@@ -25,7 +25,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 from loguru import logger
-from transformers import AutoModel, AutoProcessor, AutoTokenizer
+from transformers import AutoModel, AutoTokenizer
 
 from trainer.async_step import to_device
 from trainer.config import TrainConfig
@@ -96,7 +96,12 @@ class Flux2Family(FamilyBase):
                            "Mistral-3 text encoder" if self.dev else "Qwen3 text encoder")
         # AutoModel: the bare language model (no LM head to hold); hidden_states are the same.
         encoder = self._load(AutoModel.from_pretrained, "text_encoder", dtype=dtype)
-        tokenizer = self._load((AutoProcessor if self.dev else AutoTokenizer).from_pretrained, "tokenizer")
+        # dev's tokenizer/ is a PixtralProcessor, which needs torchvision; the prompt path uses only its
+        # tokenizer's chat template, so the tokenizer is what loads, for both.
+        tokenizer = self._load(AutoTokenizer.from_pretrained, "tokenizer")
+        if not tokenizer.chat_template:
+            raise ModelNotFoundError(f"{Path(self.model_path) / 'tokenizer'}: the tokenizer has no chat template; "
+                                     "FLUX.2 wraps every prompt in it (copy the published tokenizer folder)")
         # The pipeline's own encode_prompt holds the chat template, the padding and the layer stacking.
         self.text_pipe = self.pipeline_class(
             scheduler=None, vae=None, transformer=None, tokenizer=tokenizer,

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from trainer.families.components import FLUX2_VAE, MISTRAL_SMALL_3_24B, QWEN3_4B, QWEN3_8B, model_index
-from trainer.families.spec import BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens
+from trainer.families.spec import (BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens,
+                                   double_single_targets)
 
 MAX_SEQUENCE_LENGTH = 512  # both pipelines pad every prompt to it and the transformer attends to the padding
 KLEIN_TEXT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline stacks these Qwen3 hidden states: 3 x hidden width
@@ -27,19 +28,15 @@ _SINGLE_OUT = r"attn\.to_out"  # [attention, MLP] back to the hidden size (a Lin
 # Outside the blocks. Left out: the guidance embedder (dev trains at one guidance value; a LoRA there can
 # only learn a shift that distorts the others) and the shared modulation linears.
 _OUTER = r"x_embedder|context_embedder|proj_out|time_guidance_embed\.timestep_embedder\.linear_[12]"
-
-
-def _blocks(double: str, single: str, outer: str = "") -> str:
-    """One regex that peft full-matches against module names, each layer anchored to its block list."""
-    pattern = rf"transformer_blocks\.\d+\.({double})|single_transformer_blocks\.\d+\.({single})"
-    return f"{pattern}|{outer}" if outer else pattern
+_DOUBLE_ALL = f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}"
+_SINGLE_ALL = f"{_SINGLE_IN}|{_SINGLE_OUT}"
 
 
 FLUX2_LORA_PRESETS: Dict[str, TargetSpec] = {
     # Image-stream attention in the double blocks, the fused q/k/v(+MLP) projection in the single blocks.
-    "attention": _blocks(_IMG_ATTN, _SINGLE_IN),
-    "attention_mlp": _blocks(f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_IN}|{_SINGLE_OUT}"),
-    "all_linear": _blocks(f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_IN}|{_SINGLE_OUT}", _OUTER),
+    "attention": double_single_targets(_IMG_ATTN, _SINGLE_IN),
+    "attention_mlp": double_single_targets(_DOUBLE_ALL, _SINGLE_ALL),
+    "all_linear": double_single_targets(_DOUBLE_ALL, _SINGLE_ALL, _OUTER),
 }
 
 # The planner's maps of a Flux2TransformerBlock and a Flux2SingleTransformerBlock (no modulation inside).

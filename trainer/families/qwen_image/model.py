@@ -105,6 +105,11 @@ class QwenImageFamily(FamilyBase):
         return self.vae.decode((latents * std + mean).unsqueeze(2)).sample[:, :, 0]
 
     # -- transformer ------------------------------------------------------------------------------
+    def unused_modules(self, transformer: torch.nn.Module) -> List[str]:
+        """The last block's text stream goes nowhere: its text output projection and text MLP."""
+        last = f"transformer_blocks.{len(transformer.transformer_blocks) - 1}"
+        return [f"{last}.attn.to_add_out", f"{last}.txt_mlp"]
+
     def predict(
         self,
         transformer: torch.nn.Module,

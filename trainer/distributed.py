@@ -1,0 +1,221 @@
+"""Sharded training: what the engine does differently under FSDP2 and DeepSpeed ZeRO-2/3.
+
+DDP and one process need none of this (each process holds whole tensors). Under FSDP2 the
+parameters become DTensor shards in ``prepare()``, under ZeRO-3 they are partitioned, and under
+ZeRO-2 they point into one flat buffer; so the engine
+
+* checks the launch really shards as the accelerate config asks (``configure``): accelerate falls
+  back to DDP or to one process without a word on a CPU-only machine;
+* takes the trained parameters after ``prepare()`` (``trainable_parameters``) and reads the
+  gradient norm as a plain tensor (``host_norm``);
+* gathers the weights on every process before the main process saves them (``gathered``), as a plain
+  module of the model's own class (config.json names ``QwenImageTransformer2DModel``, not
+  ``FSDPQwenImageTransformer2DModel``), and lets accelerate restore the sharded model on resume;
+* keeps the frozen models (text encoder, VAE, the base pipeline of the export) out of ZeRO-3's
+  partitioning (``unpartitioned_loading``): they never go through ``deepspeed.initialize``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from loguru import logger
+
+from trainer.config import TrainConfig
+from utils.errors import ConfigError
+
+SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED)
+# What accelerate's launcher exports for an FSDP / DeepSpeed config (its multi-process launchers).
+REQUESTED_BY_ENV = {"ACCELERATE_USE_FSDP": DistributedType.FSDP, "ACCELERATE_USE_DEEPSPEED": DistributedType.DEEPSPEED}
+
+
+def sharded(accelerator: Accelerator) -> bool:
+    """FSDP or DeepSpeed: accelerate saves and restores the (sharded) model itself."""
+    return accelerator.distributed_type in SHARDED
+
+
+def configure(accelerator: Accelerator, cfg: TrainConfig, family: Any) -> None:
+    """Check the launch, set what DeepSpeed needs from the training config, and hold the other
+    processes until the main one has prepared the output folder (it alone creates and removes)."""
+    check_launch(accelerator)
+    if sharded(accelerator):
+        refuse_unsupported(cfg, accelerator.distributed_type)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        # The loader batches through a batch sampler (loader.batch_size is None): say it here.
+        if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            ds["train_micro_batch_size_per_gpu"] = cfg.data_config.train_batch_size
+        for name in ("load_text_encoder", "load_vae"):
+            setattr(family, name, _unpartitioned(accelerator, getattr(family, name)))
+    accelerator.wait_for_everyone()
+
+
+def check_launch(accelerator: Accelerator) -> None:
+    """Refuse a launch that would not shard as its accelerate config asks, or whose processes do not
+    know of each other (each would train alone and race the others on one output folder)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    got = accelerator.distributed_type
+    if world != accelerator.num_processes:
+        raise ConfigError(
+            f"the launcher started {world} processes but each runs as {accelerator.num_processes} process(es) "
+            f"({got.value}): they would train independently on one output folder. On a CPU-only machine "
+            "accelerate needs ACCELERATE_USE_CPU=true (or --cpu) to join the processes; on GPUs check the "
+            "accelerate config's distributed_type and num_processes")
+    for variable, wanted in REQUESTED_BY_ENV.items():
+        if os.environ.get(variable, "false").lower() == "true" and got != wanted:
+            raise ConfigError(f"{variable}=true (the accelerate config's distributed_type: {wanted.value}) "
+                              f"but accelerate set up {got.value}: {_why_not(got)}")
+    config = launcher_config()
+    if config is None:
+        return
+    path, settings = config
+    wanted_name = str(settings.get("distributed_type", "NO")).upper()
+    if wanted_name in ("FSDP", "DEEPSPEED") and got.value != wanted_name:
+        raise ConfigError(f"{path}: key 'distributed_type' is {wanted_name} but accelerate set up {got.value} "
+                          f"with {accelerator.num_processes} process(es): {_why_not(got)}")
+    expected = int(settings.get("num_processes", 1) or 1)
+    if accelerator.num_processes > expected:
+        logger.warning(f"{path}: key 'num_processes' is {expected} but the run has {accelerator.num_processes} "
+                       "processes (the launcher's --num_processes wins): each takes a share of every batch")
+
+
+def _why_not(got: DistributedType) -> str:
+    if got in (DistributedType.NO, DistributedType.MULTI_CPU):
+        return ("accelerate does not shard on a CPU-only machine (--cpu or use_cpu: true give one process or "
+                "DDP); FSDP and DeepSpeed need GPUs")
+    return "check the launcher's flags against the accelerate config"
+
+
+def launcher_config() -> Optional[Tuple[Path, Dict[str, Any]]]:
+    """The accelerate config file named by the ``accelerate launch`` that started this process (its
+    parent, or the launcher's torchrun agent in the same process), with its settings; None when the
+    process was not started by ``accelerate launch --config_file`` (torchrun, python) or off Linux."""
+    import yaml
+
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if not any(a.endswith("accelerate") or "accelerate.commands.launch" in a for a in argv):
+        return None
+    for i, arg in enumerate(argv):
+        name = arg.split("=", 1)[1] if re.match(r"--config[_-]file=", arg) else (
+            argv[i + 1] if arg in ("--config_file", "--config-file") and i + 1 < len(argv) else None)
+        if name:
+            path = Path(name) if Path(name).is_absolute() else Path(f"/proc/{os.getppid()}/cwd") / name
+            try:
+                return Path(name), yaml.safe_load(path.read_text()) or {}
+            except (OSError, yaml.YAMLError):
+                logger.warning(f"could not read the launcher's config {shlex.quote(name)}")
+                return None
+    return None
+
+
+def refuse_unsupported(cfg: TrainConfig, kind: DistributedType) -> None:
+    """What the sharded path does not do (each would need whole weights on one process)."""
+    unsupported = {"ema_decay": cfg.ema_decay, "blocks_to_swap": cfg.blocks_to_swap, "quantize": cfg.quantize,
+                   "fused_backward": cfg.fused_backward, "validation.every_n_steps": cfg.validation.every_n_steps}
+    for key, value in unsupported.items():
+        if value:
+            raise ConfigError(f"key '{key}': value {value} is not supported with {kind.value} (sharded weights); "
+                              "unset it, or train with DDP")
+
+
+def prepare_kwargs(accelerator: Accelerator) -> Dict[str, Any]:
+    """The transformer is already placed (swapped blocks must stay in host memory); DeepSpeed places
+    its own and refuses any ``device_placement``."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return {}
+    return {"device_placement": [False, None, None]}
+
+
+def trainable_parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """The trained parameters as the optimizer sees them: FSDP2 replaces them in ``prepare()``."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def host_norm(norm: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The gradient norm as a plain tensor (under FSDP2 it is a replicated DTensor)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def gathered(accelerator: Accelerator, model: torch.nn.Module, is_main: bool
+             ) -> Tuple[Optional[torch.nn.Module], Optional[Dict[str, torch.Tensor]]]:
+    """``(module, trained)`` to save on the main process; every process must call this (the shards
+    are gathered). Unsharded: the unwrapped module and None. LoRA: the module and its adapter tensors
+    by parameter name, gathered. Full fine-tuning: a plain module of the model's class built from
+    the gathered state dict (None on the other processes)."""
+    plain = accelerator.unwrap_model(model)
+    if not sharded(accelerator):
+        return plain, None
+    if hasattr(plain, "peft_config"):
+        return plain, _gathered_adapter(plain, is_main)
+    state = accelerator.get_state_dict(model)  # whole on the main process
+    if not is_main:
+        return None, None
+    return _rebuilt(plain, state), None
+
+
+def _gathered_adapter(model: torch.nn.Module, is_main: bool) -> Dict[str, torch.Tensor]:
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with _zero3_gathered([p for _, p in trained]):
+        # Cloned: ZeRO-2 parameters are views of one flat buffer (safetensors refuses shared storage).
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in trained
+                if is_main or hasattr(p, "full_tensor")}
+
+
+def _zero3_gathered(params: List[torch.nn.Parameter]) -> contextlib.AbstractContextManager:
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
+
+
+def _rebuilt(model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module of ``model``'s own class (not accelerate's FSDP subclass) holding ``state``, built
+    on the meta device so the host holds the weights once."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    with torch.device("meta"):
+        plain = cls.from_config(model.config)
+    plain.load_state_dict(state, strict=True, assign=True)
+    for name, buffer in model.named_buffers():  # buffers are not sharded, nor in the state when not persistent
+        if name not in state:
+            owner, _, leaf = name.rpartition(".")
+            plain.get_submodule(owner).register_buffer(leaf, buffer.detach().cpu(), persistent=False)
+    return plain.eval()
+
+
+@contextlib.contextmanager
+def unpartitioned_loading(accelerator: Accelerator) -> Iterator[None]:
+    """Under ZeRO-3 accelerate registers its config with transformers, which then builds every
+    ``from_pretrained`` model inside ``deepspeed.zero.Init`` (partitioned and empty): here it does not."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+def _unpartitioned(accelerator: Accelerator, load: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(load)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with unpartitioned_loading(accelerator):
+            return load(*args, **kwargs)
+    return wrapper
