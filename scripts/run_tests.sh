@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+# Test-only extras (DeepSpeed for tests/test_sharded.py: an sdist whose setup imports torch, ~10 s).
+DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --no-build-isolation -r requirements-test.txt
 bash scripts/setup_browser.sh  # the web page's browser test skips, saying why, where it cannot install
 # shellcheck disable=SC1091
 . .venv/bin/activate

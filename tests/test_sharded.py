@@ -248,3 +248,37 @@ def test_the_planner_divides_what_each_mode_shards(tiny_qwen_image: Path) -> Non
             == pytest.approx(divided), mode
         assert (four.gathered_block > 0) == (mode in ("zero3", "fsdp"))
     assert sharded_memory(spec, "adamw8bit", "ddp", 1).optimizer == pytest.approx(one.optimizer / 4)
+
+
+FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+            "FSDP_TRANSFORMER_CLS_TO_WRAP": "QwenImageTransformerBlock", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_two_machine_launch_lines(runs, tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
+                                  launcher: str) -> None:
+    """docs/FULL_FINETUNE.md's multi-machine lines, as two machines of one process on localhost (FSDP2)."""
+    port, out = free_port(), tmp_path / "out"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    args = [str(ROOT / "tests" / "dist_shim.py"), str(ROOT / FULL), "--config", str(ROOT / QUICKSTART),
+            f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
+            f"output_dir={out}", "report_to=none", "checkpointing_steps=2", "max_shard_size=300KB",
+            "max_train_steps=4"]
+    procs = []
+    for rank in (0, 1):
+        if launcher == "accelerate":
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(accelerate_config("fsdp2", tmp_path)), "--num_machines", "2", "--machine_rank", str(rank),
+                   "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
+        else:
+            env.update(FSDP_ENV)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
+                   "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+        procs.append(subprocess.Popen(cmd + args, cwd=ROOT, env=dict(env), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    assert (out / "checkpoint-4" / "pytorch_model_fsdp_0").is_dir()
+    np.testing.assert_allclose(losses(out), losses(runs("ddp", FULL)), rtol=0, atol=1e-6)

@@ -80,13 +80,24 @@ def skip_lora_input_upcast(transformer: torch.nn.Module) -> int:
     return len(layers)
 
 
+def adapter_parameters(transformer: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
+    """Every adapter tensor by parameter name, trained or frozen (an adapter on a module whose output
+    goes nowhere is frozen, see ``ModelFamily.unused_modules``, and still saved: the file then has
+    every layer its config targets)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = {f"{name}.{layer}" for name, module in transformer.named_modules() if isinstance(module, BaseTunerLayer)
+              for layer in module.adapter_layer_names}
+    return {name: param for name, param in transformer.named_parameters()
+            if name.rsplit(".", 2)[0] in layers or name.rsplit(".", 1)[0] in layers}
+
+
 def lora_state_dict(transformer: torch.nn.Module, trained: Optional[Tensors] = None) -> Tensors:
     """The adapter weights in peft's naming (what diffusers' ``save_lora_weights`` expects);
     ``trained``: the adapter tensors by parameter name where they were gathered from shards."""
     # Hand peft only the adapter tensors: model.state_dict() would make quantized layers unpack
     # every weight at once (a whole-model spike at each save with qint4).
-    adapter = trained if trained is not None else \
-        {name: param for name, param in transformer.named_parameters() if param.requires_grad}
+    adapter = trained if trained is not None else adapter_parameters(transformer)
     return get_peft_model_state_dict(transformer, state_dict=adapter)
 
 

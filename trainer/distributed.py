@@ -30,6 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from loguru import logger
 
+from trainer.adapters import adapter_parameters
 from trainer.config import TrainConfig
 from utils.errors import ConfigError
 
@@ -54,6 +55,12 @@ def configure(accelerator: Accelerator, cfg: TrainConfig, family: Any) -> None:
         # The loader batches through a batch sampler (loader.batch_size is None): say it here.
         if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
             ds["train_micro_batch_size_per_gpu"] = cfg.data_config.train_batch_size
+        # DeepSpeed clips inside its own step: at the YAML's gradient_clipping, not max_grad_norm.
+        if ds.get("gradient_clipping", "auto") == "auto":
+            ds["gradient_clipping"] = cfg.max_grad_norm
+        elif float(ds["gradient_clipping"]) != cfg.max_grad_norm:
+            logger.warning(f"DeepSpeed clips gradients at its config's gradient_clipping "
+                           f"({ds['gradient_clipping']}), not at max_grad_norm ({cfg.max_grad_norm})")
         for name in ("load_text_encoder", "load_vae"):
             setattr(family, name, _unpartitioned(accelerator, getattr(family, name)))
     accelerator.wait_for_everyone()
@@ -166,7 +173,7 @@ def gathered(accelerator: Accelerator, model: torch.nn.Module, is_main: bool
 
 
 def _gathered_adapter(model: torch.nn.Module, is_main: bool) -> Dict[str, torch.Tensor]:
-    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    trained = list(adapter_parameters(model).items())
     with _zero3_gathered([p for _, p in trained]):
         # Cloned: ZeRO-2 parameters are views of one flat buffer (safetensors refuses shared storage).
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in trained

@@ -61,6 +61,9 @@ def prepare_transformer(cfg: TrainConfig, family: Any, transformer: torch.nn.Mod
     compiled, why = compile_decision(cfg, device, spec)
     fp8 = maybe_fp8(cfg, transformer, blocks, compiled)
     trainable = weights.attach(transformer) - freeze(transformer, family.unused_modules(transformer))
+    if trainable == 0:
+        raise ConfigError("nothing trains: every trained weight is in a module whose output goes nowhere "
+                          f"({', '.join(family.unused_modules(transformer))})")
     if compute_dtype != torch.float32:  # the forward runs under autocast
         skip_lora_input_upcast(transformer)
     trainable_to(transformer, device)  # frozen weights are where `place` put them
