@@ -52,3 +52,29 @@ def test_signals_outside_inside_and_twice(tmp_path: Path) -> None:
     assert "second SIGINT: exiting now without saving" in done.stderr
     assert not (out / ".checkpoint-3.tmp").exists(), "the interrupted save's folder is removed"
     assert not (out / "run.lock").exists(), "and the lock"
+
+
+def test_processes_vote_on_stopping_every_few_steps_not_every_step() -> None:
+    """With several processes the stop is a vote (a host sync on a GPU): taken every VOTE_EVERY
+    steps only, and any process's signal stops all at that vote; one process decides at once."""
+    import signal as sig
+
+    import torch
+
+    from trainer.signals import VOTE_EVERY, GracefulStop
+
+    class Processes:
+        def __init__(self, num_processes: int, others_stop: bool = False) -> None:
+            self.num_processes, self.device, self.votes, self.others_stop = num_processes, "cpu", 0, others_stop
+
+        def reduce(self, flag: torch.Tensor, reduction: str) -> torch.Tensor:
+            self.votes += 1
+            return flag + float(self.others_stop)
+
+    two, stop = Processes(2, others_stop=True), GracefulStop()
+    answers = [stop.agree(two) for _ in range(2 * VOTE_EVERY)]
+    assert two.votes == 2 and answers == ([False] * (VOTE_EVERY - 1) + [True]) * 2
+    one, alone = Processes(1), GracefulStop()
+    assert alone.agree(one) is False
+    alone.requested = int(sig.SIGTERM)
+    assert alone.agree(one) is True and one.votes == 0

@@ -67,6 +67,9 @@ def _run_cleanups() -> None:
             logger.error(f"cleanup before exit failed: {exc}")
 
 
+VOTE_EVERY = 4  # optimizer steps between the processes' stop votes (a few seconds of a real run)
+
+
 class GracefulStop:
     """Context manager that turns the first SIGINT/SIGTERM into ``requested`` (inside ``deferring``,
     i.e. the training loop) or a ``TrainingInterrupted`` raised at once (elsewhere), and the second
@@ -80,6 +83,7 @@ class GracefulStop:
         self._previous: Dict[int, Any] = {}
         self._defer = False
         self._first_at = 0.0
+        self._steps = 0  # optimizer steps seen by ``agree``
 
     def __enter__(self) -> "GracefulStop":
         if threading.current_thread() is threading.main_thread():
@@ -100,9 +104,13 @@ class GracefulStop:
     def agree(self, accelerator: Any) -> bool:
         """Whether to stop after this step, the same answer on every process: with several, the
         signal reaches them at different steps, and a checkpoint is a collective (one process
-        saving while another trains on hangs both). One small all-reduce per step, then."""
+        saving while another trains on hangs both). The processes vote every ``VOTE_EVERY`` steps
+        (all call this at the same steps): a vote is a host sync on a GPU, which the step avoids."""
         stop = self.requested is not None
         if accelerator.num_processes > 1:
+            self._steps += 1
+            if self._steps % VOTE_EVERY:
+                return False
             import torch
 
             flag = torch.tensor([float(stop)], device=accelerator.device)
