@@ -60,7 +60,7 @@ def prepare_transformer(cfg: TrainConfig, family: Any, transformer: torch.nn.Mod
     attention = choose_attention(cfg, transformer, shape, device, compute_dtype)
     compiled, why = compile_decision(cfg, device, spec)
     fp8 = maybe_fp8(cfg, transformer, blocks, compiled)
-    trainable = weights.attach(transformer) - freeze(transformer, family.unused_modules(transformer))
+    trainable = weights.attach(transformer) - freeze(transformer, family.unused_modules(transformer), compute_dtype)
     if trainable == 0:
         raise ConfigError("nothing trains: every trained weight is in a module whose output goes nowhere "
                           f"({', '.join(family.unused_modules(transformer))})")
@@ -74,13 +74,16 @@ def prepare_transformer(cfg: TrainConfig, family: Any, transformer: torch.nn.Mod
     return TrainableTransformer(transformer, blocks, attention, swapper, compiled, fp8, trainable)
 
 
-def freeze(model: torch.nn.Module, modules: List[str]) -> int:
+def freeze(model: torch.nn.Module, modules: List[str], dtype: torch.dtype) -> int:
     """Freeze the trainable weights under ``modules`` (they never get a gradient: an optimizer would
-    hold no state for them, and a sharded checkpoint could not be restored); returns their count."""
+    hold no state for them, and a sharded checkpoint could not be restored); returns their count.
+    They join the other frozen weights in ``dtype``, so a step under autocast copies none of them."""
     frozen = 0
     for prefix in modules:
         for param in model.get_submodule(prefix).parameters():
-            frozen += param.numel() if param.requires_grad else 0
+            if param.requires_grad:
+                frozen += param.numel()
+                param.data = param.data.to(dtype) if param.is_floating_point() else param.data
             param.requires_grad_(False)
     if frozen:
         logger.info(f"frozen {frozen} parameters that get no gradient ({', '.join(modules)})")
