@@ -522,16 +522,26 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--resolution", type=int, default=None, help="image side (default 1024; dry run 64)")
     parser.add_argument("--load-layers", type=int, default=12,
                         help="blocks of the checkpoint written for the load timing (full width)")
+    parser.add_argument("--scale", choices=[name for name in harness.SCALES if name != "tiny"], default="full",
+                        help="model size: full (each family's published size) or klein9b (FLUX.2 [klein] 9B, "
+                             "--families flux2 only)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="dense bf16 peak for MFU when the GPU is not in harness.PEAK_BF16_TFLOPS")
     return parser.parse_args(argv)
+
+
+def run_scale(args: argparse.Namespace) -> harness.Scale:
+    """The model size ``--scale`` names; klein9b is FLUX.2's own size, meaningless for another family."""
+    if args.scale == "klein9b" and list(args.families) != ["flux2"]:
+        raise SystemExit("--scale klein9b builds FLUX.2 [klein] 9B: use it with --families flux2 only")
+    return harness.SCALES[args.scale]
 
 
 def make_run(args: argparse.Namespace, argv: List[str]) -> Run:
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit(f"{harness.no_cuda_reason()}\nUse --dry-run to exercise the script on the CPU.")
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())
-    return Run(device, harness.TINY if args.dry_run else harness.FULL,
+    return Run(device, harness.TINY if args.dry_run else run_scale(args),
                args.resolution or (64 if args.dry_run else 1024), args.steps or (3 if args.dry_run else 10),
                list(args.families), args.dry_run, args.load_layers, args.peak_tflops, argv)
 

@@ -261,3 +261,14 @@ def test_flux2_klein_9b_scale_and_profile() -> None:
     assert harness.transformer_config("flux2", harness.KLEIN_9B) == published
     yaml, _ = harness.PROFILES["flux2_klein"]
     assert harness.PROFILE_FAMILIES["flux2_klein"] == "flux2" and "flux2" in yaml
+
+
+def test_gpu_report_takes_the_klein_9b_scale_for_flux2_only() -> None:
+    """`--scale klein9b` measures FLUX.2 [klein] 9B; asked of another family it stops, saying why."""
+    from benchmarks import gpu_report
+
+    args = gpu_report.parse_args(["--families", "flux2", "--scale", "klein9b", "--sections", "steps"])
+    assert gpu_report.run_scale(args) is harness.KLEIN_9B
+    assert gpu_report.run_scale(gpu_report.parse_args(["--families", "flux2"])) is harness.FULL
+    with pytest.raises(SystemExit, match="--families flux2 only"):
+        gpu_report.run_scale(gpu_report.parse_args(["--families", "qwen_image", "--scale", "klein9b"]))
