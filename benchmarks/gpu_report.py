@@ -282,6 +282,8 @@ MEMORY_ROWS: Tuple[Tuple[str, Tuple[str, ...], str], ...] = (
 def memory_section(run: Run) -> str:
     rows = []
     for name, overrides, what in MEMORY_ROWS:
+        if harness.PROFILE_FAMILIES.get(name, "qwen_image") not in run.families:
+            continue  # --families narrows this section too (and --scale klein9b is FLUX.2's size)
         yaml, budget = harness.PROFILES[name]
         shipped = not overrides
         try:
