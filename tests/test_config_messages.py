@@ -20,6 +20,22 @@ def test_a_value_where_a_section_belongs_names_the_key() -> None:
         load_config(TINY, ["data_config=5"], default_family="qwen_image")
 
 
+def test_a_problem_given_as_an_override_says_so_and_the_yamls_own_do_not(tmp_path: Path) -> None:
+    """The message starts with the YAML file's name; a bad value from the command line is marked, so
+    nobody searches the file for it. A bad value in the file itself is not marked."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(TINY, ["rank=0", "learnin_rate=1"], default_family="qwen_image")
+    assert "unknown key 'learnin_rate' (did you mean 'learning_rate'?) (given as an override)" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        load_config(TINY, ["rank=0", "max_train_steps=3"], default_family="qwen_image")
+    assert "key 'rank': value 0 must be >= 1 (given as an override)" in str(caught.value)
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text(TINY.read_text().replace("\nrank: 8\n", "\nrank: 0\n"))
+    with pytest.raises(ConfigError) as caught:
+        load_config(bad_yaml, ["max_train_steps=3"], default_family="qwen_image")
+    assert "key 'rank': value 0 must be >= 1" in str(caught.value) and "override" not in str(caught.value)
+
+
 def test_an_oversized_yaml_is_called_that(tmp_path: Path) -> None:
     many = tmp_path / "many.yaml"
     many.write_text("x:\n" + "".join(f"  - {i}\n" for i in range(20000)))

@@ -152,8 +152,10 @@ def test_config_errors_are_the_clis(client: TestClient, tmp_path: Path, sample_d
     # (the data folder exists, so that only the two edited keys are wrong, also on a fresh clone)
     form = {"rank": "0", "lr_scheduler": "no", "data_config.img_dir": str(sample_data)}
     errors = client.post("/api/runs", json={"config": QUICKSTART, "form": form}).json()
+    # (the form's edits reach the config as overrides, and the CLI's message says so)
     assert errors["detail"]["errors"] == ["key 'lr_scheduler': value 'no' is not one of constant, constant_with_warmup, "
-                                          "linear, cosine, cosine_with_restarts, polynomial", "key 'rank': value 0 must be >= 1"]
+                                          "linear, cosine, cosine_with_restarts, polynomial (given as an override)",
+                                          "key 'rank': value 0 must be >= 1 (given as an override)"]
     for body in ({"config": "a: [", "entry": "train.py"}, {"config": QUICKSTART, "entry": "rm.py"},
                  {"config": QUICKSTART, "overrides": ["--plan=1"]}, {"config": "- a list"}):
         assert client.post("/api/runs", json=body).status_code == 422, body

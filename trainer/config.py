@@ -417,16 +417,16 @@ def load_config(
     raw = OmegaConf.to_container(user, resolve=False)
     unknown = _unknown_keys(raw, TrainConfig, also=FLYMYAI_KEYS)
     if unknown:
-        raise ConfigError(f"{source}: " + "; ".join(unknown))
+        raise ConfigError(f"{source}: " + "; ".join(_blame_overrides(unknown, overrides)))
     try:
         raw, problems = flymyai_compat(raw)
         raw, item_problems = _typed_items(raw)
         if item_problems:
-            raise ConfigError(f"{source}: " + "; ".join(item_problems))
+            raise ConfigError(f"{source}: " + "; ".join(_blame_overrides(item_problems, overrides)))
         merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), raw)
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"{source}: {_describe_type_error(exc)}") from None
+        raise ConfigError(f"{source}: " + _blame_overrides([_describe_type_error(exc)], overrides)[0]) from None
     cfg.validation.prompts = [_typed(ValidationPrompt, p if isinstance(p, dict) else {"prompt": p})
                               for p in cfg.validation.prompts]
     _name_datasets(cfg.datasets)
@@ -436,8 +436,17 @@ def load_config(
         cfg.mixed_precision = "no"
     problems += config_problems(cfg)
     if problems:
-        raise ConfigError(f"{source}: " + "; ".join(problems))
+        raise ConfigError(f"{source}: " + "; ".join(_blame_overrides(problems, overrides)))
     return cfg
+
+
+def _blame_overrides(problems: List[str], overrides: Optional[List[str]]) -> List[str]:
+    """Each problem whose key was given as a ``key=value`` override says so: the message starts with
+    the YAML file's name, and the user would look for the bad value there in vain."""
+    given = {item.partition("=")[0].strip() for item in overrides or []}
+    named = [re.search(r"key '([^']+)'", problem) for problem in problems]
+    return [f"{problem} (given as an override)" if key and key.group(1) in given else problem
+            for problem, key in zip(problems, named)]
 
 
 def flymyai_compat(raw: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
