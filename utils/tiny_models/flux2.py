@@ -39,26 +39,27 @@ def _vae() -> AutoencoderKLFlux2:
     return vae
 
 
+def _transformer(guidance_embeds: bool) -> Flux2Transformer2DModel:
+    """The tiny FLUX.2 transformer of both builders (text width: three stacked hidden states)."""
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=4 * LATENT_CHANNELS,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=3 * TEXT_HIDDEN,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),  # sums to attention_head_dim
+        guidance_embeds=guidance_embeds,
+    )
+
+
 def build_tiny_flux2(out_dir: str | Path, seed: int = 0) -> Path:
     """Build a tiny FLUX.2 [klein] base pipeline into `out_dir`; loads with `Flux2KleinPipeline`."""
     tokenizer = build_qwen_tokenizer()
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
-    transformer = init_model(
-        lambda: Flux2Transformer2DModel(
-            patch_size=1,
-            in_channels=4 * LATENT_CHANNELS,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=3 * TEXT_HIDDEN,
-            timestep_guidance_channels=32,
-            axes_dims_rope=(4, 4, 4, 4),  # sums to attention_head_dim
-            guidance_embeds=False,  # klein has no guidance embedding
-        ),
-        seed,
-        "transformer",
-    )
+    transformer = init_model(lambda: _transformer(guidance_embeds=False), seed, "transformer")  # klein: no guidance
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=TEXT_HIDDEN,
@@ -111,12 +112,7 @@ def build_tiny_flux2_dev(out_dir: str | Path, seed: int = 0) -> Path:
     vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  head_dim=8, patch_size=14, image_size=56)
     config = Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=2)
-    transformer = init_model(
-        lambda: Flux2Transformer2DModel(
-            patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=1, num_single_layers=1, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=3 * TEXT_HIDDEN, timestep_guidance_channels=32,
-            axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True),  # dev embeds the guidance scale
-        seed, "transformer")
+    transformer = init_model(lambda: _transformer(guidance_embeds=True), seed, "transformer")  # dev embeds it
     pipe = Flux2Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
         vae=init_model(_vae, seed, "vae"),
