@@ -16,7 +16,7 @@ the engine keeps in it besides checkpoints (``trainer/checkpoint.py``) and the t
 
 ``open`` is where a run takes the folder (the lock: one run per folder, whatever
 ``overwrite_output_dir`` says) and ``release`` (also on errors) where it lets go. Files written
-whole go through ``_write_atomic``.
+whole go through ``write_text_atomic``.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class RunFolder:
         status = {"state": state, "step": step, "max_steps": self.max_steps, "message": message[:2000],
                   "time": time.time()}
         try:
-            _write_atomic(self.status_file, json.dumps(status))
+            write_text_atomic(self.status_file, json.dumps(status))
         except OSError:
             try:  # a full disk has no room for a new file: rewrite the old one's block in place
                 _rewrite_in_place(self.status_file, json.dumps(status))
@@ -192,7 +192,7 @@ class RunFolder:
     # -- files ------------------------------------------------------------------------------------
     def write_config(self, cfg: TrainConfig) -> Path:
         """``config.yaml``: the run's resolved config."""
-        return _write_atomic(self.path / CONFIG_NAME, config_to_yaml(cfg))
+        return write_text_atomic(self.path / CONFIG_NAME, config_to_yaml(cfg))
 
     def append_metrics(self, record: Dict[str, Any]) -> None:
         """One line of ``metrics.jsonl``; the file stays open and is flushed every ``METRICS_FLUSH_S``
@@ -213,7 +213,7 @@ class RunFolder:
         self.close()
         if self.metrics.is_file():
             kept = [line for line, record in self._parsed_metrics() if record["step"] <= last_step]
-            _write_atomic(self.metrics, "".join(line + "\n" for line in kept))
+            write_text_atomic(self.metrics, "".join(line + "\n" for line in kept))
 
     def _parsed_metrics(self) -> List[Tuple[str, Dict[str, Any]]]:
         """(line, record) of ``metrics.jsonl``; a line cut short (a crash or a full disk mid-write)
@@ -233,7 +233,7 @@ class RunFolder:
 
     def write_summary(self, summary: Dict[str, Any]) -> Path:
         """``summary.json`` (its contents: ``trainer/reporting.py``)."""
-        return _write_atomic(self.summary, json.dumps(summary, indent=2))
+        return write_text_atomic(self.summary, json.dumps(summary, indent=2))
 
 
 def _latest_usable(output_dir: Path) -> Optional[Path]:
@@ -279,7 +279,7 @@ def _rewrite_in_place(path: Path, text: str) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str) -> Path:
+def write_text_atomic(path: Path, text: str) -> Path:
     """Write beside and rename into place: a reader never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:

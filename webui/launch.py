@@ -30,6 +30,7 @@ import psutil
 
 from trainer.config import TrainConfig, load_config
 from utils.errors import ConfigError
+from trainer.run_dir import write_text_atomic
 from trainer.run_lock import LOCK_NAME, read_lock
 from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, lock_alive, read_json
 
@@ -137,12 +138,6 @@ def plan(text: str, entry: Entry, overrides: List[str], gpu_memory: Optional[str
     return {"returncode": done.returncode, "output": (done.stdout + done.stderr).replace(str(path), "config.yaml")}
 
 
-def _write_json(path: Path, data: Dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
-
-
 class Launcher:
     """The runs this server started, by run id. ``command`` is what goes before the entry script
     (default: ``python -m accelerate.commands.launch`` with ``launcher_args``)."""
@@ -169,8 +164,9 @@ class Launcher:
                 child = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             self.children[run_id] = child
-        _write_json(folder / LAUNCH_NAME, {"entry": entry.name, "overrides": overrides, "argv": argv, "pid": child.pid,
-                                           "started": time.time(), "plan": plan_output})
+        record = {"entry": entry.name, "overrides": overrides, "argv": argv, "pid": child.pid,
+                  "started": time.time(), "plan": plan_output}
+        write_text_atomic(folder / LAUNCH_NAME, json.dumps(record, indent=2))
         threading.Thread(target=self._reap, args=(child, folder), daemon=True).start()
         return child
 
@@ -182,7 +178,7 @@ class Launcher:
     def _update(self, folder: Path, **changes: Any) -> None:
         with self._record_lock:
             record = read_json(folder / LAUNCH_NAME) or {}
-            _write_json(folder / LAUNCH_NAME, {**record, **changes})
+            write_text_atomic(folder / LAUNCH_NAME, json.dumps({**record, **changes}, indent=2))
 
     def alive(self, run_id: str) -> Optional[bool]:
         """Whether a child this server started for ``run_id`` still runs (any process of its group:
