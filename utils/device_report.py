@@ -4,7 +4,7 @@
     python -m utils.device_report --simulate gb10  # a reference machine (h100 h200 a100 rtx4090 t4 gb10 gh200 cpu)
 
 ``simulate_device`` gives the ``DeviceFacts`` of a reference machine, so the rules of
-``utils.cuda_utils``, ``utils.attention`` and ``utils.compat`` are asked about it without patching torch.
+``utils.device_facts``, ``utils.attention`` and ``utils.compat`` are asked about it without patching torch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 from typing import Any, Dict, Iterable, Optional
 
 from .attention import best_available_backend
-from .cuda_utils import (
+from .device_facts import (
     DeviceFacts,
     arch_support_mode,
     get_architecture_name,

@@ -5,6 +5,10 @@ this machine (``read_device_facts``); tests and ``python -m utils.device_report 
 facts of another machine instead (``utils.device_report.REFERENCE_DEVICES``), so no torch internals
 are patched.
 
+The bottom of the platform layer: ``utils.attention``, ``utils.compat`` and ``utils.unified_memory``
+build on it. ``utils.cuda_utils`` is the name the CUDA 13 plan gave users (it re-exports this module
+and ``utils.device_report``'s summary); code here imports from where things live.
+
 Reading GPU facts initialises CUDA. Call ``utils.unified_memory.setup_unified_memory_env`` (which
 does not) before anything here when the allocator settings matter.
 """
