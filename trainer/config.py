@@ -308,7 +308,8 @@ class TrainConfig:
 
     # Precision and memory
     mixed_precision: Optional[str] = one_of(None, ("no", "fp16", "bf16"),
-                                            "the launcher's --mixed_precision wins when given")
+                                            "accelerate launch's --mixed_precision or accelerate config wins when "
+                                            "given (trainer/precision.py)")
     disable_gradient_checkpointing: bool = False
     # Keep the checkpointed block inputs in host memory (1.45 GiB for Qwen-Image at 1024^2), for PCIe traffic.
     gradient_checkpointing_cpu_offload: bool = False
