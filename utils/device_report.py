@@ -25,6 +25,7 @@ from .device_facts import (
     get_recommended_mixed_precision,
     read_device_facts,
 )
+from .unified_memory import detect_unified_memory
 
 # --------------------------------------------------------------------------- summary
 
@@ -44,6 +45,7 @@ def get_optimal_settings(facts: Optional[DeviceFacts] = None) -> Dict[str, Any]:
         "architecture": get_architecture_name(facts.capability),
         "total_memory_gib": round(facts.total_memory / 2**30, 1),
         "is_integrated": facts.is_integrated,
+        "unified_memory": detect_unified_memory(facts)[0],
         "host_arch": facts.host_arch,
         "cuda_version": get_cuda_version(facts),
         "torch_version": facts.torch_version,
