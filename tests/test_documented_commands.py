@@ -557,3 +557,12 @@ def test_the_guides_keys_named_in_original_design_are_settings() -> None:
         assert top in schema or top in FLYMYAI_KEYS, key
         if sub:
             assert sub in {f.name for f in dataclasses.fields(schema[top].default_factory())}, key
+
+
+def test_the_planners_flags_listed_are_its_own() -> None:
+    """MEMORY_PLANNER.md's "Flags:" paragraph names every option of `python -m trainer.planner` but
+    --config and --help, and no other (its last sentence is on the entry scripts' --plan)."""
+    page = (ROOT / "docs" / "MEMORY_PLANNER.md").read_text()
+    paragraph = page[page.index("\nFlags:"):].split("\n\n")[0]
+    listed = set(re.findall(r"`(--[a-z][\w-]*)", paragraph)) - {"--plan"}
+    assert listed == accepted_flags("module", "trainer.planner") - {"--config", "--help"}
