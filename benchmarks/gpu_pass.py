@@ -50,9 +50,11 @@ DEFAULT_BUDGET_S = 460.0  # of the 8 minutes one call may take; the machine's st
 END_RESERVE_S = 8.0  # kept back for the docs, the summary and stopping the background build
 STAGE_LOG_CAP = 3 * 2**20  # bytes of one stage's output kept in pass.log (then its last lines)
 TAIL_LINES = 300
-QUICK_TESTS = ("tests/gpu/test_gpu_quick.py",
-               "tests/test_train_e2e.py::test_steps_on_cuda_make_no_synchronizing_call",
-               "tests/gpu/test_fsdp_smoke.py::test_fsdp2_on_one_gpu_trains_resumes_and_exports")
+# The FSDP test (two accelerate launches) first: xdist hands the first scopes out one per worker, so
+# the slowest starts at once; the xdist groups of test_gpu_quick.py keep the rest on three workers.
+QUICK_TESTS = ("tests/gpu/test_fsdp_smoke.py::test_fsdp2_on_one_gpu_trains_resumes_and_exports",
+               "tests/gpu/test_gpu_quick.py",
+               "tests/test_train_e2e.py::test_steps_on_cuda_make_no_synchronizing_call")
 INT8_SCRIPT = "benchmarks/quantized_step.py"  # issue 35's side-by-side bf16 / qfloat8 / int8_w8a8 step
 
 
