@@ -327,6 +327,9 @@ def finish_quanto_build(p: Pass, final: bool) -> None:
         stop_group(p.build)
         # torch's extension builder leaves its lock behind when killed; the next load would wait forever.
         p.quanto_status.write_text("failed: still building when the pass ended\n")
+    if quanto_state(p).startswith("building"):  # it died before it could say how it ended
+        p.quanto_status.write_text(f"failed: the build process exited with code {p.build.returncode} "
+                                   "(its output is in pass.log)\n")
     wall = round(time.time() - p.build_started, 1)
     text = p.build_log.read_text(errors="replace") if p.build_log and p.build_log.is_file() else ""
     p.log.write(f"\n===== [quanto_build] exit {p.build.returncode}, {wall} s\n{text[-200_000:]}\n")

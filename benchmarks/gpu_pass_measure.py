@@ -30,11 +30,24 @@ for _path in (ROOT, ROOT / "tests" / "gpu"):
 
 import torch  # noqa: E402
 
-import harness  # noqa: E402
-from benchmarks import gpu_report  # noqa: E402
 from benchmarks.gpu_pass import MACHINE, RESULTS, append_record  # noqa: E402
 
-TARGET_S = gpu_report.TARGET_S_PER_STEP  # 0.45 s/step, stated for an H100
+# The project (engine, harness, diffusers) is imported only by the measurements that need it, so the
+# machine record and quanto's build still happen where an import of the project fails.
+harness: Any = None
+gpu_report: Any = None
+LIGHT = ("machine", "quanto_build")
+
+
+def load_project() -> None:
+    global harness, gpu_report
+    import harness as harness_module
+    from benchmarks import gpu_report as report_module
+
+    harness, gpu_report = harness_module, report_module
+
+
+TARGET_S = 0.45  # s/step, stated for an H100 (gpu_report.TARGET_S_PER_STEP, checked in load_project's users)
 PROFILE_WHEN_OVER = 1.2  # profile a target family that misses the target by more than 20%
 FLUX2_GOAL_GIB, FLUX2_GOAL_MFU = 10.0, 0.30  # FLUX.2 [klein] 4B LoRA at 1024^2
 PACKAGES = ("torch", "triton", "diffusers", "transformers", "accelerate", "peft", "safetensors", "optimum-quanto",
@@ -63,7 +76,7 @@ class Ctx:
 
     @property
     def device_name(self) -> str:
-        return harness.device_name(self.device)
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
     def report_run(self, section: str, families: List[str]) -> gpu_report.Run:
         """A ``gpu_report.Run`` for reusing one of its sections at this process's size."""
@@ -77,12 +90,17 @@ def _short(value: Any) -> str:
 
 
 def context(name: str, out: Path, dry_run: bool) -> Ctx:
+    """Where this process measures: the CPU at tiny scale in a dry run, else the GPU at full size."""
     t0 = float(os.environ.get("GPU_PASS_T0") or time.time())
+    if name not in LIGHT:
+        load_project()
+        assert gpu_report.TARGET_S_PER_STEP == TARGET_S
     if dry_run:
-        return Ctx(name, out, True, torch.device("cpu"), harness.TINY, 64, 3, t0)
-    if not torch.cuda.is_available():
+        return Ctx(name, out, True, torch.device("cpu"), harness and harness.TINY, 64, 3, t0)
+    if not torch.cuda.is_available() and name not in LIGHT:
         raise SystemExit(f"{harness.no_cuda_reason()}; use --dry-run on the CPU")
-    return Ctx(name, out, False, torch.device("cuda", torch.cuda.current_device()), harness.FULL, 1024, 8, t0)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return Ctx(name, out, False, device, harness and harness.FULL, 1024, 8, t0)
 
 
 # =========================================================================== machine and build
@@ -107,26 +125,37 @@ def versions() -> Dict[str, Optional[str]]:
 
 
 def machine(ctx: Ctx) -> None:
-    """The GPU, driver, torch / CUDA / cuDNN, package versions, CPU and memory; nvidia-smi and the
-    full pip list go to machine.txt."""
-    facts = harness.machine_facts()
-    extra: Dict[str, Any] = {}
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        extra = {"multiprocessors": props.multi_processor_count,
-                 "peak_bf16_tflops": harness.peak_bf16_tflops(props.name),
-                 "flash_sdp": torch.backends.cuda.flash_sdp_enabled(),
-                 "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled()}
-    smi = _run(["nvidia-smi"])
+    """The GPU, driver, torch / CUDA / cuDNN, package versions, CPU and memory, and whether the project
+    imports here (torch only otherwise); nvidia-smi and the full pip list go to machine.txt."""
+    facts: Dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                             "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+                             "gpu": "none (CPU)"}
     query = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,"
                   "clocks.mem,power.limit,pstate,temperature.gpu", "--format=csv"])
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        lines = query.splitlines()
+        facts.update(gpu=props.name, gpus=torch.cuda.device_count(), memory_gib=round(props.total_memory / 2**30, 1),
+                     capability=f"sm_{props.major}{props.minor}", multiprocessors=props.multi_processor_count,
+                     driver=lines[1].split(",")[1].strip() if len(lines) > 1 and "," in lines[1] else None,
+                     flash_sdp=torch.backends.cuda.flash_sdp_enabled(), cudnn_sdp=torch.backends.cuda.cudnn_sdp_enabled())
+    try:
+        load_project()
+        facts["peak_bf16_tflops"] = harness.peak_bf16_tflops(facts["gpu"])
+        project = "ok"
+    except Exception as exc:  # recorded: every other stage needs these imports
+        traceback.print_exc()
+        project = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    smi = _run(["nvidia-smi"])
     pip = _run([sys.executable, "-m", "pip", "list", "--format=freeze"])
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     (ctx.out / MACHINE).write_text(f"$ nvidia-smi\n{smi}\n\n$ nvidia-smi --query-gpu=...\n{query}\n\n"
                                    f"$ uname -a\n{platform.uname()}\n\n$ python -m pip list\n{pip}\n")
-    ctx.emit("machine", **facts, **extra, versions=versions(), python=sys.version.split()[0],
+    ctx.emit("machine", **facts, project_imports=project, versions=versions(), python=sys.version.split()[0],
              cpus=os.cpu_count(), host_memory_gib=round(mem_gib, 1), kernel=platform.release(),
              nvidia_smi=query, pythonpath=os.environ.get("PYTHONPATH", ""))
+    if project != "ok":
+        raise RuntimeError(f"the project does not import here: {project}")
 
 
 def quanto_build(ctx: Ctx, status: Path) -> None:
