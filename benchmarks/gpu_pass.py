@@ -80,6 +80,7 @@ class Stage:
 #   and steps in ~33 s), FLUX.2 klein 4B ~2 s; on the host (quantized profiles) ~15 s more (40 GB copied
 #   off the GPU into pageable memory), then `place` quantizes 60 blocks (~15 s);
 # - the first compiled step: 26.6 s (the peer's Qwen-Image step with compiled blocks), then ~0.6 s/step;
+#   FLUX has two block types (double and single stream), so two graphs to compile;
 # - the 24 GB profile's eager quanto step ~2 s; the 16 GB profile adds 24 swapped blocks per pass;
 # - torch.profiler over 3 Qwen-Image steps ~3 s each plus its tables: ~25 s;
 # - quanto's CUDA extension: ~100 s to compile (qint4 tiny run 148 s against 44 s for qfloat8), in the
@@ -92,7 +93,7 @@ STAGES: Sequence[Stage] = (
     Stage("qwen_step", 2, "Qwen-Image LoRA 1024^2, checkpointing + compile", 85, 160, 25, 150),
     Stage("mem_24gb", 3, "24 GB profile: device peak and s/step", 65, 140, 20, 120, needs_quanto=True),
     Stage("mem_16gb", 3, "16 GB profile: device peak and s/step", 75, 150, 20, 120, needs_quanto=True),
-    Stage("flux2_klein", 4, "FLUX.2 [klein] 4B profile: step, peak, MFU", 55, 120, 20, 120),
+    Stage("flux2_klein", 4, "FLUX.2 [klein] 4B profile: step, peak, MFU", 65, 120, 20, 120),
     Stage("int8", 5, "int8 W8A8 vs bf16 vs qfloat8 (quantized_step.py)", 90, 150, 30, 120, kind="int8"),
     Stage("attention", 5, "attention backends (Qwen-Image, FLUX.1-dev)", 25, 60, 15, 60),
     Stage("flux_step", 5, "FLUX.1-dev LoRA 1024^2, checkpointing + compile", 55, 110, 20, 120),

@@ -86,7 +86,7 @@ class Ctx:
 
 
 def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value).replace("\n", " | ")
 
 
 def context(name: str, out: Path, dry_run: bool) -> Ctx:
