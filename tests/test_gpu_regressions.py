@@ -6,6 +6,9 @@
    engine test below runs LayerNorm in fp32 as CUDA autocast does.
 2. Block swap moved a quantized weight's wrapper but not its inner data and scales:
    ``mat2 is on cpu``. The test swaps blocks to the ``meta`` device, a second device the CPU has.
+3. (Found on reading, before a GPU ran it.) quanto's fp8 Marlin weight keeps its GEMM workspace as
+   an attribute outside ``__tensor_flatten__``; block swap creates it on the side stream and
+   guarded only the flattened tensors against reuse by the next prefetch.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import read_losses, train_in_process
-from trainer.block_swap import BlockSwapper, inner_tensors, map_inner
+from trainer.block_swap import BlockSwapper, inner_tensors, map_inner, stream_tensors
 from trainer.quantization import QuantizationSpec, is_quantized, quantize_module
 
 SPECS = [QuantizationSpec("quanto", "qfloat8"), QuantizationSpec("quanto", "qint8"),
@@ -155,3 +158,27 @@ def test_block_swap_with_quantized_blocks_gives_the_same_losses(tiny_qwen_image:
                          f"blocks_to_swap={swap}")
         runs[name] = read_losses(out)
     assert runs["resident"] == runs["swapped"]
+
+
+def test_swap_guards_a_quantized_weights_workspace_against_reuse() -> None:
+    """What block swap marks as used by the compute stream (``stream_tensors``) includes a tensor
+    a subclass keeps outside its flattened inner tensors, as quanto's fp8 Marlin weight keeps the
+    GEMM's workspace; each tensor once."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b, workspace = torch.randn(4, 4), torch.randn(4, 4), torch.zeros(16, dtype=torch.int32)
+    weight = TwoTensor(a, b)
+    weight._workspace = workspace
+    guarded = stream_tensors(weight)
+    assert len(guarded) == 3 and any(t is workspace for t in guarded), "the workspace is guarded too"
+    assert not any(t is workspace for t in inner_tensors(weight)), "flattening alone misses it"
+    plain = torch.randn(3)
+    assert stream_tensors(plain) == [plain]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_stream_tensors_of_a_quantized_weight_are_its_inner_tensors_once(spec: QuantizationSpec) -> None:
+    weight = quantized_block(spec)[0].weight
+    guarded, inner = stream_tensors(weight), inner_tensors(weight)
+    assert len(guarded) == len({id(t) for t in guarded}) >= len(inner) >= 2
+    assert all(any(t is g for g in guarded) for t in inner)
