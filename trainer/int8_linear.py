@@ -153,7 +153,9 @@ def quantize_int8_w8a8(linear: torch.nn.Linear) -> Int8Linear:
     from torchao.quantization import Int8Tensor
     from torchao.quantization.granularity import PerRow
 
-    weight = Int8Tensor.from_hp(linear.weight.detach(), PerRow())
+    full = Int8Tensor.from_hp(linear.weight.detach(), PerRow())
+    # Symmetric: its zero point is all zeros, and the layer never reads it.
+    weight = Int8Tensor(full.qdata, full.scale, full.block_size, full.dtype)
     int8_matmul_works(weight.device)  # decided here, eagerly, not first inside a compiled forward
     linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     linear.__class__ = Int8Linear
