@@ -646,11 +646,12 @@ class ConvergenceReport:
 def convergence(family: str, steps: int = 100, resolution: int = 1024, dtype: torch.dtype = torch.bfloat16,
                 device: torch.device | str = "cuda", *, scale: Scale = FULL, model_dir: Optional[Path | str] = None,
                 lr: float = CONVERGENCE_LR, factor: float = CONVERGENCE_FACTOR, seed: int = 0,
-                profile: Optional[str] = None) -> ConvergenceReport:
+                profile: Optional[str] = None, overrides: Sequence[str] = ()) -> ConvergenceReport:
     """Overfit one fixed sample (latents, text, noise and noise level all fixed) for ``steps`` steps
     with a constant learning rate; the loss must fall by ``factor``. ``profile``: a name of
-    ``PROFILES`` (its YAML: quantized blocks, 8-bit AdamW, block swap scaled to ``scale``)."""
-    overrides = [f"learning_rate={lr}", "lr_scheduler=constant", "lr_warmup_steps=0"]
+    ``PROFILES`` (its YAML: quantized blocks, 8-bit AdamW, block swap scaled to ``scale``);
+    ``overrides``: config keys on top (e.g. another weight format)."""
+    overrides = [f"learning_rate={lr}", "lr_scheduler=constant", "lr_warmup_steps=0", *overrides]
     yaml = None
     if profile is not None:
         yaml = PROFILES[profile][0]
