@@ -91,10 +91,13 @@ STAGES: Sequence[Stage] = (
     Stage("machine", 0, "machine, versions, commit", 10, 30, 10, 60),
     Stage("tests", 1, "quick tests of every CUDA-only path", 110, 120, 40, 150, kind="tests"),
     Stage("qwen_step", 2, "Qwen-Image LoRA 1024^2, checkpointing + compile", 85, 160, 25, 150),
+    # One layer's int8 vs bf16 matmul time is cheap and decides issue 35's profile choice: before item 3.
+    Stage("int8_layer", 2, "int8 W8A8 vs bf16: one layer at Qwen-Image widths", 35, 70, 20, 90, kind="int8"),
     Stage("mem_24gb", 3, "24 GB profile: device peak and s/step", 65, 140, 20, 120, needs_quanto=True),
     Stage("mem_16gb", 3, "16 GB profile: device peak and s/step", 75, 150, 20, 120, needs_quanto=True),
     Stage("flux2_klein", 4, "FLUX.2 [klein] 4B profile: step, peak, MFU", 65, 120, 20, 120),
-    Stage("int8", 5, "int8 W8A8 vs bf16 vs qfloat8 (quantized_step.py)", 90, 150, 30, 120, kind="int8"),
+    Stage("int8", 5, "int8 W8A8 vs bf16 vs qfloat8 LoRA steps (quantized_step.py)", 90, 150, 30, 120,
+          kind="int8"),
     Stage("attention", 5, "attention backends (Qwen-Image, FLUX.1-dev)", 25, 60, 15, 60),
     Stage("flux_step", 5, "FLUX.1-dev LoRA 1024^2, checkpointing + compile", 55, 110, 20, 120),
     Stage("qwen_eager", 5, "Qwen-Image LoRA 1024^2, checkpointing, eager", 35, 80, 20, 120),
@@ -215,9 +218,14 @@ def tests_command(p: Pass, timeout: float) -> List[str]:
     return cmd + list(QUICK_TESTS)
 
 
-def int8_command(p: Pass, timeout: float) -> List[str]:
+def int8_command(p: Pass, stage: Stage, timeout: float) -> List[str]:
+    layer = stage.name == "int8_layer"
+    # On the GPU the layer part is timed compiled too (the per-token quantization is elementwise work that
+    # compile fuses, as the engine's compiled blocks would); the model part stays eager for time.
+    compile_layer = ["--compile", "on"] if layer and not p.dry_run else []
     return [p.python, INT8_SCRIPT, "--device", "cpu" if p.dry_run else "cuda", "--families", "qwen_image",
-            "--out", str(p.work / "int8.json"), "--time-budget", str(int(max(10, timeout - 15)))]
+            "--parts", "layer" if layer else "model", *compile_layer, "--out", str(p.work / f"{stage.name}.md"),
+            "--time-budget", str(int(max(10, timeout - 15)))]
 
 
 # --------------------------------------------------------------------------- running a process
@@ -385,7 +393,7 @@ def run_stage(p: Pass, stage: Stage) -> None:
         env["GPU_PASS_QUANTO_DEADLINE"] = str(time.time() + timeout - 25)  # the two quanto tests need ~20 s
         also = open(p.out / TESTS, "a", encoding="utf-8")
     elif stage.kind == "int8":
-        cmd = int8_command(p, timeout)
+        cmd = int8_command(p, stage, timeout)
     else:
         cmd = measure_command(p, stage.name)
     p.say(f"-> {stage.name} (group {stage.group}): {stage.title}; estimate {estimate(p, stage):.0f} s, "
@@ -398,7 +406,7 @@ def run_stage(p: Pass, stage: Stage) -> None:
     if stage.kind == "tests":
         record_tests(p, done["status"])
     if stage.kind == "int8":
-        record_int8(p)
+        record_int8(p, stage)
     p.record("stage", stage=stage.name, group=stage.group, title=stage.title, command=shlex.join(cmd),
              estimate_s=estimate(p, stage), timeout_s=round(timeout), **done)
     p.stages_run.append(stage.name)
@@ -459,15 +467,18 @@ def parse_verbose(text: str) -> List[Dict[str, Any]]:
     return list(found.values())
 
 
-def record_int8(p: Pass) -> None:
-    path = p.work / "int8.json"
-    if not path.is_file():
-        return
-    text = path.read_text(errors="replace")
-    try:
-        p.record("int8", stage="int8", data=json.loads(text))
-    except json.JSONDecodeError:
-        p.record("int8", stage="int8", text=text[:100_000])
+def record_int8(p: Pass, stage: Stage) -> None:
+    """quantized_step.py's rows: one record per JSON line it wrote, and its markdown table as text."""
+    table = p.work / f"{stage.name}.md"
+    rows = table.with_name(table.name + ".jsonl")
+    if rows.is_file():
+        for line in rows.read_text(errors="replace").splitlines():
+            try:
+                p.record("int8", stage=stage.name, data=json.loads(line))
+            except json.JSONDecodeError:
+                p.record("int8", stage=stage.name, text=line[:10_000])
+    if table.is_file():
+        p.record("int8_table", stage=stage.name, text=table.read_text(errors="replace")[:100_000])
 
 
 # =========================================================================== main

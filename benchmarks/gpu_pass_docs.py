@@ -126,7 +126,14 @@ def describe(r: Record) -> str:
     if kind == "error":
         return f"ERROR {r.get('error')}"
     if kind == "int8":
-        return "int8 results recorded"
+        row = r.get("data") if isinstance(r.get("data"), dict) else {}
+        keep = ("layer", "int8_vs_bf16", "out_error", "s_per_step", "train_peak_gib", "int8_mm_per_step")
+        values = ", ".join(f"{k} {fmt(v, '.4g') if isinstance(v, (int, float)) else v}"
+                           for k, v in (row.get("values") or {}).items() if k in keep)
+        return (f"int8 {row.get('part')} {row.get('family')} {row.get('format')} compile {row.get('compile')}: "
+                f"{row.get('status')}{'; ' + values if values else ''}")
+    if kind == "int8_table":
+        return ""
     if kind == "markdown":
         return f"{r.get('section')} section written"
     if kind == "build":
@@ -287,18 +294,17 @@ def startup_md(p: Pass) -> str:
 
 
 def int8_md(p: Pass) -> str:
-    recs = p.of("int8")
-    if not recs:
+    """quantized_step.py's own markdown table where it came back, else its JSON rows as a table."""
+    tables = p.of("int8_table")
+    rows = [r["data"] for r in p.of("int8") if isinstance(r.get("data"), dict)]
+    if not tables and not rows:
         return ""
     out = "#### int8 W8A8 against bf16 and qfloat8 (`benchmarks/quantized_step.py`)\n\n"
-    for r in recs:
-        data = r.get("data")
-        rows = data.get("rows") if isinstance(data, dict) else data if isinstance(data, list) else None
-        if rows and all(isinstance(x, dict) for x in rows):
-            keys = list(dict.fromkeys(k for x in rows for k in x))
-            out += table(keys, [[fmt(x.get(k), ".4g", "") for k in keys] for x in rows]) + "\n"
-        else:
-            out += "```json\n" + (json.dumps(data, indent=1) if data is not None else r.get("text", ""))[:6000] + "\n```\n"
+    if tables:  # one table per stage (the layer part, then the LoRA steps)
+        out += "\n".join(t.get("text", "").strip() + "\n" for t in tables)
+    else:
+        keys = list(dict.fromkeys(k for x in rows for k in x))
+        out += table(keys, [[fmt(x.get(k), ".4g", "") for k in keys] for x in rows]) + "\n"
     return out + f"\n{p.where()}.\n"
 
 
