@@ -100,6 +100,8 @@ STAGES: Sequence[Stage] = (
           kind="int8"),
     Stage("attention", 5, "attention backends (Qwen-Image, FLUX.1-dev)", 25, 60, 15, 60),
     Stage("flux_step", 5, "FLUX.1-dev LoRA 1024^2, checkpointing + compile", 55, 110, 20, 120),
+    Stage("flux_step_flash", 5, "FLUX.1-dev LoRA 1024^2, checkpointing + compile, flash attention", 50, 80, 20, 120),
+    Stage("flux_eager", 5, "FLUX.1-dev LoRA 1024^2, checkpointing, eager", 40, 70, 20, 120),
     Stage("qwen_eager", 5, "Qwen-Image LoRA 1024^2, checkpointing, eager", 35, 80, 20, 120),
     Stage("edit_step", 5, "Qwen-Image-Edit LoRA 1024^2, checkpointing + compile", 65, 120, 20, 120),
     Stage("startup", 5, "start-up of a tiny train.py run", 45, 90, 30, 120),
@@ -186,8 +188,12 @@ class Pass:
 
 
 def commit_of_tree() -> str:
-    """The commit the tree was taken from: git where .git came along, else what
-    ``gpu_pass_prepare.sh`` wrote into .gpu-site/commit, else GPU_PASS_COMMIT."""
+    """The commit the tree was taken from: what ``gpu_pass_prepare.sh`` wrote into .gpu-site/commit
+    just before the call, else git, else GPU_PASS_COMMIT. The stamp goes first: the device machine's
+    copy carries a .git of the session's first commit under the newer tree (seen at a8112a6)."""
+    stamp = ROOT / ".gpu-site" / "commit"
+    if stamp.is_file() and stamp.read_text().strip():
+        return stamp.read_text().strip()
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10)
@@ -197,9 +203,6 @@ def commit_of_tree() -> str:
             return head.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    stamp = ROOT / ".gpu-site" / "commit"
-    if stamp.is_file():
-        return stamp.read_text().strip()
     return os.environ.get("GPU_PASS_COMMIT", "unknown")
 
 

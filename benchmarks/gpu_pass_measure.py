@@ -185,10 +185,12 @@ def quanto_build(ctx: Ctx, status: Path) -> None:
 # =========================================================================== step time
 
 
-def step(ctx: Ctx, family: str, compile: str = "auto", profile: bool = False) -> None:
-    """LoRA steps of ``family`` with checkpointing (``compile``: the engine's auto, or off); a
-    torch.profiler pass when a target family misses the H100 target by more than 20%."""
-    overrides = ["compile=false"] if compile == "off" else []
+def step(ctx: Ctx, family: str, compile: str = "auto", profile: bool = False, attention: str = "auto") -> None:
+    """LoRA steps of ``family`` with checkpointing (``compile``: the engine's auto, or off; ``attention``:
+    the engine's measured choice, or one backend); a torch.profiler pass when a target family misses
+    the H100 target by more than 20%."""
+    overrides = (["compile=false"] if compile == "off" else []) + (
+        [f"attention_backend={attention}"] if attention != "auto" else [])
     with harness.rig_session(family, ctx.device, torch.bfloat16, scale=ctx.scale, overrides=overrides,
                              checkpointing=True, resolution=ctx.resolution) as rig:
         ctx.emit("build", family=family, build_s=round(rig.build_seconds, 1), load_peak_gib=rig.load_peak_gib,
@@ -296,6 +298,10 @@ MEASUREMENTS: Dict[str, Callable[[Ctx], None]] = {
     "flux2_klein": lambda ctx: memory(ctx, "flux2_klein", 8),
     "attention": attention,
     "flux_step": lambda ctx: step(ctx, "flux", "auto"),
+    # FLUX.1-dev compiled with the cuDNN kernel hit an illegal memory access on an H200 (a8112a6): the
+    # same step with flash attention, and eager with cuDNN, say which of the two it needs.
+    "flux_step_flash": lambda ctx: step(ctx, "flux", "auto", attention="flash"),
+    "flux_eager": lambda ctx: step(ctx, "flux", "off"),
     "qwen_eager": lambda ctx: step(ctx, "qwen_image", "off"),
     "edit_step": lambda ctx: step(ctx, "qwen_image_edit", "auto"),
     "startup": startup,

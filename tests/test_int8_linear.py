@@ -39,12 +39,15 @@ def twin_layers(in_features: int = 256, out_features: int = 128, seed: int = 0):
 
 @pytest.fixture
 def int_mm_calls(monkeypatch: pytest.MonkeyPatch) -> List[tuple]:
-    """(rows, inner, cols) of every ``torch._int_mm`` call."""
+    """(rows, inner, cols) of every ``torch._int_mm`` call. Each call must get two row-major operands:
+    cuBLAS silently returns wrong numbers for a column-major right operand (an H200 refused the int8
+    path for that at a8112a6), and the CPU kernel takes either, so only this check catches it here."""
     int8.int8_matmul_works(torch.device("cpu"))  # the kernel's one-time check, before counting
     calls: List[tuple] = []
     real = torch._int_mm
 
     def counting(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        assert a.is_contiguous() and b.is_contiguous(), f"column-major operand: {a.stride()} {b.stride()}"
         calls.append((a.shape[0], a.shape[1], b.shape[1]))
         return real(a, b)
 
@@ -87,7 +90,8 @@ def test_output_and_input_gradient_match_fp32_and_use_int8_matmuls(shape: tuple,
     assert rel_error(out, want) < TOLERANCE
     assert rel_error(x.grad, x_ref.grad) < TOLERANCE
     rows = x.numel() // 256
-    assert int_mm_calls == [(rows, 256, 128), (rows, 128, 256)], "forward, then the input gradient, in int8"
+    # The forward transposed (weight on the left, as stored), then the input gradient, both in int8.
+    assert int_mm_calls == [(128, 256, rows), (rows, 128, 256)]
 
 
 def test_bf16_autocast_output_is_bf16_and_close_to_fp32() -> None:
@@ -152,11 +156,15 @@ def test_lora_around_int8_layers_trains_through_them() -> None:
         assert want.abs().sum() > 0 and rel_error(grads[1][name], want) < TOLERANCE, name
 
 
-def test_compiled_lora_on_int8_layers_gives_the_eager_numbers() -> None:
+@pytest.mark.parametrize("kernel", ["int8", "dequantized"])
+def test_compiled_lora_on_int8_layers_gives_the_eager_numbers(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.compile (one graph, no breaks) of peft's LoRA around two int8 layers under bf16 autocast,
-    with checkpointing as the engine uses it: the eager output and gradients."""
+    with checkpointing as the engine uses it: the eager output and gradients, on the int8 kernel and on
+    the dequantized path of a device without one (on an H200 at a8112a6, compiling that path failed:
+    inductor rewrote its matmul-then-scale into ``_weight_int8pack_mm``, which refused the scales)."""
     from torch.utils.checkpoint import checkpoint
 
+    monkeypatch.setitem(int8._WORKS, ("cpu", None), kernel == "int8")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
     quantize_module(model, W8A8)

@@ -30,9 +30,11 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-# Below this many rows cuBLAS refuses int8 (``self.size(0) needs to be greater than 16``): shorter
-# inputs (a modulation linear sees one row per sample) are padded with zero rows.
+# cuBLAS's int8 kernel refuses fewer rows than this (``self.size(0) needs to be greater than 16``) and
+# output columns that are not a multiple of 8: the left operand is padded with zero rows, the right
+# one with zero columns, and the padding is cut from the result.
 CUDA_MIN_ROWS = 17
+CUDA_COL_MULTIPLE = 8
 
 
 def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -43,38 +45,44 @@ def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
-def int8_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *,
-                a_col_scale: Optional[torch.Tensor] = None, out_col_scale: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
-    """``(a * a_col_scale) @ b * out_col_scale`` for a 2-D ``a`` quantized here per row and an int8
-    ``b``: one ``torch._int_mm`` (int32 accumulation), the scales applied in place to its fp32 copy."""
-    if a_col_scale is not None:
-        a = a * a_col_scale  # fp32, as the scale is
-    q, row_scale = quantize_rows(a)
-    rows = q.shape[0]
-    if q.is_cuda and rows < CUDA_MIN_ROWS:
-        q = torch.nn.functional.pad(q, (0, 0, 0, CUDA_MIN_ROWS - rows))
-    out = torch._int_mm(q, b)[:rows].float().mul_(row_scale)
-    if out_col_scale is not None:
-        out.mul_(out_col_scale)
-    return out.to(out_dtype)
+def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two int8 matrices in int32 through ``torch._int_mm``, with both operands row-major:
+    cuBLAS returns wrong numbers for a column-major right operand without an error (seen on an H200
+    with CUDA 13 at a8112a6: the layer's one-time check refused the device; torchao's ``safe_int_mm``
+    copies it for the same reason). Callers pass a row-major weight, so only activations are copied."""
+    rows, cols = a.shape[0], b.shape[1]
+    if a.is_cuda:
+        if rows < CUDA_MIN_ROWS:
+            a = torch.nn.functional.pad(a, (0, 0, 0, CUDA_MIN_ROWS - rows))
+        if cols % CUDA_COL_MULTIPLE:
+            b = torch.nn.functional.pad(b, (0, CUDA_COL_MULTIPLE - cols % CUDA_COL_MULTIPLE))
+    return torch._int_mm(a.contiguous(), b.contiguous())[:rows, :cols]
 
 
 class Int8MatmulFunction(torch.autograd.Function):
     """``x @ (q * scale).T + bias`` for a frozen int8 weight ``q`` (out, in) with per-channel
     ``scale`` (out, 1): both matmuls in int8 when ``use_int8``, else on the dequantized weight
-    (in ``out_dtype``). Only the weight is saved for backward."""
+    (in ``out_dtype``). Only the weight is saved for backward.
+
+    Forward in int8 is computed transposed, ``(q @ xq.T).T``, so the stored weight is the left,
+    row-major operand and never copied (``int_mm``); the input gradient ``gq @ q`` reads it as the
+    right, row-major operand."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype, use_int8: bool) -> torch.Tensor:
         ctx.save_for_backward(q, scale)
         ctx.use_int8, ctx.in_dtype = use_int8, x.dtype
-        flat, channel_scale = x.reshape(-1, x.shape[-1]), scale.view(1, -1)
+        flat = x.reshape(-1, x.shape[-1])
         if use_int8:
-            out = int8_matmul(flat, q.t(), out_dtype, out_col_scale=channel_scale)
+            xq, x_scale = quantize_rows(flat)
+            acc = int_mm(q, xq.t()).t()  # (tokens, out), int32
+            out = acc.to(torch.float32, memory_format=torch.contiguous_format)
+            out = out.mul_(x_scale).mul_(scale.view(1, -1)).to(out_dtype)
         else:
-            out = (flat.to(out_dtype) @ q.t().to(out_dtype)).mul_(channel_scale.to(out_dtype))
+            # Dequantize, then multiply: the other order (mm, then scale) is the weight-only int8
+            # pattern that inductor rewrites into _weight_int8pack_mm, which refuses these scales.
+            out = flat.to(out_dtype) @ (q.to(out_dtype) * scale.to(out_dtype)).t()
         if bias is not None:
             out = out + bias.to(out_dtype)
         return out.view(*x.shape[:-1], q.shape[0])
@@ -83,12 +91,14 @@ class Int8MatmulFunction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         q, scale = ctx.saved_tensors
         grad_x = grad_bias = None
-        flat, channel_scale = grad.reshape(-1, grad.shape[-1]), scale.view(1, -1)
+        flat = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[0]:
-            if ctx.use_int8:  # the weight's scale is per output channel: on the gradient's columns
-                grad_x = int8_matmul(flat, q, ctx.in_dtype, a_col_scale=channel_scale)
+            # The weight's scale is per output channel: it goes on the gradient's columns.
+            if ctx.use_int8:
+                gq, g_scale = quantize_rows(flat * scale.view(1, -1))  # fp32, as the scale is
+                grad_x = int_mm(gq, q).to(torch.float32).mul_(g_scale).to(ctx.in_dtype)
             else:
-                grad_x = ((flat * channel_scale.to(flat.dtype)) @ q.to(flat.dtype)).to(ctx.in_dtype)
+                grad_x = (flat @ (q.to(flat.dtype) * scale.to(flat.dtype))).to(ctx.in_dtype)
             grad_x = grad_x.view(*grad.shape[:-1], q.shape[1])
         if ctx.needs_input_grad[3]:
             grad_bias = flat.sum(0)
@@ -110,7 +120,8 @@ class Int8Linear(torch.nn.Linear):
 
 
 def _kernel_takes(device: torch.device, shape: torch.Size) -> bool:
-    """cuBLAS's int8 kernel needs both sides of the weight to be multiples of 8 (the CPU's takes any)."""
+    """cuBLAS's int8 kernel needs the inner sizes of both matmuls (the weight's two sides) to be
+    multiples of 8 (the CPU's takes any)."""
     return device.type != "cuda" or (shape[0] % 8 == 0 and shape[1] % 8 == 0)
 
 
@@ -122,7 +133,7 @@ def int8_matmul_works(device: torch.device) -> bool:
     uses (asked once per device; ``quantize_int8_w8a8`` asks first, outside any compiled code).
     CUDA needs sm_80 or newer (the int8 tensor-core generation OneTrainer and torchao target); the
     CPU has a kernel in current torch. The exactness check guards against cuBLAS releases that
-    returned wrong int8 results for some layouts (pytorch/pytorch#107671)."""
+    return wrong int8 results for some layouts (pytorch/pytorch#107671; see ``int_mm``)."""
     key = (device.type, device.index)
     if key not in _WORKS:
         _WORKS[key] = _probe_int8_matmul(device)
@@ -136,11 +147,13 @@ def _probe_int8_matmul(device: torch.device) -> bool:
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         return False
     gen = torch.Generator().manual_seed(0)
-    a = torch.randint(-127, 128, (CUDA_MIN_ROWS + 7, 64), generator=gen, dtype=torch.int8)
-    b = torch.randint(-127, 128, (48, 64), generator=gen, dtype=torch.int8)
     try:
-        for mat2 in (b.t(), b.t().contiguous()):  # column-major (forward) and row-major (backward)
-            if not torch.equal(torch._int_mm(a.to(device), mat2.to(device)).cpu(), a.int() @ mat2.int()):
+        # The layer's two uses: 64 outputs by tokens (the forward, transposed), and few rows against
+        # an output width that needs padding on CUDA (a modulation linear's input gradient).
+        for rows, inner, cols in ((64, 96, 40), (3, 64, 44)):
+            a = torch.randint(-127, 128, (rows, inner), generator=gen, dtype=torch.int8)
+            b = torch.randint(-127, 128, (inner, cols), generator=gen, dtype=torch.int8)
+            if not torch.equal(int_mm(a.to(device), b.to(device)).cpu(), a.int() @ b.int()):
                 return False
     except (RuntimeError, NotImplementedError):  # no kernel for this device or dtype
         return False
