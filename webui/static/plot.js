@@ -3,7 +3,7 @@
 const PLOT_COLOURS = ["#1d4ed8", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#9ca3af"];
 
 function plotLines(svg, series) {
-  const W = 600, H = 260, L = 60, R = 10, T = 10, B = 30;
+  const W = 600, H = 260, L = 60, R = 10, T = 22, B = 30, TICKS = 4;
   const ns = "http://www.w3.org/2000/svg";
   svg.replaceChildren();
   const all = Object.values(series).flat().filter(p => Number.isFinite(p[1]));
@@ -18,18 +18,23 @@ function plotLines(svg, series) {
     svg.appendChild(el);
     return el;
   };
+  const fmt = v => Math.abs(v) >= 1e-2 && Math.abs(v) < 1e4 ? Number(v.toPrecision(3)).toString() : v.toExponential(1);
+  for (let i = 0; i <= TICKS; i++) {  // a light grid with its values
+    const y = y0 + (y1 - y0) * i / TICKS, x = Math.round(x0 + (x1 - x0) * i / TICKS);
+    add("line", {x1: L, x2: W - R, y1: sy(y), y2: sy(y), stroke: "#eee"});
+    add("line", {x1: sx(x), x2: sx(x), y1: T, y2: H - B, stroke: "#eee"});
+    add("text", {x: 2, y: sy(y) + 4, "font-size": 11, fill: "#555"}, fmt(y));
+    add("text", {x: sx(x) - 10, y: H - 10, "font-size": 11, fill: "#555"}, String(x));
+  }
   add("rect", {x: L, y: T, width: W - L - R, height: H - T - B, fill: "none", stroke: "#999"});
-  const fmt = v => Math.abs(v) >= 1e-2 && Math.abs(v) < 1e4 ? v.toPrecision(3) : v.toExponential(1);
-  add("text", {x: 2, y: T + 10, "font-size": 11}, fmt(y1));
-  add("text", {x: 2, y: H - B, "font-size": 11}, fmt(y0));
-  add("text", {x: L, y: H - 8, "font-size": 11}, `step ${x0}`);
-  add("text", {x: W - R - 70, y: H - 8, "font-size": 11}, `step ${x1}`);
   Object.entries(series).forEach(([name, points], i) => {
     const colour = PLOT_COLOURS[i % PLOT_COLOURS.length];
     const good = points.filter(p => Number.isFinite(p[1]));
     add("polyline", {points: good.map(p => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" "),
-                     fill: "none", stroke: colour, "stroke-width": 1.5, "data-series": name, "data-count": good.length});
-    add("text", {x: L + 8 + 130 * i, y: T + 14, "font-size": 11, fill: colour}, name);
+                     fill: "none", stroke: colour, "stroke-width": name === "smoothed" ? 2 : 1.2,
+                     "stroke-opacity": name === "smoothed" || Object.keys(series).length === 1 ? 1 : .55,
+                     "data-series": name, "data-count": good.length});
+    add("text", {x: L + 8 + 130 * i, y: T - 8, "font-size": 11, fill: colour}, name);
   });
 }
 
