@@ -127,8 +127,8 @@ def fake_app(runs_dir: Path) -> Iterator[Callable[..., Any]]:
     for app in made:
         for child in list(app.state.page.launcher.children.values()):
             if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+                child.terminate()  # passed on to the "trainer", which exits (SIGKILL would leave it orphaned)
+                child.wait(timeout=30)
 
 
 def _form(sample_data: Path, **edits: str) -> Dict[str, str]:
@@ -521,6 +521,27 @@ def test_state_is_right_at_once_after_start_and_resume(fake_app: Callable[..., A
     assert client.post("/api/runs/steady/stop").status_code == 200
     _wait(lambda: _view(client, "steady")["state"] == "stopped", 30, "stopped again")
     assert client.post("/api/runs/steady/resume", json={"max_train_steps": 1}).status_code == 422  # fewer steps
+
+
+def test_a_stop_is_sent_once_unless_the_trainer_never_saw_it(client: TestClient, runs_dir: Path) -> None:
+    """A second SIGTERM makes a trainer exit without its checkpoint: refused while the trainer that
+    got the first is writing it. A trainer that took the lock after the stop (sent while the launcher
+    had no trainer yet to pass it to) never saw it: that one gets it."""
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        folder = runs_dir / "late"
+        folder.mkdir()
+        (folder / "webui_launch.json").write_text(json.dumps({"stop_requested": True, "stopped": 1000.0}))
+        lock = {"host": socket.gethostname(), "pid": trainer.pid, "started": 900.0}
+        (folder / "run.lock").write_text(json.dumps(lock))
+        assert client.post("/api/runs/late/stop").status_code == 409 and _view(client, "late")["stopping"]
+        assert trainer.poll() is None
+        (folder / "run.lock").write_text(json.dumps({**lock, "started": 1100.0}))
+        assert not _view(client, "late")["stopping"]
+        assert client.post("/api/runs/late/stop").json() == {"id": "late", "signalled": [trainer.pid]}
+        assert trainer.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        trainer.kill()
 
 
 def test_a_finished_run_resumes_only_with_more_steps(fake_app: Callable[..., Any], sample_data: Path) -> None:

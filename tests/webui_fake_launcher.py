@@ -5,7 +5,8 @@
 Like ``trainer.launch`` it starts the "trainer" as its child in its own process group, passes
 SIGTERM/SIGINT on to it once, and exits with its code. The child writes what the real trainer
 writes, in the same order: after ``FAKE_STARTUP_S`` (loading models) ``run.lock`` and
-``run_status.json`` ("running"), then one metrics line per ``FAKE_STEP_S``. On SIGTERM it writes a
+``run_status.json`` ("running"), then one metrics line per ``FAKE_STEP_S`` and a checkpoint every
+checkpointing_steps. On SIGTERM it writes a
 complete checkpoint and "stopped" and exits 143 (``trainer/signals.py``); at max_train_steps it
 writes the final checkpoint, the LoRA, ``summary.json`` and "finished" and exits 0. It resumes from
 its latest checkpoint with ``resume_from_checkpoint=latest``, and records its environment's
@@ -22,7 +23,7 @@ import sys
 CHILD = r'''
 import json, os, signal, socket, sys, time
 from pathlib import Path
-out, max_steps, resume = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "latest"
+out, max_steps, resume, every = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "latest", int(sys.argv[4])
 startup, period = float(os.environ.get("FAKE_STARTUP_S", "0.3")), float(os.environ.get("FAKE_STEP_S", "0.05"))
 out.mkdir(parents=True, exist_ok=True)
 (out / "fake_env.json").write_text(json.dumps({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}))
@@ -52,6 +53,8 @@ with open(out / "metrics.jsonl", "a") as fh:
     while step < max_steps:
         step += 1
         fh.write(json.dumps({"step": step, "loss": 1.0 / step, "lr": 1e-4, "time": time.time()}) + "\n"); fh.flush()
+        if step % every == 0 and step < max_steps:
+            save(step)
         time.sleep(period)
 save(step)
 (out / "pytorch_lora_weights.safetensors").write_bytes(b"final lora")
@@ -75,7 +78,8 @@ def _arg(name: str, default: str) -> str:
 
 if __name__ == "__main__":
     child = subprocess.Popen([sys.executable, "-c", CHILD, _arg("output_dir", "out"),
-                              _arg("max_train_steps", "100000"), _arg("resume_from_checkpoint", "")],
+                              _arg("max_train_steps", "100000"), _arg("resume_from_checkpoint", ""),
+                              _arg("checkpointing_steps", "100000")],
                              process_group=0)
     forwarded = []
 

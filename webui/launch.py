@@ -30,7 +30,7 @@ from trainer.config import TrainConfig, load_config
 from trainer.run_dir import write_text_atomic
 from trainer.run_lock import LOCK_NAME, read_lock
 from utils.errors import ConfigError
-from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, launched_alive, lock_alive, read_json
+from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, launched_alive, lock_alive, read_json, stop_pending
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -205,7 +205,7 @@ class Launcher:
         mine = bool(self.alive(run_id)) or launched_alive(record)
         if record.get("queued"):
             raise LookupError(f"run '{run_id}' is queued, not running: cancel it instead")
-        if record.get("stop_requested") and (mine or lock_alive(lock)):
+        if stop_pending(folder, record) and (mine or lock_alive(lock)):
             raise LookupError(f"run '{run_id}' was asked to stop and is writing its checkpoint")
         if mine:
             child = self.children.get(run_id)

@@ -165,6 +165,16 @@ def status_of_this_launch(status: Dict[str, Any], launch: Dict[str, Any]) -> boo
                                                      and status["time"] >= started)
 
 
+def stop_pending(folder: Path, launch: Dict[str, Any]) -> bool:
+    """A stop was sent to this launch and the trainer has it: it was up then, or is not up yet. (A
+    second signal to a trainer that got one exits without its checkpoint; a trainer that took the
+    lock after the stop never saw it, since the launcher had no trainer to pass it to.)"""
+    if not launch.get("stop_requested"):
+        return False
+    lock = read_lock(folder / LOCK_NAME)
+    return not (lock_alive(lock) and lock["started"] > (launch.get("stopped") or 0))  # type: ignore[index]
+
+
 def run_state(folder: Path, child_alive: Optional[bool]) -> str:
     """One of ``STATES``. ``child_alive`` is what the launcher knows of a child it started (None: not
     one of its children). A live process wins over what the files said before it started."""
@@ -358,7 +368,7 @@ def detail(folder: Path, records: List[Dict[str, Any]], child_alive: Optional[bo
     view = overview(folder, records, child_alive)
     cfg = read_config(folder)
     return {
-        **view, "stopping": bool(launch.get("stop_requested")) and view["state"] in ("starting", "running"),
+        **view, "stopping": stop_pending(folder, launch) and view["state"] in ("starting", "running"),
         "metrics": records[since:], "metrics_total": len(records),
         "samples": samples(folder, prompt_texts(cfg)), "checkpoint_files": checkpoints(folder),
         "log": log_tail(folder / LOG_NAME), "launcher_log": log_tail(folder / CHILD_LOG),

@@ -54,8 +54,8 @@ async function showRuns() {
       `${r.step} / ${r.max_steps ?? "?"}`, fmt(r.loss), fmt(r.loss_smoothed), fmt(r.s_per_step, 3),
       when(r.started), duration(r.duration_s), duration(r.eta_s), peak(r.peak_memory_gib), outputs, action];
     cells.forEach((c, i) => {
-      const td = el("td", {class: ["id", "state", "model", "step", "loss", "smoothed", "speed", "started", "duration",
-                                   "eta", "peak", "outputs", "action"][i]});
+      const td = el("td", {class: `col-${["id", "state", "model", "step", "loss", "smoothed", "speed", "started",
+                                          "duration", "eta", "peak", "outputs", "action"][i]}`});
       c instanceof Node ? td.appendChild(c) : td.textContent = c ?? "-";
       row.appendChild(td);
     });
@@ -293,38 +293,38 @@ function showSampleStep() {
   $("#sample-step-label").textContent = `step ${s.step} (${index + 1} of ${sampleSteps.length})`;
   const base = r.samples.find(x => x.step === 0);
   const rows = [];
-  if (base && s.step !== 0) rows.push(sampleRow(r, base, "base model (before training)", -1));
-  rows.push(sampleRow(r, s, `step ${s.step}`, index));
+  if (base && s.step !== 0) rows.push(sampleRow(r, base, "base model (before training)"));
+  rows.push(sampleRow(r, s, `step ${s.step}`));
   $("#samples").replaceChildren(...rows);
 }
 
-function sampleRow(r, s, title, index) {
+function sampleRow(r, s, title) {
   const row = el("div", {class: "samples-row", "data-step": s.step});
   row.appendChild(el("h3", {}, title));
   s.files.forEach((path, i) => {
     const figure = el("figure", {class: "sample"});
     const img = el("img", {src: fileUrl(r.id, path), alt: s.prompts[i] || `prompt ${i}`, "data-prompt": i});
-    img.addEventListener("click", () => openLightbox(i, index < 0 ? null : index, s));
+    img.addEventListener("click", () => openLightbox(i, s.step));
     figure.appendChild(img);
-    figure.appendChild(el("figcaption", {}, s.prompts[i] ?? `prompt ${i}`));
+    figure.appendChild(el("figcaption", {}, s.prompts[i] ?? `prompt ${i} (a caption of the dataset: validation.prompts is empty)`));
     row.appendChild(figure);
   });
   return row;
 }
 
+// The large view: one prompt's sample, its step chosen with the slider (or the arrow keys), the base model's first.
 let lightboxPrompt = 0;
-function openLightbox(prompt, index, base) {
+function openLightbox(prompt, step) {
   lightboxPrompt = prompt;
   const slider = $("#lightbox-step");
-  slider.max = Math.max(0, sampleSteps.length - 1);
-  slider.value = index ?? 0;
-  slider.disabled = index === null;
+  slider.max = Math.max(0, current.samples.length - 1);
+  slider.value = Math.max(0, current.samples.findIndex(s => s.step === step));
   $("#lightbox").hidden = false;
-  showLightbox(index === null ? base : null);
+  showLightbox();
 }
 
-function showLightbox(fixed) {
-  const s = fixed || sampleSteps[Number($("#lightbox-step").value)];
+function showLightbox() {
+  const s = current.samples[Number($("#lightbox-step").value)];
   if (!s) return;
   const i = Math.min(lightboxPrompt, s.files.length - 1);
   $("#lightbox-img").src = fileUrl(current.id, s.files[i]);
@@ -447,16 +447,16 @@ $("#delete").addEventListener("click", async () => {
   try { await api(`/api/runs/${enc(id)}`, undefined, "DELETE"); location.hash = "#/"; } catch (e) { alert(e.message); }
 });
 $("#sample-step").addEventListener("input", showSampleStep);
-$("#lightbox-step").addEventListener("input", () => showLightbox(null));
+$("#lightbox-step").addEventListener("input", showLightbox);
 $("#lightbox-close").addEventListener("click", () => { $("#lightbox").hidden = true; });
 $("#lightbox").addEventListener("click", event => { if (event.target.id === "lightbox") $("#lightbox").hidden = true; });
 document.addEventListener("keydown", event => {
   if ($("#lightbox").hidden) return;
   const slider = $("#lightbox-step");
   if (event.key === "Escape") $("#lightbox").hidden = true;
-  else if ((event.key === "ArrowRight" || event.key === "ArrowLeft") && !slider.disabled) {
+  else if (event.key === "ArrowRight" || event.key === "ArrowLeft") {
     slider.value = Number(slider.value) + (event.key === "ArrowRight" ? 1 : -1);
-    showLightbox(null);
+    showLightbox();
   }
 });
 $("#dataset-box").addEventListener("toggle", () => { if ($("#dataset-box").open) showDataset(); });

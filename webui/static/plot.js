@@ -9,7 +9,9 @@ function plotLines(svg, series) {
   const all = Object.values(series).flat().filter(p => Number.isFinite(p[1]));
   if (!all.length) return;
   const xs = all.map(p => p[0]), ys = all.map(p => p[1]);
-  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1), y0 = Math.min(...ys), y1 = Math.max(...ys, y0 + 1e-12);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
+  let y0 = Math.min(...ys), y1 = Math.max(...ys);
+  if (y1 - y0 <= Math.abs(y1) * 1e-6) { const pad = Math.abs(y1) * 0.1 || 1; y0 -= pad; y1 += pad; }  // a flat line, e.g. a constant LR
   const sx = x => L + (x - x0) / (x1 - x0) * (W - L - R), sy = y => H - B - (y - y0) / (y1 - y0) * (H - T - B);
   const add = (tag, attrs, text) => {
     const el = document.createElementNS(ns, tag);
