@@ -425,11 +425,17 @@ def test_every_folder_a_run_writes_is_under_the_runs_folder(fake_app: Callable[.
         sample_data, output_dir="/etc", cache_dir=str(runs_dir / "shared-cache"), max_train_steps="3")}).json()
     assert started["id"] == "etc"
     argv = json.loads((runs_dir / "etc" / "webui_launch.json").read_text())["argv"]
-    assert argv[-2:] == [f"output_dir={runs_dir / 'etc'}", "overwrite_output_dir=false"]
+    assert argv[-2:] == [f'output_dir="{runs_dir / "etc"}"', "overwrite_output_dir=false"]
     shared = tmp_path / "shared"
     client = TestClient(fake_app(cache_root=shared))
     assert client.post("/api/runs", json={"config": QUICKSTART, "form": _form(
         sample_data, cache_dir=str(shared / "qwen"), max_train_steps="3")}).status_code == 200
+    odd = tmp_path / "my runs: #1"  # a runs folder whose name YAML would misread unquoted
+    odd.mkdir()
+    client = TestClient(fake_app(runs=odd))
+    client.post("/api/runs", json={"config": QUICKSTART, "name": "r", "form": _form(sample_data, max_train_steps="3")})
+    _wait(lambda: _view(client, "r")["state"] == "finished", 30, "the run finished in its folder")
+    assert (odd / "r" / "checkpoint-3").is_dir()
 
 
 # -- never replacing a run unasked; names are taken atomically ----------------------------------------

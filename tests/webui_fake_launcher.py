@@ -66,10 +66,11 @@ status("finished", step, "done")
 
 def _arg(name: str, default: str) -> str:
     """An override's value, else the YAML's (``--config``), else ``default``."""
+    import yaml
+
     found = [a.split("=", 1)[1] for a in sys.argv if a.startswith(f"{name}=")]
     if found:
-        return found[-1]
-    import yaml
+        return str(yaml.safe_load(found[-1]))  # a value as the CLI reads it (output_dir="..." is quoted)
 
     config = sys.argv[sys.argv.index("--config") + 1] if "--config" in sys.argv else None
     data = yaml.safe_load(open(config)) if config else {}

@@ -15,6 +15,7 @@ from a stranger:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, List, Sequence
 
@@ -78,7 +79,7 @@ def refuse_interpolation(text: str, overrides: Sequence[str]) -> None:
 def forced_overrides(folder: Path) -> List[str]:
     """What the page appends to every launch: the run's own folder, and no replacing of its outputs
     by the trainer (a run the user asked to replace was removed by the page before)."""
-    return [f"output_dir={folder}", "overwrite_output_dir=false"]
+    return [f"output_dir={json.dumps(str(folder))}", "overwrite_output_dir=false"]  # quoted: any folder name is text
 
 
 def _under(path: Path, roots: Sequence[Path]) -> bool:
