@@ -32,7 +32,7 @@ from trainer.families import SPECS
 
 # Weight formats of each quantization backend (their implementations: trainer/quantization.py).
 QUANTO_WEIGHTS = ("qfloat8", "qint8", "qint4")
-TORCHAO_WEIGHTS = ("int8_weight_only", "int4_weight_only", "float8_weight_only")
+TORCHAO_WEIGHTS = ("int8_weight_only", "int4_weight_only", "float8_weight_only", "int8_w8a8")
 WEIGHT_FORMATS = {"quanto": QUANTO_WEIGHTS, "torchao": TORCHAO_WEIGHTS}
 
 
