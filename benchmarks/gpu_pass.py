@@ -54,6 +54,7 @@ TAIL_LINES = 300
 # the slowest starts at once; the xdist groups of test_gpu_quick.py keep the rest on three workers.
 QUICK_TESTS = ("tests/gpu/test_fsdp_smoke.py::test_fsdp2_on_one_gpu_trains_resumes_and_exports",
                "tests/gpu/test_gpu_quick.py",
+               "tests/gpu/test_int8_gpu.py",  # names why, where the int8 kernel is refused (as at c7bf323)
                "tests/test_train_e2e.py::test_steps_on_cuda_make_no_synchronizing_call")
 INT8_SCRIPT = "benchmarks/quantized_step.py"  # issue 35's side-by-side bf16 / qfloat8 / int8_w8a8 step
 

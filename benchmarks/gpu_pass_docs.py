@@ -127,7 +127,8 @@ def describe(r: Record) -> str:
         return f"ERROR {r.get('error')}"
     if kind == "int8":
         row = r.get("data") if isinstance(r.get("data"), dict) else {}
-        keep = ("layer", "int8_vs_bf16", "out_error", "s_per_step", "train_peak_gib", "int8_mm_per_step")
+        keep = ("layer", "int8_refusal", "int8_vs_bf16", "out_error", "s_per_step", "train_peak_gib",
+                "int8_mm_per_step")
         values = ", ".join(f"{k} {fmt(v, '.4g') if isinstance(v, (int, float)) else v}"
                            for k, v in (row.get("values") or {}).items() if k in keep)
         return (f"int8 {row.get('part')} {row.get('family')} {row.get('format')} compile {row.get('compile')}: "
@@ -293,6 +294,12 @@ def startup_md(p: Pass) -> str:
                      "Train s", "First step s"), rows) + f"\n\n{p.where()}.\n")
 
 
+def demote(markdown: str) -> str:
+    """quantized_step.py's page as part of this one: its title dropped, its sections two levels down."""
+    lines = [line for line in markdown.strip().splitlines() if not line.startswith("# ")]
+    return "\n".join("#####" + line[2:] if line.startswith("## ") else line for line in lines).strip()
+
+
 def int8_md(p: Pass) -> str:
     """quantized_step.py's own markdown table where it came back, else its JSON rows as a table."""
     tables = p.of("int8_table")
@@ -300,8 +307,8 @@ def int8_md(p: Pass) -> str:
     if not tables and not rows:
         return ""
     out = "#### int8 W8A8 against bf16 and qfloat8 (`benchmarks/quantized_step.py`)\n\n"
-    if tables:  # one table per stage (the layer part, then the LoRA steps)
-        out += "\n".join(t.get("text", "").strip() + "\n" for t in tables)
+    if tables:  # one table per stage (the layer part, then the LoRA steps), under this page's headings
+        out += "\n".join(demote(t.get("text", "")) + "\n" for t in tables)
     else:
         keys = list(dict.fromkeys(k for x in rows for k in x))
         out += table(keys, [[fmt(x.get(k), ".4g", "") for k in keys] for x in rows]) + "\n"

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 import harness  # noqa: E402
 from trainer.block_swap import inner_tensors  # noqa: E402
 from trainer.families import SPECS  # noqa: E402
-from trainer.int8_linear import int8_matmul_works, quantize_int8_w8a8  # noqa: E402
+from trainer.int8_linear import int8_matmul_refusal, int8_matmul_works, quantize_int8_w8a8  # noqa: E402
 
 GIB = 2**30
 FORMATS: Dict[str, Tuple[str, ...]] = {
@@ -138,7 +138,8 @@ def measure_layer(name: str, tokens: int, d_in: int, d_out: int, device: torch.d
     quantize_int8_w8a8(int8)
     x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=True)
     values: Dict[str, Any] = {"layer": name, "tokens": tokens, "in": d_in, "out": d_out,
-                              "int8_kernel": int8_matmul_works(device)}
+                              "int8_kernel": int8_matmul_works(device),
+                              "int8_refusal": int8_matmul_refusal(device)}
     # Accuracy against fp32 (the weight as stored in bf16, multiplied in fp32).
     ref_w, ref_b = plain.weight.float(), plain.bias.float()
     x32 = x.detach().float().requires_grad_()
@@ -274,7 +275,7 @@ def layer_table(rows: List[Row]) -> str:
             continue
         body.append((r.family, f"{v['layer']} ({v['tokens']} x {v['in']} -> {v['out']})", r.compile,
                      fmt(v["bf16_ms"], ".2f"), fmt(v["int8_ms"], ".2f"), fmt(v["int8_vs_bf16"], ".2f"),
-                     "yes" if v["int8_kernel"] else "**no** (dequantized fallback)",
+                     "yes" if v["int8_kernel"] else f"**no** (dequantized fallback: {v.get('int8_refusal') or 'refused'})",
                      fmt(100 * v["out_error"], ".2f"), fmt(100 * v["grad_error"], ".2f")))
     if not body:
         return ""

@@ -118,6 +118,29 @@ def test_without_an_int8_kernel_the_dequantized_weight_is_used(monkeypatch: pyte
     assert rel_error(x.grad, x_ref.grad) < 0.01
 
 
+@pytest.mark.parametrize("fault", ["wrong", "raises"])
+def test_a_refused_int8_kernel_is_said_once_with_its_reason(fault: str, monkeypatch: pytest.MonkeyPatch,
+                                                            logs: List[dict]) -> None:
+    """The one-time check refuses a kernel that raises or returns wrong numbers, and the warning says
+    which (on the H200 at c7bf323 the layer fell back with no word of why)."""
+    device = torch.device("cpu")
+    monkeypatch.delitem(int8._WORKS, ("cpu", None), raising=False)
+    monkeypatch.setattr(int8, "_WHY_NOT", {})
+    real = torch._int_mm
+
+    def faulty(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if fault == "raises":
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+        return real(a, b) + 1
+
+    monkeypatch.setattr(torch, "_int_mm", faulty)
+    assert not int8.int8_matmul_works(device) and not int8.int8_matmul_works(device)
+    why = int8.int8_matmul_refusal(device)
+    assert ("CUBLAS_STATUS_NOT_SUPPORTED" if fault == "raises" else "wrong numbers") in why
+    warnings = [r["message"] for r in logs if r["level"].name == "WARNING"]
+    assert len(warnings) == 1 and why in warnings[0] and "dequantized" in warnings[0]
+
+
 def test_backward_keeps_only_the_int8_weight() -> None:
     """A frozen weight needs no weight gradient, so the input is not kept (a bf16 Linear keeps the
     input only where its weight trains; LoRA beside keeps it for its own A matrix)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 import torch
+from loguru import logger
 
 # cuBLAS's int8 kernel refuses fewer rows than this (``self.size(0) needs to be greater than 16``) and
 # output columns that are not a multiple of 8: the left operand is padded with zero rows, the right
@@ -126,38 +127,52 @@ def _kernel_takes(device: torch.device, shape: torch.Size) -> bool:
 
 
 _WORKS: Dict[Tuple[str, Optional[int]], bool] = {}
+_WHY_NOT: Dict[Tuple[str, Optional[int]], str] = {}
 
 
 def int8_matmul_works(device: torch.device) -> bool:
-    """Whether ``torch._int_mm`` runs on ``device`` and gives exact results in both layouts the layer
+    """Whether ``torch._int_mm`` runs on ``device`` and gives exact results in the layout the layer
     uses (asked once per device; ``quantize_int8_w8a8`` asks first, outside any compiled code).
     CUDA needs sm_80 or newer (the int8 tensor-core generation OneTrainer and torchao target); the
     CPU has a kernel in current torch. The exactness check guards against cuBLAS releases that
-    return wrong int8 results for some layouts (pytorch/pytorch#107671; see ``int_mm``)."""
+    return wrong int8 results for some layouts (pytorch/pytorch#107671; see ``int_mm``). Where it
+    fails, one warning says why: the run goes on with the dequantized weights, which is no faster."""
     key = (device.type, device.index)
     if key not in _WORKS:
-        _WORKS[key] = _probe_int8_matmul(device)
+        why = _probe_int8_matmul(device)
+        _WORKS[key], _WHY_NOT[key] = not why, why
+        if why:
+            logger.warning(f"int8_w8a8: no usable int8 matmul on {device} ({why}); the int8 weights are "
+                           "multiplied dequantized in the compute dtype: the same memory, not faster than bf16")
     return _WORKS[key]
 
 
+def int8_matmul_refusal(device: torch.device) -> str:
+    """Why ``device`` has no usable int8 matmul ("" where it has one), for reports."""
+    int8_matmul_works(device)
+    return _WHY_NOT.get((device.type, device.index), "" if _WORKS[(device.type, device.index)] else "refused")
+
+
 @torch.compiler.disable
-def _probe_int8_matmul(device: torch.device) -> bool:
+def _probe_int8_matmul(device: torch.device) -> str:
+    """"" where ``int_mm`` is exact on ``device``, else the reason."""
     if device.type not in ("cuda", "cpu"):
-        return False
+        return f"torch has no int8 matmul for {device.type}"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        return False
+        return f"compute capability {torch.cuda.get_device_capability(device)} is below sm_80"
     gen = torch.Generator().manual_seed(0)
-    try:
-        # The layer's two uses: 64 outputs by tokens (the forward, transposed), and few rows against
-        # an output width that needs padding on CUDA (a modulation linear's input gradient).
-        for rows, inner, cols in ((64, 96, 40), (3, 64, 44)):
-            a = torch.randint(-127, 128, (rows, inner), generator=gen, dtype=torch.int8)
-            b = torch.randint(-127, 128, (inner, cols), generator=gen, dtype=torch.int8)
-            if not torch.equal(int_mm(a.to(device), b.to(device)).cpu(), a.int() @ b.int()):
-                return False
-    except (RuntimeError, NotImplementedError):  # no kernel for this device or dtype
-        return False
-    return True
+    # The layer's two uses: 64 outputs by tokens (the forward, transposed), and few rows against an
+    # output width that needs padding on CUDA (a modulation linear's input gradient).
+    for rows, inner, cols in ((64, 96, 40), (3, 64, 44)):
+        a = torch.randint(-127, 128, (rows, inner), generator=gen, dtype=torch.int8)
+        b = torch.randint(-127, 128, (inner, cols), generator=gen, dtype=torch.int8)
+        try:
+            got = int_mm(a.to(device), b.to(device)).cpu()
+        except (RuntimeError, NotImplementedError) as exc:  # no kernel for this device, dtype or shape
+            return f"torch._int_mm failed on {rows}x{inner} @ {inner}x{cols}: {str(exc).splitlines()[0][:200]}"
+        if not torch.equal(got, a.int() @ b.int()):
+            return f"torch._int_mm returned wrong numbers for {rows}x{inner} @ {inner}x{cols}"
+    return ""
 
 
 def quantize_int8_w8a8(linear: torch.nn.Linear) -> Int8Linear:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import harness
-from trainer.int8_linear import int8_matmul_works, quantize_int8_w8a8
+from trainer.int8_linear import int8_matmul_refusal, int8_matmul_works, quantize_int8_w8a8
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +31,7 @@ def test_int8_layer_on_cuda_matches_fp32(rows: int, d_in: int, d_out: int, cuda:
     kernel takes the shape (a width not a multiple of 8 falls back to the dequantized weight)."""
     if torch.cuda.get_device_capability(cuda) < (8, 0):
         pytest.skip("int8 tensor cores need sm_80 or newer")
-    assert int8_matmul_works(cuda), "torch._int_mm fails or is wrong on this sm_80+ GPU"
+    assert int8_matmul_works(cuda), f"no int8 matmul on this sm_80+ GPU: {int8_matmul_refusal(cuda)}"
     calls: List[tuple] = []
     real = torch._int_mm
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or real(a, b))
