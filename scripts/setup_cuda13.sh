@@ -63,7 +63,7 @@ else
 fi
 
 echo "== torch"
-# The torch side reuses utils.cuda_utils (the same rules the trainer applies at start-up).
+# The torch side reuses utils.device_facts (the same rules the trainer applies at start-up).
 DRIVER="$DRIVER" "$PYTHON" - <<'PYEOF'
 import os, sys
 
@@ -81,7 +81,7 @@ except Exception as error:  # not installed, or a broken wheel
     sys.exit(1)
 
 sys.path.insert(0, os.getcwd())
-from utils.cuda_utils import arch_support_mode, parse_version, read_device_facts
+from utils.device_facts import arch_support_mode, parse_version, read_device_facts
 from utils.compat import torch_install_hint
 
 hard = 0

@@ -1,5 +1,6 @@
-"""utils.cuda_utils: versions, capability, arch support and feature rules on mocked and real machines
-(the reference machines of utils.device_report)."""
+"""utils.cuda_utils (the CUDA 13 plan's name for utils.device_facts and utils.device_report's summary):
+versions, capability, arch support and feature rules on mocked and real machines (the reference
+machines of utils.device_report)."""
 
 import json
 import platform
@@ -27,13 +28,8 @@ from utils.cuda_utils import (
     torch_supports_arch,
     version_at_least,
 )
-from utils.device_report import (
-    ARCH_LIST_CU126_ARM,
-    ARCH_LIST_CU126_X86,
-    REFERENCE_DEVICES,
-    get_optimal_settings,
-    simulate_device,
-)
+from utils.cuda_utils import REFERENCE_DEVICES, get_optimal_settings, simulate_device
+from utils.device_report import ARCH_LIST_CU126_ARM, ARCH_LIST_CU126_X86
 
 ALL_PACKAGES = frozenset({"flash_attn", "flash_attn_interface", "torchao"})
 
@@ -305,7 +301,7 @@ def test_read_device_facts_on_this_machine():
 
 
 def test_driver_gpu_names_are_read_without_cuda(tmp_path):
-    from utils.cuda_utils import _driver_gpu_names
+    from utils.device_facts import _driver_gpu_names
 
     gpu = tmp_path / "0000:01:00.0"
     gpu.mkdir()
@@ -326,3 +322,28 @@ def test_device_report_command_line_prints_a_reference_machine(capsys):
     main(["--simulate", "gb10"])
     report = json.loads(capsys.readouterr().out)
     assert report["sm"] == "sm_121" and report["is_integrated"] is True and report["host_arch"] == "aarch64"
+
+
+def test_the_plans_module_name_re_exports_every_public_name():
+    """``from utils.cuda_utils import X`` (the plan's and the guide's imports) gives the very object
+    of the module it lives in, for every public name of ``utils.device_facts`` (a rule added there is
+    not lost to the old name) and the summary of ``utils.device_report``."""
+    import ast
+    from pathlib import Path
+
+    import utils.cuda_utils as plan_name
+    import utils.device_facts as facts
+    import utils.device_report as report
+
+    tree = ast.parse(Path(facts.__file__).read_text())
+    public = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    public |= {target.id for node in tree.body if isinstance(node, ast.Assign)
+               for target in node.targets if isinstance(target, ast.Name)}
+    public |= {node.target.id for node in tree.body if isinstance(node, ast.AnnAssign)}
+    public = {name for name in public if not name.startswith("_")}
+    summary = {"get_optimal_settings", "simulate_device", "REFERENCE_DEVICES"}
+    assert set(plan_name.__all__) == public | summary
+    for name in public:
+        assert getattr(plan_name, name) is getattr(facts, name), name
+    for name in summary:
+        assert getattr(plan_name, name) is getattr(report, name), name

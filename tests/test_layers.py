@@ -3,7 +3,9 @@
 The project's imports are read with ``ast``, module-level and function-local ones alike (a local
 import that dodges a cycle is still a cycle), and the tests fail on any import cycle and on any import
 that points up the layers. ``utils/tiny_models`` (test fixtures built with the real diffusers
-classes) needs no exemption: it imports nothing above ``utils/``.
+classes) needs no exemption: it imports nothing above ``utils/``. ``utils/validate_dataset.py`` is an
+entry point at the path the project's guide gives (``python utils/validate_dataset.py --path DIR``):
+it sits with the entry scripts' layer, and nothing may import it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENTRY_LAYER = 3
 # then the entry scripts at the root, and the web page's package (webui/, started by webui.py): 3
 LAYERS = {"utils": 0, "image_datasets": 1, "trainer": 2, "webui": ENTRY_LAYER}
+# Entry points inside a package, run as files and never imported.
+ENTRY_POINTS = ("utils.validate_dataset",)
 
 Edges = Dict[str, Dict[str, int]]  # module -> {imported project module: line of the first import}
 
@@ -30,7 +34,7 @@ def project_modules() -> Dict[str, Path]:
 
 
 def layer(module: str) -> int:
-    return LAYERS.get(module.split(".")[0], ENTRY_LAYER)
+    return ENTRY_LAYER if module in ENTRY_POINTS else LAYERS.get(module.split(".")[0], ENTRY_LAYER)
 
 
 def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Dict[str, int]:
@@ -110,12 +114,21 @@ def test_imports_point_down_the_layers() -> None:
     assert not found, "imports up the layers utils < image_datasets < trainer < entry scripts:\n" + "\n".join(found)
 
 
+def test_entry_points_inside_packages_are_not_imported() -> None:
+    edges = import_graph()
+    for entry in ENTRY_POINTS:
+        assert entry in edges, f"{entry} is gone: update ENTRY_POINTS"
+        importers = sorted(m for m, targets in edges.items() if entry in targets)
+        assert not importers, f"{entry} is an entry point (run as a file), yet {importers} import it"
+
+
 def test_the_walk_sees_every_kind_of_import() -> None:
     """Relative, dotted and function-local imports are all edges, so the checks above can fail."""
     edges = import_graph()
     assert "trainer.engine" in edges["trainer.cli"], "function-local (after argument parsing)"
     assert "utils.tiny_models.qwen_image" in edges["utils.tiny_models"], "relative (from .qwen_image import ...)"
     assert "trainer.cli" in edges["train"], "an entry script"
+    assert "validate_dataset" in edges["utils.validate_dataset"], "the guide's path runs the root script"
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
     assert upward({"utils.cuda_utils": {"trainer.config": 7}, "trainer.cli": {"utils.quiet": 3}}) == \
         ["utils/cuda_utils.py:7 imports trainer.config"]

@@ -231,13 +231,20 @@ def test_validate_dataset_config_checks_every_dataset(folders: Dict[str, Path], 
     assert "img2" not in out.split("=== datasets[1]")[0], "the subject folder's img2 has its caption"
 
 
-def test_plan_takes_the_largest_size_of_any_dataset_without_the_data() -> None:
+def test_plan_takes_the_largest_size_of_any_dataset_without_the_data(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
     from trainer.planner.settings import _plan_side, _reference_count, load_plan_config
 
-    cfg = load_plan_config(str(ROOT / MULTI), ["datasets.1.resolutions=[64,128]"], family="qwen_image")
+    # The profile with folders that surely do not exist (a user following its comment builds data/...).
+    profile = OmegaConf.load(ROOT / MULTI)
+    for i, entry in enumerate(profile.datasets):
+        entry.img_dir = str(tmp_path / f"absent-{i}")
+    OmegaConf.save(profile, tmp_path / "multi.yaml")
+    cfg = load_plan_config(str(tmp_path / "multi.yaml"), ["datasets.1.resolutions=[64,128]"], family="qwen_image")
     assert [e.img_dir for e in cfg.datasets] == ["", "", ""], "planned without the (absent) folders"
     assert (_plan_side(cfg), _reference_count(cfg)) == (128, 1)
-    assert _plan_side(load_plan_config(str(ROOT / MULTI), [], family="qwen_image")) == 64
+    assert _plan_side(load_plan_config(str(tmp_path / "multi.yaml"), [], family="qwen_image")) == 64
 
 
 @pytest.mark.e2e

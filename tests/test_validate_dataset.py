@@ -106,9 +106,10 @@ def by_file(report: DatasetReport) -> Dict[str, List[Tuple[str, str]]]:
 
 
 def run_cli(*runs: List[str]) -> List[subprocess.CompletedProcess]:
-    """``python validate_dataset.py ARGS`` from the repository root, one process per run, in parallel."""
+    """``python SCRIPT ARGS`` from the repository root (each run: the script, then its arguments), one
+    process per run, in parallel."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "validate_dataset.py", *args], cwd=ROOT, env=env,
+    procs = [subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in runs]
     results = []
     for proc in procs:
@@ -216,9 +217,13 @@ def test_edit_references_missing_or_of_another_size(tmp_path: Path) -> None:
 
 def test_cli_exit_codes_and_report(broken: Path, tmp_path: Path) -> None:
     clean = make_sample_dataset(tmp_path / "clean", size=64, count=4)
-    # Both at once: each subprocess spends most of its time importing torch.
-    bad, ok = run_cli(["--path", str(broken), "--img-size", str(SIZE)], ["--path", str(clean), "--img-size", "64"])
+    # All at once: each subprocess spends most of its time importing torch. The guide's path
+    # (utils/validate_dataset.py) is the same command.
+    bad, ok, guide = run_cli(["validate_dataset.py", "--path", str(broken), "--img-size", str(SIZE)],
+                             ["validate_dataset.py", "--path", str(clean), "--img-size", "64"],
+                             ["utils/validate_dataset.py", "--path", str(broken), "--img-size", str(SIZE)])
     assert bad.returncode == 1, bad.stderr
+    assert (guide.returncode, guide.stdout) == (1, bad.stdout), guide.stderr
     for name in EXPECTED:
         assert name in bad.stdout
     assert "Training would fail" in bad.stdout

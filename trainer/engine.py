@@ -43,6 +43,7 @@ from trainer.features import FeatureStore, latent_shape
 from trainer.model_setup import prepare_transformer, transformer_load_device
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.platform import RunPolicy, configure_device, prepare_environment
+from trainer.precision import choose_mixed_precision
 from trainer.quantization import check_available, quantization_spec
 from trainer.memory_check import warn_if_it_does_not_fit
 from trainer.reporting import plot_histogram, plot_losses, write_summary
@@ -149,12 +150,12 @@ class Trainer:
         self.resume_from = self.folder.open(cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
         trackers = available_trackers(cfg.report_to)
         self.policy = prepare_environment(cfg)  # before CUDA starts: allocator settings
+        precision = choose_mixed_precision(cfg.mixed_precision)  # the profile's, unless the launcher was told
         self.accelerator = Accelerator(
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             # Qwen's last block leaves its text-side outputs unused: DDP must not wait for them.
             kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
-            # The launcher's --mixed_precision wins; the YAML value applies to plain `python train.py`.
-            mixed_precision=None if os.environ.get("ACCELERATE_MIXED_PRECISION") else cfg.mixed_precision,
+            mixed_precision=precision.accelerator_arg,
             log_with=trackers or None,
             project_config=ProjectConfiguration(
                 project_dir=str(self.output_dir), logging_dir=str(self.output_dir / cfg.logging_dir)),
@@ -176,7 +177,8 @@ class Trainer:
         if self.is_main:
             self.folder.write_config(cfg)
         logger.info(f"family {self.family.name}, model {self.family.model_path}, device {self.device}, "
-                    f"{self.accelerator.num_processes} process(es), precision {self.accelerator.mixed_precision}")
+                    f"{self.accelerator.num_processes} process(es), precision {self.accelerator.mixed_precision} "
+                    f"({precision.reason})")
 
     # -- data -------------------------------------------------------------------------------------
     def prepare_data(self) -> None:

@@ -19,7 +19,7 @@ from utils.errors import ConfigError
 from trainer.quantization import QuantizationSpec
 from utils.attention import AttentionChoice, apply_attention_backend, measured_choice, select_attention_backend
 from utils.compat import show_compatibility_warnings
-from utils.cuda_utils import enable_tf32, supports_feature
+from utils.device_facts import enable_tf32, supports_feature
 from utils.unified_memory import apply_memory_fraction, is_unified_memory_system, setup_unified_memory_env
 
 

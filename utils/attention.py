@@ -37,7 +37,7 @@ import torch
 from loguru import logger
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .cuda_utils import DeviceFacts, feature_rule, read_device_facts, supports_feature
+from .device_facts import DeviceFacts, feature_rule, read_device_facts, supports_feature
 
 AUTO_ORDER: Tuple[str, ...] = ("flash3", "flash", "cudnn", "efficient", "math")
 BACKEND_CHOICES: Tuple[str, ...] = ("auto",) + AUTO_ORDER

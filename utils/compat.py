@@ -2,7 +2,7 @@
 
 Each message says what is wrong and what to do. ``show_compatibility_warnings()`` logs each
 message once per process at start-up; ``check_requirements`` / ``get_deprecation_warnings`` only
-return them. All take the same injectable ``DeviceFacts`` as ``utils.cuda_utils``.
+return them. All take the same injectable ``DeviceFacts`` as ``utils.device_facts``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Iterable, List, Optional, Set
 
 from loguru import logger
 
-from .cuda_utils import (
+from .device_facts import (
     DeviceFacts,
     arch_support_mode,
     feature_rule,
@@ -40,7 +40,7 @@ class _Need:
     package: str  # import name
     install: str
     meanwhile: str
-    rule: Optional[str] = None  # cuda_utils feature rule for the hardware/torch side
+    rule: Optional[str] = None  # device_facts feature rule for the hardware/torch side
 
 
 _NEEDS = {

@@ -4,7 +4,7 @@
     python -m utils.device_report --simulate gb10  # a reference machine (h100 h200 a100 rtx4090 t4 gb10 gh200 cpu)
 
 ``simulate_device`` gives the ``DeviceFacts`` of a reference machine, so the rules of
-``utils.cuda_utils``, ``utils.attention`` and ``utils.compat`` are asked about it without patching torch.
+``utils.device_facts``, ``utils.attention`` and ``utils.compat`` are asked about it without patching torch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 from typing import Any, Dict, Iterable, Optional
 
 from .attention import best_available_backend
-from .cuda_utils import (
+from .device_facts import (
     DeviceFacts,
     arch_support_mode,
     get_architecture_name,
@@ -25,6 +25,7 @@ from .cuda_utils import (
     get_recommended_mixed_precision,
     read_device_facts,
 )
+from .unified_memory import detect_unified_memory
 
 # --------------------------------------------------------------------------- summary
 
@@ -44,6 +45,7 @@ def get_optimal_settings(facts: Optional[DeviceFacts] = None) -> Dict[str, Any]:
         "architecture": get_architecture_name(facts.capability),
         "total_memory_gib": round(facts.total_memory / 2**30, 1),
         "is_integrated": facts.is_integrated,
+        "unified_memory": detect_unified_memory(facts)[0],
         "host_arch": facts.host_arch,
         "cuda_version": get_cuda_version(facts),
         "torch_version": facts.torch_version,

@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from loguru import logger
 
-from .cuda_utils import DeviceFacts, read_device_facts
+from .device_facts import DeviceFacts, read_device_facts
 
 ENV_OVERRIDE = "QWEN_TRAINER_UNIFIED_MEMORY"
 ALLOC_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the second is torch >= 2.9's name

@@ -423,7 +423,7 @@ def _notes(spec: ModelSpec, s: Settings) -> List[str]:
     notes.append(f"image planned as a {s.img_size}x{s.img_size} square (img_size is the longest side)")
     if s.precision == "no":
         notes.append("mixed_precision unset/'no': weights and activations in fp32 "
-                     "(accelerate launch --mixed_precision wins over the YAML)")
+                     "(accelerate launch's --mixed_precision, or an accelerate config that sets one, wins over the YAML)")
     if s.precompute_text or s.precompute_image:
         notes.append("first run: the encoders load for the cache pass (a later run that finds the disk cache skips it)")
     if s.device == "cuda":
