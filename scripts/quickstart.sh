@@ -17,9 +17,8 @@ THREADS=$(python -c "import psutil; print(psutil.cpu_count(logical=False) or 1)"
 start=$(date +%s)
 accelerate launch --cpu --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
   --num_cpu_threads_per_process "$THREADS" train.py --config train_configs/quickstart_tiny.yaml
-PROMPT="a red circle on a yellow background"
-python inference.py --model "$MODEL" --prompt "$PROMPT" --width 64 --height 64 --steps 8 \
-  --out "$OUT/sample_base.png"
-python inference.py --model "$MODEL" --lora "$OUT/pytorch_lora_weights.safetensors" --prompt "$PROMPT" \
-  --width 64 --height 64 --steps 8 --out "$OUT/sample_lora.png"
+# Both samples in one process (one start-up, one model load): the base model's, then with the LoRA.
+python inference.py --model "$MODEL" --lora "$OUT/pytorch_lora_weights.safetensors" \
+  --prompt "a red circle on a yellow background" --width 64 --height 64 --steps 8 \
+  --base-out "$OUT/sample_base.png" --out "$OUT/sample_lora.png"
 echo "quick-start done in $(( $(date +%s) - start )) s (training + renders): $OUT/pytorch_lora_weights.safetensors, $OUT/sample_base.png, $OUT/sample_lora.png"
