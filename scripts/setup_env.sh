@@ -13,6 +13,7 @@ PYTHON=${PYTHON:-python3}
 # shellcheck disable=SC1091
 . .venv/bin/activate
 PIP=(python -m pip install -q --no-compile)
+TORCH=()  # the pinned CPU torch goes in with the rest, in one resolve
 # (Looked up, not imported: importing torch takes seconds.)
 if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
   if command -v nvidia-smi >/dev/null 2>&1; then
@@ -20,10 +21,10 @@ if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('t
   elif [ -n "${TORCH_INDEX_URL:-}" ]; then
     "${PIP[@]}" torch==2.13.0 --index-url "$TORCH_INDEX_URL"
   else
-    "${PIP[@]}" torch==2.13.0
+    TORCH=(torch==2.13.0)
   fi
 fi
-"${PIP[@]}" -r requirements.txt
+"${PIP[@]}" "${TORCH[@]}" -r requirements.txt
 # The versions, read from the installed metadata (importing the libraries here would cost a run's
 # worth of start-up; the next step imports them anyway, and fails clearly if one is broken).
 python - <<'EOF'
