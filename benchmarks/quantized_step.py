@@ -52,9 +52,10 @@ import torch  # noqa: E402
 import harness  # noqa: E402
 from trainer.block_swap import inner_tensors  # noqa: E402
 from trainer.families import SPECS  # noqa: E402
+from benchmarks.gpu_report import quiet_logs  # noqa: E402
 from trainer.int8_linear import int8_matmul_works, quantize_int8_w8a8  # noqa: E402
+from utils.memory_monitor import get_memory_stats, reset_peak_memory_stats  # noqa: E402
 
-GIB = 2**30
 FORMATS: Dict[str, Tuple[str, ...]] = {
     "bf16": (),
     "int8_w8a8": ("quantize=true", "quantization.backend=torchao", "quantization.weights=int8_w8a8"),
@@ -171,22 +172,6 @@ def frozen_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def reset_host_peak() -> bool:
-    """Reset this process's peak RSS (Linux: ``/proc/self/clear_refs``), so ``VmHWM`` is per run."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def host_peak_gib() -> Optional[float]:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024 / GIB
-    return None
-
-
 @contextlib.contextmanager
 def counting_int_mm() -> Iterator[List[int]]:
     """Counts ``torch._int_mm`` calls while active."""
@@ -215,7 +200,8 @@ def measure_model(family: str, fmt: str, args: argparse.Namespace, device: torch
     try:
         values: Dict[str, Any] = {"build_s": rig.build_seconds, "compiled": rig.compiled,
                                   "weights_mib": frozen_bytes(rig.transformer) / 2**20, "load_peak_gib": rig.load_peak_gib}
-        host = device.type == "cpu" and reset_host_peak()
+        if device.type == "cpu":  # the host is the device: its peak RSS over the steps (VmHWM, reset)
+            reset_peak_memory_stats(host=True)
         with counting_int_mm() as calls:
             report = harness.run_steps(rig, args.steps, args.resolution)
         values.update(s_per_step=report.median_step_s, steps=len(report.steady_times),
@@ -223,8 +209,8 @@ def measure_model(family: str, fmt: str, args: argparse.Namespace, device: torch
                       reserved_gib=report.reserved_gib, loss_first=report.losses[0], loss_last=report.losses[-1],
                       finite=report.finite, image_tokens=report.image_tokens, text_tokens=report.text_tokens,
                       int8_mm_per_step=None if rig.compiled else len(calls) / args.steps)
-        if host:
-            values["train_peak_gib"] = host_peak_gib()
+        if device.type == "cpu":
+            values["train_peak_gib"] = get_memory_stats().get("host_peak_rss_gib")
         return values
     finally:
         rig.free()
@@ -408,14 +394,6 @@ def run_one(out: Output, budget: Budget, row: Row, measure: Callable[[], Dict[st
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
     out.add(row)
-
-
-def quiet_logs() -> None:
-    """The engine logs every model build at INFO; keep warnings."""
-    from loguru import logger
-
-    logger.remove()
-    logger.add(sys.stderr, level="WARNING")
 
 
 if __name__ == "__main__":
