@@ -9,8 +9,8 @@ so far, and one JSON line per row is appended to ``FILE.jsonl`` and printed):
 
 * **layer**: one linear layer forward + input-gradient backward, bf16 ``nn.Linear`` against
   ``Int8Linear`` (``trainer/int8_linear.py``), at the widths of the family's attention projection and
-  MLP up-projection and the tokens of one sample at ``--resolution``; eager, and compiled with
-  ``--compile on``. Also the int8 layer's relative error against fp32 on this device, for the output
+  MLP up-projection and the tokens of one sample at ``--resolution``; eager, and compiled too on
+  CUDA (with ``--compile on``: compiled only). Also the int8 layer's relative error against fp32 on this device, for the output
   and the input gradient (the check that the device's int8 kernel returns right numbers).
 * **model**: ``--steps`` LoRA steps of each family's transformer (random weights, ``tests/gpu/harness.py``:
   full size on a GPU, the tiny architecture on the CPU) set up by the engine's own
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import statistics
@@ -345,19 +346,41 @@ def main(argv: Optional[List[str]] = None) -> Path:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     scale = harness.SCALES[args.scale]
     out = Output(args.out, header(args, device, scale, argv))
-    for family in args.families:
-        if "layer" in args.parts:
-            for name, tokens, d_in, d_out in layer_shapes(family, scale, args.resolution):
-                run_one(out, budget, Row("layer", family, "int8_w8a8", args.compile, values={"layer": name}),
-                        lambda: measure_layer(name, tokens, d_in, d_out, device, args.compile == "on",
-                                              repeats=10))
-        if "model" in args.parts:
-            for fmt_name in args.formats:
-                build = QUANTO_BUILD_S if fmt_name == "qfloat8" and quanto_build_pending(device) else 0.0
-                run_one(out, budget, Row("model", family, fmt_name, args.compile),
-                        lambda: measure_model(family, fmt_name, args, device, scale), build)
+    for row, measure, extra_s in plan_rows(args, device, scale):
+        run_one(out, budget, row, measure, extra_s)
     print(f"wrote {out.path} and {out.jsonl}")
     return out.path
+
+
+Measurement = Tuple[Row, Callable[[], Dict[str, Any]], float]  # the row, what fills it, known extra seconds
+
+
+def plan_rows(args: argparse.Namespace, device: torch.device, scale: harness.Scale) -> List[Measurement]:
+    """What to measure, most telling first (a time budget skips from the end): the eager layers, the
+    bf16 and int8 steps, the compiled layers (on CUDA with triton: one layer compiles in seconds), then
+    qfloat8 (whose first use on a GPU may build quanto's extension)."""
+    layer_modes = ["on"] if args.compile == "on" else ["off"]
+    if device.type == "cuda" and args.compile == "off" and has_triton():
+        layer_modes.append("on")
+    first, later = [], []
+    for family in args.families:
+        for mode in layer_modes if "layer" in args.parts else []:
+            for name, tokens, d_in, d_out in layer_shapes(family, scale, args.resolution):
+                row = Row("layer", family, "int8_w8a8", mode, values={"layer": name})
+                measure = functools.partial(measure_layer, name, tokens, d_in, d_out, device, mode == "on", 10)
+                (first if mode == layer_modes[0] else later).append((row, measure, 0.0))
+        for fmt_name in args.formats if "model" in args.parts else []:
+            extra = QUANTO_BUILD_S if fmt_name == "qfloat8" and quanto_build_pending(device) else 0.0
+            measure = functools.partial(measure_model, family, fmt_name, args, device, scale)
+            (later if fmt_name == "qfloat8" else first).append((Row("model", family, fmt_name, args.compile),
+                                                                measure, extra))
+    return first + later
+
+
+def has_triton() -> bool:
+    from torch.utils._triton import has_triton as available
+
+    return available()
 
 
 QUANTO_BUILD_S = 120  # quanto compiles its CUDA extension on first use: about 100 s on an H100
