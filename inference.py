@@ -4,6 +4,7 @@
         --prompt "a red circle" --out out.png [--steps 30] [--width 1024 --height 1024] [--seed 0]
     python inference.py --model Qwen/Qwen-Image-Edit-2509 --image ref1.png --image ref2.png \
         --prompt "put the cat on the sofa" --out edit.png
+    python inference.py --model DIR --lora LORA --base-out base.png --out lora.png --prompt "..."  # both, one load
 
 The pipeline class is read from the model's ``model_index.json``; ``--family`` makes it one of that
 family's pipelines.
@@ -32,6 +33,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="reference image for Qwen-Image-Edit (repeat for Edit-2509/2511, up to 3)")
     p.add_argument("--lora", help="LoRA file (pytorch_lora_weights.safetensors) or its folder")
     p.add_argument("--lora-scale", type=float, default=1.0)
+    p.add_argument("--base-out", type=Path, default=None,
+                   help="with --lora: also render the base model (same prompt and seed) to this PNG first, "
+                        "in the same process (the model loads once)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default=None,
                    help="default: '' where the pipeline's true CFG is on by default (Qwen-Image, Edit), "
@@ -130,16 +134,25 @@ def reference_images(pipe, paths: List[Path]):
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if args.base_out is not None and not args.lora:
+        raise SystemExit("error: --base-out renders the base model beside a LoRA: give --lora too")
     pipe, device = load_pipeline(args.model, args.family, args.dtype)
+    if args.base_out is not None:
+        render(pipe, args, args.base_out, device)
     if args.lora:
         add_lora(pipe, args.lora, args.lora_scale)
+    render(pipe, args, args.out, device)
+    return 0
+
+
+def render(pipe, args: argparse.Namespace, out: Path, device: str) -> None:
+    """One image with the pipeline as it stands, saved to ``out``; prints a JSON line about it."""
     start = time.perf_counter()
     image = pipe(**call_kwargs(pipe, args), return_dict=False)[0][0]  # every pipeline: first output, first image
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    image.save(args.out)
-    print(json.dumps({"out": str(args.out), "pipeline": type(pipe).__name__, "device": device,
-                      "seconds": round(time.perf_counter() - start, 2)}))
-    return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    image.save(out)
+    print(json.dumps({"out": str(out), "pipeline": type(pipe).__name__, "device": device,
+                      "lora": bool(args.lora) and out == args.out, "seconds": round(time.perf_counter() - start, 2)}))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ so far, and one JSON line per row is appended to ``FILE.jsonl`` and printed):
 
 * **layer**: one linear layer forward + input-gradient backward, bf16 ``nn.Linear`` against
   ``Int8Linear`` (``trainer/int8_linear.py``), at the widths of the family's attention projection and
-  MLP up-projection and the tokens of one sample at ``--resolution``; eager, and compiled with
-  ``--compile on``. Also the int8 layer's relative error against fp32 on this device, for the output
+  MLP up-projection and the tokens of one sample at ``--resolution``; eager, and compiled too on
+  CUDA (with ``--compile on``: compiled only). Also the int8 layer's relative error against fp32 on this device, for the output
   and the input gradient (the check that the device's int8 kernel returns right numbers).
 * **model**: ``--steps`` LoRA steps of each family's transformer (random weights, ``tests/gpu/harness.py``:
   full size on a GPU, the tiny architecture on the CPU) set up by the engine's own
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import statistics
@@ -52,9 +53,10 @@ import torch  # noqa: E402
 import harness  # noqa: E402
 from trainer.block_swap import inner_tensors  # noqa: E402
 from trainer.families import SPECS  # noqa: E402
+from benchmarks.gpu_report import quiet_logs  # noqa: E402
 from trainer.int8_linear import int8_matmul_refusal, int8_matmul_works, quantize_int8_w8a8  # noqa: E402
+from utils.memory_monitor import get_memory_stats, reset_peak_memory_stats  # noqa: E402
 
-GIB = 2**30
 FORMATS: Dict[str, Tuple[str, ...]] = {
     "bf16": (),
     "int8_w8a8": ("quantize=true", "quantization.backend=torchao", "quantization.weights=int8_w8a8"),
@@ -78,7 +80,7 @@ class Budget:
     """``--time-budget``: a deadline, and the longest measurement of each part so far."""
 
     def __init__(self, seconds: Optional[float]):
-        self.deadline = time.monotonic() + seconds if seconds else None
+        self.deadline = time.monotonic() + seconds if seconds is not None else None
         self.longest: Dict[str, float] = {}
 
     def left(self) -> float:
@@ -172,22 +174,6 @@ def frozen_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def reset_host_peak() -> bool:
-    """Reset this process's peak RSS (Linux: ``/proc/self/clear_refs``), so ``VmHWM`` is per run."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def host_peak_gib() -> Optional[float]:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024 / GIB
-    return None
-
-
 @contextlib.contextmanager
 def counting_int_mm() -> Iterator[List[int]]:
     """Counts ``torch._int_mm`` calls while active."""
@@ -216,7 +202,8 @@ def measure_model(family: str, fmt: str, args: argparse.Namespace, device: torch
     try:
         values: Dict[str, Any] = {"build_s": rig.build_seconds, "compiled": rig.compiled,
                                   "weights_mib": frozen_bytes(rig.transformer) / 2**20, "load_peak_gib": rig.load_peak_gib}
-        host = device.type == "cpu" and reset_host_peak()
+        if device.type == "cpu":  # the host is the device: its peak RSS over the steps (VmHWM, reset)
+            reset_peak_memory_stats(host=True)
         with counting_int_mm() as calls:
             report = harness.run_steps(rig, args.steps, args.resolution)
         values.update(s_per_step=report.median_step_s, steps=len(report.steady_times),
@@ -224,8 +211,8 @@ def measure_model(family: str, fmt: str, args: argparse.Namespace, device: torch
                       reserved_gib=report.reserved_gib, loss_first=report.losses[0], loss_last=report.losses[-1],
                       finite=report.finite, image_tokens=report.image_tokens, text_tokens=report.text_tokens,
                       int8_mm_per_step=None if rig.compiled else len(calls) / args.steps)
-        if host:
-            values["train_peak_gib"] = host_peak_gib()
+        if device.type == "cpu":
+            values["train_peak_gib"] = get_memory_stats().get("host_peak_rss_gib")
         return values
     finally:
         rig.free()
@@ -360,19 +347,41 @@ def main(argv: Optional[List[str]] = None) -> Path:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     scale = harness.SCALES[args.scale]
     out = Output(args.out, header(args, device, scale, argv))
-    for family in args.families:
-        if "layer" in args.parts:
-            for name, tokens, d_in, d_out in layer_shapes(family, scale, args.resolution):
-                run_one(out, budget, Row("layer", family, "int8_w8a8", args.compile, values={"layer": name}),
-                        lambda: measure_layer(name, tokens, d_in, d_out, device, args.compile == "on",
-                                              repeats=10))
-        if "model" in args.parts:
-            for fmt_name in args.formats:
-                build = QUANTO_BUILD_S if fmt_name == "qfloat8" and quanto_build_pending(device) else 0.0
-                run_one(out, budget, Row("model", family, fmt_name, args.compile),
-                        lambda: measure_model(family, fmt_name, args, device, scale), build)
+    for row, measure, extra_s in plan_rows(args, device, scale):
+        run_one(out, budget, row, measure, extra_s)
     print(f"wrote {out.path} and {out.jsonl}")
     return out.path
+
+
+Measurement = Tuple[Row, Callable[[], Dict[str, Any]], float]  # the row, what fills it, known extra seconds
+
+
+def plan_rows(args: argparse.Namespace, device: torch.device, scale: harness.Scale) -> List[Measurement]:
+    """What to measure, most telling first (a time budget skips from the end): the eager layers, the
+    bf16 and int8 steps, the compiled layers (on CUDA with triton: one layer compiles in seconds), then
+    qfloat8 (whose first use on a GPU may build quanto's extension)."""
+    layer_modes = ["on"] if args.compile == "on" else ["off"]
+    if device.type == "cuda" and args.compile == "off" and has_triton():
+        layer_modes.append("on")
+    first, later = [], []
+    for family in args.families:
+        for mode in layer_modes if "layer" in args.parts else []:
+            for name, tokens, d_in, d_out in layer_shapes(family, scale, args.resolution):
+                row = Row("layer", family, "int8_w8a8", mode, values={"layer": name})
+                measure = functools.partial(measure_layer, name, tokens, d_in, d_out, device, mode == "on", 10)
+                (first if mode == layer_modes[0] else later).append((row, measure, 0.0))
+        for fmt_name in args.formats if "model" in args.parts else []:
+            extra = QUANTO_BUILD_S if fmt_name == "qfloat8" and quanto_build_pending(device) else 0.0
+            measure = functools.partial(measure_model, family, fmt_name, args, device, scale)
+            (later if fmt_name == "qfloat8" else first).append((Row("model", family, fmt_name, args.compile),
+                                                                measure, extra))
+    return first + later
+
+
+def has_triton() -> bool:
+    from torch.utils._triton import has_triton as available
+
+    return available()
 
 
 QUANTO_BUILD_S = 120  # quanto compiles its CUDA extension on first use: about 100 s on an H100
@@ -409,14 +418,6 @@ def run_one(out: Output, budget: Budget, row: Row, measure: Callable[[], Dict[st
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
     out.add(row)
-
-
-def quiet_logs() -> None:
-    """The engine logs every model build at INFO; keep warnings."""
-    from loguru import logger
-
-    logger.remove()
-    logger.add(sys.stderr, level="WARNING")
 
 
 if __name__ == "__main__":

@@ -4,21 +4,30 @@
 # Where no NVIDIA GPU is present, torch is pinned to 2.13.0 first: on this project's machines that
 # is a CPU wheel on local disk. Elsewhere, set TORCH_INDEX_URL to PyTorch's CPU wheel index to avoid
 # downloading the multi-GB CUDA build on a CPU-only machine.
+# --no-compile: pip would byte-compile every installed module (all of torch and transformers, about
+# half the install's CPU time); Python compiles the ones a run imports, once, on first import.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
-if ! python -c "import torch" 2>/dev/null; then
+PIP=(python -m pip install -q --no-compile)
+TORCH=()  # the pinned CPU torch goes in with the rest, in one resolve
+# (Looked up, not imported: importing torch takes seconds.)
+if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    python -m pip install -q "torch>=2.5,<2.15"
+    "${PIP[@]}" "torch>=2.5,<2.15"
   elif [ -n "${TORCH_INDEX_URL:-}" ]; then
-    python -m pip install -q torch==2.13.0 --index-url "$TORCH_INDEX_URL"
+    "${PIP[@]}" torch==2.13.0 --index-url "$TORCH_INDEX_URL"
   else
-    python -m pip install -q torch==2.13.0
+    TORCH=(torch==2.13.0)
   fi
 fi
-python -m pip install -q -r requirements.txt
-python -c "import utils.quiet, torch, diffusers, transformers, peft, accelerate; print(f'torch {torch.__version__}, diffusers {diffusers.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, accelerate {accelerate.__version__}')"
+"${PIP[@]}" "${TORCH[@]}" -r requirements.txt
+# The versions, read from the installed metadata (importing the libraries here would cost a run's
+# worth of start-up; the next step imports them anyway, and fails clearly if one is broken).
+python - <<'EOF'
+from importlib.metadata import version
+print(", ".join(f"{name} {version(name)}" for name in ("torch", "diffusers", "transformers", "peft", "accelerate")))
+EOF

@@ -96,3 +96,22 @@ def test_to_device_on_the_cpu_casts_like_to() -> None:
     y = to_device(x, torch.device("cpu"), torch.bfloat16)
     assert y.dtype == torch.bfloat16 and torch.equal(y, x.to(torch.bfloat16))
     assert to_device(x, torch.device("cpu")) is x
+
+
+def test_the_nan_guard_runs_on_the_device_only_off_the_cpu() -> None:
+    """Fused AdamW can skip a step itself; on the CPU the host reads the loss instead (it waits for
+    nothing there, and an armed optimizer costs a foreach over its step counters each step)."""
+    from trainer.async_step import skips_on_device
+
+    fused = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=True)
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], foreach=False)
+    assert skips_on_device(fused, torch.device("cuda")) and not skips_on_device(plain, torch.device("cuda"))
+    assert not skips_on_device(fused, torch.device("cpu"))
+
+
+def test_a_lag_free_cpu_readout_reads_at_once() -> None:
+    readout = StepReadout(torch.device("cpu"), lag=0)
+    values = step_values(torch.tensor(2.0), torch.tensor(0.5))
+    (record,) = readout.push(values, step=4, epoch=1, lr=1e-4)
+    assert (record.step, record.epoch, record.lr, record.loss, record.grad_norm) == (4, 1, 1e-4, 2.0, 0.5)
+    assert readout.flush() == []

@@ -53,6 +53,27 @@ def test_qwen_image_with_and_without_lora(tiny_qwen_image: Path, qwen_lora: Path
     assert np.abs(zero - base).mean() < 0.5, "scale 0 turns it off"
 
 
+def test_base_and_lora_in_one_process_match_two_processes(tiny_qwen_image: Path, qwen_lora: Path,
+                                                          tmp_path: Path) -> None:
+    """--base-out renders the base model first, then the LoRA, in one process: the same two images as
+    two separate runs (the quick-start's two samples without a second start-up)."""
+    common = ["--model", str(tiny_qwen_image), "--prompt", "a red circle", "--width", "64", "--height", "64",
+              "--steps", "4", "--seed", "1"]
+    both = infer(*common, "--lora", str(qwen_lora), "--base-out", str(tmp_path / "b.png"), "--out",
+                 str(tmp_path / "l.png"))
+    lines = [json.loads(line) for line in both.stdout.strip().splitlines()[-2:]]
+    assert [(line["out"], line["lora"]) for line in lines] == [(str(tmp_path / "b.png"), False),
+                                                               (str(tmp_path / "l.png"), True)]
+    base, lora = rendered(both, tmp_path / "b.png", "QwenImagePipeline"), np.asarray(Image.open(tmp_path / "l.png"))
+    alone_base = rendered(infer(*common, "--out", str(tmp_path / "b1.png")), tmp_path / "b1.png", "QwenImagePipeline")
+    alone_lora = rendered(infer(*common, "--lora", str(qwen_lora), "--out", str(tmp_path / "l1.png")),
+                          tmp_path / "l1.png", "QwenImagePipeline")
+    assert np.array_equal(base, alone_base) and np.array_equal(lora, alone_lora)
+    assert np.abs(lora.astype(np.float64) - base).mean() > 0.5
+    refused = infer(*common, "--base-out", str(tmp_path / "x.png"), "--out", str(tmp_path / "y.png"))
+    assert refused.returncode != 0 and "give --lora too" in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_edit_plus_with_two_references(tiny_qwen_image_edit_plus: Path, edit_data_two_refs: Path,
                                        tmp_path: Path) -> None:
     root = edit_data_two_refs.parent

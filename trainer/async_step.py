@@ -44,6 +44,13 @@ def device_skip_supported(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.Adam) and fused  # AdamW subclasses Adam
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Whether the NaN guard runs on the device: where ``optimizer`` can skip a step itself and reading
+    the loss first would make the host wait for the device. Not on the CPU: there the read waits for
+    nothing, while an armed optimizer pays a foreach over its step counters every step."""
+    return torch.device(device).type != "cpu" and device_skip_supported(optimizer)
+
+
 def step_values(loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> torch.Tensor:
     """``[loss, grad_norm]`` (or ``[loss]`` without clipping) as one fp32 tensor on the loss's device."""
     values = [loss.float()]
@@ -102,6 +109,8 @@ class StepReadout:
 
     def push(self, values: torch.Tensor, step: int, epoch: int, lr: float) -> List[StepRecord]:
         """Hand over a step's ``step_values``; returns the records now readable, oldest first."""
+        if self.lag == 0 and not self.cuda:  # read at once: nothing can change it first, no copy
+            return [_record((step, epoch, lr), values.tolist())]
         host, event = copy_to_host(values, self.cuda)
         self.pending.append(((step, epoch, lr), host, event))
         return self._read(keep=self.lag)

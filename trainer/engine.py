@@ -9,6 +9,7 @@ step's maths ``trainer/training_step.py``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
@@ -31,7 +32,7 @@ from tqdm.auto import tqdm
 from image_datasets.dataset import ImageCaptionDataset, Sample, SizeGroupedBatchSampler, collate, shuffle_tags
 from trainer import checkpoint as ckpt, distributed, resume_check
 from trainer.adapters import TrainedWeights, final_weights_name, trained_weights
-from trainer.async_step import StepReadout, StepRecord, arm_device_skip, device_skip_supported, step_values
+from trainer.async_step import StepReadout, StepRecord, arm_device_skip, skips_on_device, step_values
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from trainer.dataset_losses import DatasetLosses
@@ -88,6 +89,7 @@ class Trainer:
         self.wall: Dict[str, Optional[float]] = {}  # seconds per phase of the run (start-up included)
         self.first_step_s: Optional[float] = None  # includes compiling the blocks when compiled
         self.last_step_at = 0.0
+        self.postfix_at = 0.0  # when the progress bar's loss and lr were last set
         self.train_seconds = 0.0
         # setup
         self.resume_from: Optional[Path] = None
@@ -247,8 +249,8 @@ class Trainer:
         self.plain_step = acc.scaler is None and acc.distributed_type in (
             DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
         # The NaN guard runs on the device (no read before the step) where the optimizer can skip a
-        # step itself (fused AdamW) and no loss scaler sets `found_inf` too.
-        self.skip_on_device = self.plain_step and device_skip_supported(optimizer)
+        # step itself (fused AdamW), no loss scaler sets `found_inf` too, and the device is not the CPU.
+        self.skip_on_device = self.plain_step and skips_on_device(optimizer, self.device)
         # A step's numbers are read a step late where that lets the GPU run ahead: CUDA, and an
         # optimizer that needs no read before it steps.
         self.readout = StepReadout(self.device, lag=int(self.skip_on_device and self.device.type == "cuda"))
@@ -330,7 +332,7 @@ class Trainer:
                     # Fused backward steps each weight inside backward: a non-finite loss must not
                     # get there. Otherwise its NaN gradients are caught below, before the step.
                     if not cfg.fused_backward or self._all_finite(loss):
-                        acc.backward(loss)
+                        self._backward(loss)
                     self.swapper.release_all()
                     grad_norm = self._clip_gradients()
                     if acc.sync_gradients:
@@ -362,15 +364,25 @@ class Trainer:
         # them, at points a resumed run does not repeat.
         seed_global_rngs(seed, self.device)
         latents, references = features.batch_latents(batch), features.batch_references(batch)
-        drop = (torch.rand(latents.shape[0], generator=gen) < d.caption_dropout_rate).tolist()
+        rate = d.caption_dropout_rate  # (no draw at 0: two kernels a step saved)
+        drop = (torch.rand(latents.shape[0], generator=gen) < rate).tolist() if rate > 0 else [False] * len(latents)
         captions = batch["caption"]
         if d.shuffle_caption_tags:
             rng = random.Random(seed)
             captions = [shuffle_tags(c, rng, keep=1 if d.trigger_word else 0) for c in captions]
         text = features.batch_text(batch, captions, drop)
+        # accelerate's autocast is a no-op without mixed precision: skip its context manager then.
+        autocast = self.accelerator.autocast if self.accelerator.mixed_precision != "no" else contextlib.nullcontext
         return self.dataset_losses.weigh(self.data.dataset(batch), flow_matching_step(
-            cfg, self.family, self.transformer, latents, text, references, gen, self.weight_dtype,
-            self.accelerator.autocast))
+            cfg, self.family, self.transformer, latents, text, references, gen, self.weight_dtype, autocast))
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """accelerate's backward, which divides the loss by the accumulation steps first: with one
+        step and a plain step (no scaler, DeepSpeed or FSDP) that division is all it adds."""
+        if self.plain_step and self.cfg.gradient_accumulation_steps == 1:
+            loss.backward()
+        else:
+            self.accelerator.backward(loss)
 
     def _clip_gradients(self) -> Optional[torch.Tensor]:
         """Clip at ``max_grad_norm``; the norm stays on the device (read with the loss)."""
@@ -389,7 +401,10 @@ class Trainer:
         Where the optimizer can skip on the device (fused AdamW) it does, and on CUDA this step's
         numbers reach the host a step later (``StepReadout``); the learning-rate schedule and EMA then
         advance on a skipped step too. Otherwise the host reads the numbers first and decides."""
-        loss = self.accelerator.gather(torch.stack(losses)).float().mean()  # every micro-batch and process
+        # The mean over every micro-batch and process (one loss, one process: itself, no kernels).
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        if self.accelerator.num_processes > 1:
+            loss = self.accelerator.gather(loss[None]).mean()
         values = step_values(loss, grad_norm)
         known = dict(step=self.state.step + 1, epoch=self.state.epoch, lr=self.lr_scheduler.get_last_lr()[0])
         self.dataset_losses.end_step(known["step"])
@@ -402,11 +417,14 @@ class Trainer:
         return records
 
     def _optimizer_step(self, ok: bool) -> None:
-        # Called on optimizer-step micro-batches only, so accelerate's wrapper would step as torch's does.
+        # Called on optimizer-step micro-batches only, so accelerate's wrappers would step as torch's
+        # do (its scheduler steps once per process: once here, after a per-step state lookup).
         optimizer = self.raw_optimizer if self.plain_step else self.optimizer
+        single = self.plain_step and self.accelerator.num_processes == 1
+        scheduler = self.lr_scheduler.scheduler if single else self.lr_scheduler
         if ok:
             optimizer.step()
-            self.lr_scheduler.step()
+            scheduler.step()
             if self.ema is not None:
                 self.ema.step(self.params)
         optimizer.zero_grad(set_to_none=True)
@@ -436,18 +454,21 @@ class Trainer:
         if self.first_step_s is None:
             self.first_step_s = step_time
         state.loss_avg = loss if state.loss_avg is None else 0.9 * state.loss_avg + 0.1 * loss
-        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)  # drawn by update, rate-limited
+        if now - self.postfix_at >= progress.mininterval:  # the bar redraws at most that often
+            self.postfix_at = now
+            progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         progress.update(1)
         per_dataset = self.dataset_losses.fields(record.step, loss)
         if record.step % self.cfg.log_every_n_steps:
             return
-        logs = {"loss": loss, **per_dataset, "loss_smoothed": state.loss_avg, "lr": lr,
-                **({"grad_norm": grad_norm} if grad_norm is not None else {})}
-        if step_time > 0:
-            samples = (self.cfg.data_config.train_batch_size * self.cfg.gradient_accumulation_steps
-                       * self.accelerator.num_processes)
-            logs.update(step_time_s=step_time, samples_per_s=samples / step_time)
-        self.accelerator.log(logs, step=record.step)
+        if self.accelerator.trackers:  # (report_to: none has none: no dict to build for them)
+            logs = {"loss": loss, **per_dataset, "loss_smoothed": state.loss_avg, "lr": lr,
+                    **({"grad_norm": grad_norm} if grad_norm is not None else {})}
+            if step_time > 0:
+                samples = (self.cfg.data_config.train_batch_size * self.cfg.gradient_accumulation_steps
+                           * self.accelerator.num_processes)
+                logs.update(step_time_s=step_time, samples_per_s=samples / step_time)
+            self.accelerator.log(logs, step=record.step)
         if self.is_main:
             self.folder.append_metrics({"step": record.step, "epoch": record.epoch, "loss": loss, **per_dataset,
                                         "lr": lr,

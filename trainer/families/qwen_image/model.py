@@ -67,11 +67,13 @@ class QwenImageFamily(FamilyBase):
         return [{"prompt_embeds": embeds[i, : int(n)]} for i, n in enumerate(lengths)]
 
     def collate_text(self, conds: Sequence[Tensors], device: torch.device, dtype: torch.dtype) -> Tensors:
-        embeds, mask = pad_sequences([c["prompt_embeds"] for c in conds])
+        seqs = [c["prompt_embeds"] for c in conds]
+        # Equal lengths (always, for one sample): no padding and no mask, as the pipeline passes
+        # none, so fast unmasked attention runs (and the step builds no mask to find that out).
+        embeds, mask = (torch.stack(seqs), None) if len({s.shape[0] for s in seqs}) == 1 else pad_sequences(seqs)
         return {
             "prompt_embeds": to_device(embeds, device, dtype),
-            # All-ones mask: pass none, as the pipeline does, so fast unmasked attention can run.
-            "prompt_embeds_mask": None if bool(mask.all()) else to_device(mask, device),
+            "prompt_embeds_mask": None if mask is None else to_device(mask, device),
         }
 
     def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
@@ -123,7 +125,8 @@ class QwenImageFamily(FamilyBase):
         # Edit: reference latents follow the noisy target in the image sequence, each listed in
         # img_shapes; only the target's tokens are the prediction.
         latents = [noisy_latents, *[r.to(noisy_latents.dtype) for r in references]]
-        packed = torch.cat([QwenImagePipeline._pack_latents(x, b, c, *x.shape[-2:]) for x in latents], dim=1)
+        packed = [QwenImagePipeline._pack_latents(x, b, c, *x.shape[-2:]) for x in latents]
+        packed = packed[0] if len(packed) == 1 else torch.cat(packed, dim=1)
         out = transformer(
             hidden_states=packed,
             timestep=sigmas.to(packed.device, packed.dtype),  # the pipeline's t / 1000
@@ -132,5 +135,7 @@ class QwenImageFamily(FamilyBase):
             img_shapes=[[(1, x.shape[-2] // 2, x.shape[-1] // 2) for x in latents]] * b,
             return_dict=False,
         )[0]
-        return unpack_latents(out[:, : (h // 2) * (w // 2)], c, h, w)
+        if references:  # (a slice of the whole would still cost a zero-filled copy in backward)
+            out = out[:, : (h // 2) * (w // 2)]
+        return unpack_latents(out, c, h, w)
 
