@@ -287,20 +287,22 @@ def test_dataset_losses_average_each_datasets_micro_batches_and_weight_regulariz
 @pytest.mark.e2e
 def test_two_dataset_run_killed_inside_accumulation_resumes_bit_identical(folders: Dict[str, Path],
                                                                           tiny_qwen_image: Path, tmp_path: Path) -> None:
-    """SIGKILL between checkpoints, inside an accumulation window of batches from several datasets:
-    the resumed run's LoRA and metrics (per-dataset losses included) equal an uninterrupted run's."""
+    """SIGKILL inside an accumulation window of batches from several datasets, after a checkpoint at
+    the end of an epoch that ends on a short window (26 micro-batches, accumulation 4: 6 full windows
+    and one of 2): the resumed run's LoRA and metrics (per-dataset losses included) equal an
+    uninterrupted run's."""
     from test_resilience import run
 
     argv = ["--config", str(ROOT / MULTI), *multi_overrides(
-        folders, f"pretrained_model_name_or_path={tiny_qwen_image}", "report_to=none", "max_train_steps=8",
-        "gradient_accumulation_steps=2", "checkpointing_steps=3", "validation.every_n_steps=0", "lora_dropout=0.1",
+        folders, f"pretrained_model_name_or_path={tiny_qwen_image}", "report_to=none", "max_train_steps=9",
+        "gradient_accumulation_steps=4", "checkpointing_steps=7", "validation.every_n_steps=0", "lora_dropout=0.1",
         "overwrite_output_dir=false")]
     reference = run([*argv, f"output_dir={tmp_path / 'reference'}"])
     assert reference.returncode == 0, reference.stderr[-3000:]
-    killed = run([*argv, f"output_dir={tmp_path / 'run'}"], fault="kill_at_call:10")  # in step 5; checkpoint-3 kept
+    killed = run([*argv, f"output_dir={tmp_path / 'run'}"], fault="kill_at_call:32")  # in step 9; checkpoint-7 kept
     assert killed.returncode == -9
     resumed = run([*argv, f"output_dir={tmp_path / 'run'}", "resume_from_checkpoint=latest"])
-    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    assert resumed.returncode == 0 and "checkpoint-7 at step 7" in resumed.stderr, resumed.stderr[-3000:]
     want, got = (load_file(str(tmp_path / p / "pytorch_lora_weights.safetensors")) for p in ("reference", "run"))
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     strip = lambda lines: [{k: v for k, v in m.items() if k != "time"} for m in lines]  # noqa: E731

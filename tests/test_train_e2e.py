@@ -107,8 +107,8 @@ def test_gradient_accumulation_counts_optimizer_steps(tiny_qwen_image: Path, sam
                                         "gradient_accumulation_steps=3", "checkpointing_steps=2"))
     assert trainer.state.step == 4 and [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
     # 4 optimizer steps x 3 micro-batches = 12 batches of one image: epoch 0 whole (2 steps), then
-    # 2 steps into epoch 1.
-    assert (trainer.state.epoch, trainer.state.batches_done_in_epoch) == (1, 2)
+    # epoch 1 whole (its 6 micro-batches: a resume from here starts epoch 2).
+    assert (trainer.state.epoch, trainer.state.micro_batches_done) == (1, 6)
 
 
 def test_resume_latest_continues_from_the_checkpoint(tiny_qwen_image: Path, sample_data: Path,

@@ -13,7 +13,6 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -43,6 +42,7 @@ from trainer.features import FeatureStore, latent_shape
 from trainer.model_setup import prepare_transformer, transformer_load_device
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.platform import RunPolicy, configure_device, prepare_environment
+from trainer.position import RunState, micro_batches
 from trainer.quantization import check_available, quantization_spec
 from trainer.memory_check import warn_if_it_does_not_fit
 from trainer.reporting import plot_histogram, plot_losses, write_summary
@@ -55,24 +55,6 @@ from utils.attention import AttentionChoice, sdpa_context
 from utils.memory_monitor import MemoryMonitor
 
 EMA_NAME = "ema_weights.safetensors"
-
-
-@dataclass
-class RunState:
-    """Where the loop stands; ``step``, ``epoch`` and ``batches_done_in_epoch`` go into checkpoints."""
-
-    step: int = 0  # optimizer steps done
-    epoch: int = 0
-    batches_done_in_epoch: int = 0  # optimizer-step batches already consumed in `epoch`
-    bad_steps: int = 0  # non-finite steps in a row
-    loss_avg: Optional[float] = None  # the smoothed loss of the logs
-
-    def saved(self) -> Dict[str, int]:
-        return {"global_step": self.step, "epoch": self.epoch, "batches_done_in_epoch": self.batches_done_in_epoch}
-
-    def restore(self, saved: Dict[str, int]) -> None:
-        self.step, self.epoch = saved["global_step"], saved["epoch"]
-        self.batches_done_in_epoch = saved["batches_done_in_epoch"]
 
 
 class Trainer:
@@ -283,7 +265,7 @@ class Trainer:
 
     def _resume(self, path: Path) -> None:
         resume_check.load(path, self.accelerator.load_state, self.cfg, self.samples, self.lr_scheduler)
-        self.state.restore(ckpt.read_state(path))
+        self.state.restore(ckpt.read_state(path), self.cfg.gradient_accumulation_steps)
         if self.is_main:  # steps logged after the checkpoint by the interrupted run are redone
             self.folder.truncate_metrics(self.state.step)
         logger.info(f"resumed from {path} at step {self.state.step}")
@@ -313,42 +295,34 @@ class Trainer:
 
     def _loop(self, progress: tqdm) -> None:
         cfg, acc, state = self.cfg, self.accelerator, self.state
-        while state.step < cfg.max_train_steps:
-            done = state.batches_done_in_epoch * cfg.gradient_accumulation_steps
-            loader = acc.skip_first_batches(self.dataloader, done) if done else self.dataloader
-            # accelerate's loaders re-set the sampler's epoch from their own iteration count on
-            # every pass (a fresh skip-loader counts from 0): give them ours.
-            loader.set_epoch(state.epoch)
-            self.sampler.set_epoch(state.epoch)
-            losses: List[torch.Tensor] = []
-            for micro, batch in enumerate(loader, start=done):
-                with acc.accumulate(self.transformer):
-                    loss = self.training_step(batch, micro)
-                    losses.append(loss.detach())
-                    # Fused backward steps each weight inside backward: a non-finite loss must not
-                    # get there. Otherwise its NaN gradients are caught below, before the step.
-                    if not cfg.fused_backward or self._all_finite(loss):
-                        acc.backward(loss)
-                    self.swapper.release_all()
-                    grad_norm = self._clip_gradients()
-                    if acc.sync_gradients:
-                        records = self._step(losses, grad_norm)
-                if not acc.sync_gradients:
-                    continue
-                state.step += 1
-                self.stop.agree(acc)  # after this step, on every process alike
-                state.batches_done_in_epoch = (micro + 1) // cfg.gradient_accumulation_steps
-                self._account(records, progress)
-                losses = []
-                if self.validation.due(state.step):
-                    self._validate()
-                if self._should_checkpoint():
-                    self._account(self.readout.flush(), progress)
-                    self.save_checkpoint()
-                if state.step >= cfg.max_train_steps or self.stop.stopping:
-                    return
-            state.epoch += 1
-            state.batches_done_in_epoch = 0
+        if state.step >= cfg.max_train_steps:
+            return
+        losses: List[torch.Tensor] = []
+        for micro, batch in micro_batches(self.dataloader, self.sampler, state):
+            with acc.accumulate(self.transformer):
+                loss = self.training_step(batch, micro)
+                losses.append(loss.detach())
+                # Fused backward steps each weight inside backward: a non-finite loss must not
+                # get there. Otherwise its NaN gradients are caught below, before the step.
+                if not cfg.fused_backward or self._all_finite(loss):
+                    acc.backward(loss)
+                self.swapper.release_all()
+                grad_norm = self._clip_gradients()
+                if acc.sync_gradients:
+                    records = self._step(losses, grad_norm)
+            if not acc.sync_gradients:
+                continue
+            state.stepped(micro)
+            self.stop.agree(acc)  # after this step, on every process alike
+            self._account(records, progress)
+            losses = []
+            if self.validation.due(state.step):
+                self._validate()
+            if self._should_checkpoint():
+                self._account(self.readout.flush(), progress)
+                self.save_checkpoint()
+            if state.step >= cfg.max_train_steps or self.stop.stopping:
+                return
 
     def training_step(self, batch: Dict[str, Any], micro_step: int) -> torch.Tensor:
         """Flow-matching loss of one micro-batch. Randomness comes from a generator seeded by the
@@ -468,7 +442,9 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Trained weights + optimizer/scheduler/RNG state + loop position, written atomically."""
         self.folder.flush()
-        record = resume_check.record(self.cfg, self.family.model_path, self.samples, self.state.saved())
+        saved = {**self.state.saved(), "samples_seen": self.data.samples_seen(self.sampler, self.state,
+                                                                              self.accelerator.num_processes)}
+        record = resume_check.record(self.cfg, self.family.model_path, self.samples, saved)
         path = ckpt.write_checkpoint(self.output_dir, self.state.step,
                                      lambda folder: self.accelerator.save_state(str(folder)), record,
                                      self.is_main, barrier=self.accelerator.wait_for_everyone)
@@ -495,8 +471,7 @@ class Trainer:
             write_summary(self.folder, self.cfg, self.train_seconds, self.monitor.log_summary(),
                           {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME,
                            **({"contact_sheet": str(sheet)} if sheet else {})},
-                          {"datasets": self.data.summary(self.sampler, self.state, self.cfg.gradient_accumulation_steps
-                                                         * self.accelerator.num_processes),
+                          {"datasets": self.data.summary(self.sampler, self.state, self.accelerator.num_processes),
                            "wall_seconds": {k: round(v, 2) for k, v in self.wall.items() if v is not None},
                            "first_step_s": self.first_step_s, "compiled": self.compiled,
                            "attention_backend": self.attention.name})
