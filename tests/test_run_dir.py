@@ -95,6 +95,22 @@ def test_metrics_append_read_and_truncate_on_resume(tmp_path: Path, monkeypatch:
     assert RunFolder(tmp_path / "empty", LORA).read_metrics() == []
 
 
+def test_metrics_deleted_or_rotated_during_the_run_are_started_again(tmp_path: Path, logs) -> None:
+    folder = RunFolder(tmp_path, LORA)
+    folder.append_metrics({"step": 1, "loss": 1.0})
+    (tmp_path / "metrics.jsonl").unlink()  # a clean-up script
+    folder.append_metrics({"step": 2, "loss": 0.5})
+    folder.flush()
+    assert [r["step"] for r in folder.read_metrics()] == [2], "written to the folder, not the deleted file"
+    os.replace(tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.1")  # log rotation
+    for step in (3, 4):
+        folder.append_metrics({"step": step, "loss": 0.25})
+    folder.close()
+    assert [r["step"] for r in folder.read_metrics()] == [3, 4]
+    said = [r["message"] for r in logs if "was deleted or replaced during the run" in r["message"]]
+    assert len(said) == 2 and str(tmp_path / "metrics.jsonl") in said[0], "one warning each time"
+
+
 def test_config_and_summary_are_written_whole(sample_data: Path, tmp_path: Path) -> None:
     cfg = config(sample_data, f"output_dir={tmp_path}", "rank=12")
     folder = RunFolder(tmp_path, LORA)

@@ -282,3 +282,22 @@ def test_attention_is_timed_at_the_runs_longest_sequence(tiny_qwen_image: Path, 
     text = trainer.features.cached_text(largest.caption)["prompt_embeds"].shape[0]
     side = largest.size[0] * 2 // trainer.family.pixel_multiple  # latent side; 2x2 patches
     assert trainer._attention_tokens() == (side // 2) ** 2 + text
+
+
+def test_metrics_deleted_mid_run_are_started_again_and_the_summary_counts_every_step(
+        tiny_qwen_image: Path, sample_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "deleted"
+    real = Trainer._log_step
+
+    def log_step(self, record, progress):
+        if record.step == 3:
+            (out / "metrics.jsonl").unlink()  # a clean-up mid-run
+        real(self, record, progress)
+
+    monkeypatch.setattr(Trainer, "_log_step", log_step)
+    run_in_process(*overrides(tiny_qwen_image, sample_data, out, "max_train_steps=5", "checkpointing_steps=10"))
+    steps = [m["step"] for m in metrics(out)]  # lines not yet written when it went (within a second) come too
+    assert steps == list(range(steps[0], 6)) and steps[0] in (2, 3)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["final_loss"] == metrics(out)[-1]["loss"]
+    assert (out / "train.log").read_text().count("was deleted or replaced during the run") == 1

@@ -408,6 +408,7 @@ class Trainer:
         if self.first_step_s is None:
             self.first_step_s = step_time
         state.loss_avg = loss if state.loss_avg is None else 0.9 * state.loss_avg + 0.1 * loss
+        state.last_loss = loss
         progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)  # drawn by update, rate-limited
         progress.update(1)
         per_dataset = self.dataset_losses.fields(record.step, loss)
@@ -474,7 +475,8 @@ class Trainer:
                           {"datasets": self.data.summary(self.sampler, self.state, self.accelerator.num_processes),
                            "wall_seconds": {k: round(v, 2) for k, v in self.wall.items() if v is not None},
                            "first_step_s": self.first_step_s, "compiled": self.compiled,
-                           "attention_backend": self.attention.name})
+                           "attention_backend": self.attention.name},
+                          steps=self.state.step, final_loss=self.state.last_loss)
         self.accelerator.end_training()
         return final
 
