@@ -49,7 +49,19 @@ class Sample:
 
 def file_hash(path: Path) -> str:
     """SHA-256 of a file's bytes."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise unreadable_now(path, exc) from None
+
+
+def unreadable_now(path: Path, exc: Exception) -> DataError:
+    """An image that passed the dataset check but cannot be read during the run (moved, deleted,
+    replaced, or its disk gone), as one line naming it and what to do."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+    return DataError(f"{path}: cannot read the image during training ({reason}): it was moved, deleted or changed "
+                     "after the dataset check; put it back (or remove it and its caption) and run the same "
+                     "command again (with resume_from_checkpoint=latest to continue from the last checkpoint)")
 
 
 def image_size(path: Path) -> Tuple[int, int]:
@@ -169,8 +181,11 @@ def _find_references(key: str, target: Path, control_dirs: Sequence[str | Path],
 
 def open_rgb(path: Path) -> Image.Image:
     """An image as RGB with EXIF rotation applied."""
-    with Image.open(path) as img:
-        return ImageOps.exif_transpose(img).convert("RGB")
+    try:
+        with Image.open(path) as img:
+            return ImageOps.exif_transpose(img).convert("RGB")
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:  # Pillow's ways to fail on a file
+        raise unreadable_now(path, exc) from None
 
 
 def load_image(sample: Sample, rng: random.Random | None = None, random_crop: bool = False) -> torch.Tensor:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from utils.errors import ConfigError
+from utils.folders import system_folder
 from trainer.families import SPECS
 
 # Weight formats of each quantization backend (their implementations: trainer/quantization.py).
@@ -791,10 +792,31 @@ def _platform_problems(cfg: TrainConfig) -> List[str]:
     )
 
 
+def _folder_problems(cfg: TrainConfig) -> List[str]:
+    """Where the run writes: not into the system's folders, and the outputs not inside an image folder
+    (the run's sample images and plots would be read as training images on the next start)."""
+    problems = [f"key '{key}': '{path}' is in the system folder {root}; choose a folder of your own"
+                for key, path in (("output_dir", cfg.output_dir), ("cache_dir", cfg.cache_dir))
+                if path and (root := system_folder(path))]
+    for prefix, entry in _entry_prefixes(cfg):
+        folders = {"img_dir": entry.img_dir, "control_dir": entry.control_dir,
+                   **{f"control_dirs[{i}]": d for i, d in enumerate(entry.control_dirs or [])}}
+        problems += [f"key 'output_dir': '{cfg.output_dir}' is inside the image folder '{folder}' ({prefix}{key}): "
+                     "the run's own images would be read as training data; choose an output_dir outside it"
+                     for key, folder in folders.items() if folder and _inside(cfg.output_dir, folder)]
+    return problems
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or inside it (symbolic links and ``..`` resolved)."""
+    path_, folder_ = (Path(p).expanduser().resolve() for p in (path, folder))
+    return path_ == folder_ or folder_ in path_.parents
+
+
 def _output_problems(cfg: TrainConfig) -> List[str]:
-    """The output folder's logs and checkpoints."""
+    """The output folder's place, logs and checkpoints."""
     logs = Path(cfg.logging_dir)
-    return _failed(
+    return _folder_problems(cfg) + _failed(
         (not (logs.is_absolute() or ".." in logs.parts),
          f"key 'logging_dir': value '{cfg.logging_dir}' must be a folder inside output_dir (relative, without '..')"),
         (cfg.log_every_n_steps >= 1, f"key 'log_every_n_steps': value {cfg.log_every_n_steps} must be >= 1"),

@@ -35,7 +35,7 @@ from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from trainer.dataset_losses import DatasetLosses
 from trainer.datasets import TrainingData
-from utils.errors import TrainingDiverged, TrainingInterrupted
+from utils.errors import TrainingDiverged, TrainingInterrupted, from_loader_worker
 from trainer.families import load_family
 from trainer.families.base import ModelFamily
 from trainer.features import FeatureStore, latent_shape
@@ -121,6 +121,9 @@ class Trainer:
                 return self.finish()
         except Exception as exc:
             self.folder.raise_if_disk_full(exc)  # a full disk anywhere: one clear line
+            worker = from_loader_worker(exc)
+            if worker is not None:  # a data-loader worker's error: its own line, not the worker's traceback
+                raise worker from None
             raise
         finally:
             self.folder.release(self.state.step, sys.exc_info()[1])

@@ -35,6 +35,7 @@ from trainer.config import TrainConfig, config_to_yaml
 from trainer.run_lock import RunLock
 from trainer.signals import register_cleanup
 from utils.errors import ConfigError, TrainingInterrupted, UserError
+from utils.folders import writable_folder
 
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
@@ -70,7 +71,7 @@ class RunFolder:
         (``trainer/distributed.py``)."""
         main = int(os.environ.get("RANK", "0")) == 0  # before the Accelerator: the launcher's rank
         if main:
-            self.path.mkdir(parents=True, exist_ok=True)
+            writable_folder(self.path, "output_dir")
             self.lock.acquire()
             self._unregister = register_cleanup(self.lock.release)  # a second signal's hard exit
             self._remove_partial_saves()
