@@ -301,3 +301,24 @@ def test_metrics_deleted_mid_run_are_started_again_and_the_summary_counts_every_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["final_loss"] == metrics(out)[-1]["loss"]
     assert (out / "train.log").read_text().count("was deleted or replaced during the run") == 1
+
+
+def test_no_environment_value_reaches_the_run_folder_or_the_trackers(tiny_qwen_image: Path, sample_data: Path,
+                                                                     tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config is data: ``${oc.env:...}`` is refused at load (test_config.py), and a literal one
+    (``\\${...}``) stays literal in config.yaml, every checkpoint's state, summary.json and the
+    tensorboard hyper-parameters: no file of the run holds the environment's value."""
+    monkeypatch.setenv("TRAINER_TEST_TOKEN", "hf_s3cr3t_t0ken")
+    literal = "\\${oc.env:TRAINER_TEST_TOKEN}"
+    out = tmp_path / "run"
+    run_in_process(*overrides(tiny_qwen_image, sample_data, out, "max_train_steps=2", "checkpointing_steps=1",
+                              f"data_config.trigger_word={literal}", f"wandb_run_name=run-{literal}"),
+                   "report_to=tensorboard")  # after overrides' report_to=none: the last one wins
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any("tfevents" in p.name for p in files) and (out / "checkpoint-1" / "trainer_state.json") in files
+    assert not [p for p in files if b"s3cr3t" in p.read_bytes()], "the environment's value reached a file"
+    for path in (out / "config.yaml", out / "checkpoint-2" / "trainer_state.json"):
+        assert "${oc.env:TRAINER_TEST_TOKEN}" in path.read_text(), f"{path.name} keeps the literal"
+    events = b"".join(p.read_bytes() for p in files if "tfevents" in p.name)
+    assert b"${oc.env:TRAINER_TEST_TOKEN}" in events, "the tensorboard hyper-parameters carry the literal"

@@ -17,12 +17,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -416,7 +418,7 @@ def load_config(
     if overrides:
         user = _apply_overrides(user, overrides, source)
     raw = OmegaConf.to_container(user, resolve=False)
-    unknown = _unknown_keys(raw, TrainConfig, also=FLYMYAI_KEYS)
+    unknown = _unknown_keys(raw, TrainConfig, also=FLYMYAI_KEYS) + _resolver_calls(raw)
     if unknown:
         raise ConfigError(f"{source}: " + "; ".join(_blame_overrides(unknown, overrides)))
     try:
@@ -428,7 +430,8 @@ def load_config(
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{source}: " + _blame_overrides([_describe_type_error(exc)], overrides)[0]) from None
-    cfg.validation.prompts = [_typed(ValidationPrompt, p if isinstance(p, dict) else {"prompt": p})
+    # Typed again from loaded values: escaped, so a literal ${...} in a prompt stays one.
+    cfg.validation.prompts = [_typed(ValidationPrompt, _escaped(p if isinstance(p, dict) else {"prompt": p}))
                               for p in cfg.validation.prompts]
     _name_datasets(cfg.datasets)
     if cfg.family is None:
@@ -476,9 +479,39 @@ def flymyai_compat(raw: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
     return raw, problems
 
 
+# An OmegaConf interpolation that calls a resolver (``${oc.env:TOKEN}``, ``${oc.decode:...}``): it would
+# read the environment (or run other code) into the config. ``\${...}`` is a literal and stays one.
+_RESOLVER_CALL = re.compile(r"(?<!\\)\$\{\s*([A-Za-z_][\w.]*)\s*:")
+
+
+def _resolver_calls(data: Any, key: str = "") -> List[str]:
+    """Every value of the YAML and overrides (``data``: plain containers, unresolved) that calls an
+    OmegaConf resolver. A config is data: the environment never reaches a run's files or trackers.
+    A reference to another key (``${output_dir}/cache``) is data too and stays allowed."""
+    if isinstance(data, dict):
+        return [p for k, v in data.items() for p in _resolver_calls(v, f"{key}.{k}" if key else str(k))]
+    if isinstance(data, list):
+        return [p for i, v in enumerate(data) for p in _resolver_calls(v, f"{key}[{i}]")]
+    match = _RESOLVER_CALL.search(data) if isinstance(data, str) else None
+    if match is None:
+        return []
+    return [f"key '{key}': {data!r} calls the OmegaConf resolver '{match.group(1)}'; a config is data, so the "
+            "environment and resolvers are not read: write the value itself (or \\${...} for a literal ${...})"]
+
+
 def config_to_yaml(cfg: TrainConfig) -> str:
-    """The resolved config as YAML, as saved beside a run's outputs."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved config as YAML, as saved beside a run's outputs. Its values are written as data:
+    a literal ``${...}`` in one (given as ``\\${...}``) is escaped again, so reading the file back never
+    resolves it."""
+    return OmegaConf.to_yaml(OmegaConf.create(_escaped(dataclasses.asdict(cfg))))
+
+
+def _escaped(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _escaped(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_escaped(v) for v in data]
+    return data.replace("${", "\\${") if isinstance(data, str) else data
 
 
 def _read_yaml(path: str | os.PathLike) -> DictConfig:
@@ -520,8 +553,8 @@ def _parse_overrides(overrides: List[str]) -> DictConfig:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. learning_rate=2e-4)")
     try:
         return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot parse overrides {overrides}: {exc}") from None
+    except (OmegaConfBaseException, yaml.YAMLError) as exc:  # a value is read as YAML: [a, {b: c}]
+        raise ConfigError(f"cannot parse overrides {overrides}: {' '.join(str(exc).split())}") from None
 
 
 def _unknown_keys(data: Any, schema: type, prefix: str = "", also: Sequence[str] = ()) -> List[str]:
@@ -622,7 +655,9 @@ def _describe_type_error(exc: OmegaConfBaseException, prefix: str = "") -> str:
 
 def config_problems(cfg: TrainConfig) -> List[str]:
     """Every value the types cannot rule out, each naming its key (empty when the config is fine):
-    the top level's choices, each section's own checks, then the rules of each concern."""
+    numbers that are not finite, the top level's choices, each section's own checks, then the rules
+    of each concern (a key already reported as not finite is not reported again)."""
+    nonfinite = _nonfinite(cfg)
     problems = choice_problems(cfg)
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
@@ -631,7 +666,26 @@ def config_problems(cfg: TrainConfig) -> List[str]:
     for concern in (_model_problems, _data_problems, _schedule_problems, _optimizer_problems, _lora_problems,
                     _memory_problems, _platform_problems, _output_problems):
         problems += concern(cfg)
-    return problems
+    named = {key for key, _ in nonfinite}
+    return [message for _, message in nonfinite] + [p for p in problems if _named_key(p) not in named]
+
+
+def _nonfinite(node: Any, prefix: str = "") -> List[Tuple[str, str]]:
+    """(key, problem) of every float value anywhere in the config that is nan or infinite: no float
+    key means anything at .inf (a learning rate, a weight, a scale)."""
+    if dataclasses.is_dataclass(node):
+        return [found for f in dataclasses.fields(node)
+                for found in _nonfinite(getattr(node, f.name), f"{prefix}.{f.name}" if prefix else f.name)]
+    if isinstance(node, list):
+        return [found for i, item in enumerate(node) for found in _nonfinite(item, f"{prefix}[{i}]")]
+    if isinstance(node, float) and not math.isfinite(node):
+        return [(prefix, f"key '{prefix}': value {node} is not a finite number")]
+    return []
+
+
+def _named_key(problem: str) -> Optional[str]:
+    match = re.match(r"key '([^']+)'", problem)
+    return match.group(1) if match else None
 
 
 def _model_problems(cfg: TrainConfig) -> List[str]:

@@ -13,6 +13,7 @@ and the dataset. A resume compares them with the new run:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from functools import lru_cache
@@ -20,7 +21,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from loguru import logger
-from omegaconf import OmegaConf
 
 from image_datasets.dataset import Sample
 from trainer import checkpoint as ckpt
@@ -130,7 +130,7 @@ def _flat(cfg: TrainConfig) -> Dict[str, Any]:
             else:
                 flat[f"{prefix}{key}"] = value
 
-    walk(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), "")
+    walk(dataclasses.asdict(cfg), "")  # the values as loaded: nothing in them is resolved again
     return json.loads(json.dumps(flat, default=str))
 
 
