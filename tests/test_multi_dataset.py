@@ -308,3 +308,34 @@ def test_two_dataset_run_killed_inside_accumulation_resumes_bit_identical(folder
     strip = lambda lines: [{k: v for k, v in m.items() if k != "time"} for m in lines]  # noqa: E731
     logged = strip(metrics(tmp_path / "run"))
     assert logged == strip(metrics(tmp_path / "reference")) and any(len([k for k in m if "/" in k]) > 1 for m in logged)
+
+
+@pytest.mark.e2e
+def test_a_dataset_change_on_resume_is_said_per_key_and_samples_seen_stay_what_was_drawn(
+        multi_run: Path, folders: Dict[str, Path], tiny_qwen_image: Path, tmp_path: Path) -> None:
+    """Resume from checkpoint-10 with the subject seen once instead of three times an epoch and the
+    style set gone: one short line per change, and summary.json's samples_seen add up to the samples
+    the run drew (batch 1, no accumulation: one per step), the style set's 10 steps' draws kept."""
+    out = tmp_path / "changed"
+    out.mkdir()
+    shutil.copytree(multi_run / "checkpoint-10", out / "checkpoint-10")
+    drawn_before = ckpt_state(out / "checkpoint-10")["samples_seen"]
+    assert sum(drawn_before.values()) == 10
+    train_in_process(MULTI, "qwen_image", f"pretrained_model_name_or_path={tiny_qwen_image}", f"output_dir={out}",
+                     f"datasets=[{{name: subject, img_dir: {folders['subject']}, repeats: 1, trigger_word: ohwx}}, "
+                     f"{{img_dir: {folders['reg']}, role: regularization, caption_dropout_rate: 0.0}}]",
+                     "resume_from_checkpoint=latest", "validation.every_n_steps=0")
+    log = (out / "train.log").read_text()
+    changes = [line.split("| ", 2)[-1] for line in log.splitlines() if "resume from checkpoint-10:" in line]
+    assert any(line.endswith("datasets[0].repeats changed 3 -> 1: applied from step 10") for line in changes)
+    assert any("datasets[1] (name 'style', img_dir " in line and line.endswith("removed: applied from step 10")
+               for line in changes), changes
+    assert max(map(len, changes)) < 300, "no line dumps the whole list"
+    seen = {d["name"]: d["samples_seen"] for d in json.loads((out / "summary.json").read_text())["datasets"]}
+    assert sum(seen.values()) == 26 and seen["style"] == drawn_before["style"], seen
+    assert seen["subject"] > drawn_before["subject"] and seen["regularization_dataset"] > \
+        drawn_before["regularization_dataset"]
+
+
+def ckpt_state(path: Path) -> Dict:
+    return json.loads((path / "trainer_state.json").read_text())
