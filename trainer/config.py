@@ -357,6 +357,11 @@ class TrainConfig:
     checkpoints_total_limit: Optional[int] = None
     resume_from_checkpoint: Optional[str] = None  # "latest" or a checkpoint folder
 
+    # Several processes: seconds a process waits for the others in a collective (the gradient
+    # all-reduce, a barrier) before the run ends, naming the process that stopped answering (HF
+    # Trainer's ddp_timeout). A process that dies is noticed at once; a stalled one after this.
+    ddp_timeout: int = 1800
+
     # Sample images during training (FlyMyAI's disable_sampling + sample_* keys are translated into it)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
 
@@ -875,6 +880,7 @@ def _output_problems(cfg: TrainConfig) -> List[str]:
          f"key 'logging_dir': value '{cfg.logging_dir}' must be a folder inside output_dir (relative, without '..')"),
         (cfg.log_every_n_steps >= 1, f"key 'log_every_n_steps': value {cfg.log_every_n_steps} must be >= 1"),
         (cfg.checkpointing_steps >= 1, f"key 'checkpointing_steps': value {cfg.checkpointing_steps} must be >= 1"),
+        (cfg.ddp_timeout >= 1, f"key 'ddp_timeout': value {cfg.ddp_timeout} must be >= 1 (seconds)"),
         (cfg.checkpoints_total_limit is None or cfg.checkpoints_total_limit >= 1,
          f"key 'checkpoints_total_limit': value {cfg.checkpoints_total_limit} must be >= 1 (or null)"),
     )

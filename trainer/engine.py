@@ -13,14 +13,16 @@ import os
 import random
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, set_seed
+from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs,
+                              ProjectConfiguration, set_seed)
 from diffusers.training_utils import EMAModel
 from loguru import logger
 from safetensors.torch import load_file, save_file
@@ -35,7 +37,7 @@ from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from trainer.dataset_losses import DatasetLosses
 from trainer.datasets import TrainingData
-from utils.errors import TrainingDiverged, TrainingInterrupted, from_loader_worker
+from utils.errors import ProcessLost, TrainingDiverged, TrainingInterrupted, from_loader_worker
 from trainer.families import load_family
 from trainer.families.base import ModelFamily
 from trainer.features import FeatureStore, latent_shape
@@ -74,6 +76,7 @@ class Trainer:
         self.resume_from: Optional[Path] = None
         self.policy: Optional[RunPolicy] = None
         self.accelerator: Optional[Accelerator] = None
+        self.processes: List[Tuple[str, int]] = []  # (host, pid) of each rank
         self.is_main = False
         self.device = torch.device("cpu")
         self.weight_dtype = torch.float32
@@ -108,25 +111,47 @@ class Trainer:
         self.wall["imports"] = process_age_s()  # interpreter start to here: mostly imports
         try:
             with self.stop:  # the whole run: a signal before the loop stops at once, in it after a checkpoint
-                for phase in (self.setup, self.prepare_data, self.setup_model, self.train):
-                    start = time.perf_counter()
-                    phase()
-                    self.wall[phase.__name__] = time.perf_counter() - start
-                if self.stop.stopping:
-                    self.accelerator.end_training()
-                    raise TrainingInterrupted(
-                        f"stopped by signal at step {self.state.step}; checkpoint saved in "
-                        f"{self.output_dir / f'checkpoint-{self.state.step}'}. Resume with "
-                        "resume_from_checkpoint=latest", exit_code=self.stop.exit_code)
-                return self.finish()
-        except Exception as exc:
-            self.folder.raise_if_disk_full(exc)  # a full disk anywhere: one clear line
-            worker = from_loader_worker(exc)
-            if worker is not None:  # a data-loader worker's error: its own line, not the worker's traceback
-                raise worker from None
-            raise
+                try:
+                    for phase in (self.setup, self.prepare_data, self.setup_model, self.train):
+                        start = time.perf_counter()
+                        phase()
+                        self.wall[phase.__name__] = time.perf_counter() - start
+                    if self.stop.stopping:
+                        self.accelerator.end_training()
+                        raise TrainingInterrupted(
+                            f"stopped by signal at step {self.state.step}; checkpoint saved in "
+                            f"{self.output_dir / f'checkpoint-{self.state.step}'}. Resume with "
+                            "resume_from_checkpoint=latest", exit_code=self.stop.exit_code)
+                    return self.finish()
+                except Exception as exc:  # inside the signal handlers: the launcher's SIGTERM waits for this
+                    self.folder.raise_if_disk_full(exc)  # a full disk anywhere: one clear line
+                    worker = from_loader_worker(exc)
+                    if worker is not None:  # a data-loader worker's error: its own line, not its traceback
+                        raise worker from None
+                    self._raise_if_a_process_was_lost(exc)
+                    raise
         finally:
             self.folder.release(self.state.step, sys.exc_info()[1])
+
+    def _raise_if_a_process_was_lost(self, exc: Exception) -> None:
+        """Several processes: a collective failed because another process died or stalled. Each
+        surviving process says which rank, in one line; when the main process is the one lost, a
+        survivor records it in run_status.json. The launcher's SIGTERM to the survivors (torchrun
+        stops them all once one fails) is ignored from here on, so the line is not cut short."""
+        failure = distributed.collective_failure(exc) if len(self.processes) > 1 else None
+        if failure is None:
+            return
+        self.stop.ignore_from_now()
+        lost = distributed.lost_process(failure, self.processes, self.accelerator.process_index,
+                                        self.cfg.ddp_timeout)
+        latest = ckpt.latest_checkpoint(self.output_dir)
+        message = f"{lost.line} at step {self.state.step}; " + (
+            f"the last checkpoint is {latest}: resume with resume_from_checkpoint=latest" if latest else
+            "there is no checkpoint yet: run the same command again") + " once every process can run"
+        survivors = [r for r in range(len(self.processes)) if r not in lost.ranks]
+        if 0 in lost.ranks and survivors[0] == self.accelerator.process_index:
+            self.folder.write_status("failed", self.state.step, message)  # the main process cannot any more
+        raise ProcessLost(message) from None
 
     # -- setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -137,13 +162,16 @@ class Trainer:
         self.accelerator = Accelerator(
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             # Qwen's last block leaves its text-side outputs unused: DDP must not wait for them.
-            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True),
+                             # A collective waits this long for a stalled process (a dead one fails at once).
+                             InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))],
             # The launcher's --mixed_precision wins; the YAML value applies to plain `python train.py`.
             mixed_precision=None if os.environ.get("ACCELERATE_MIXED_PRECISION") else cfg.mixed_precision,
             log_with=trackers or None,
             project_config=ProjectConfiguration(
                 project_dir=str(self.output_dir), logging_dir=str(self.output_dir / cfg.logging_dir)),
         )
+        self.processes = distributed.process_ids(self.accelerator)  # (host, pid) by rank: whom a failure names
         self.is_main = self.accelerator.is_main_process
         self.device = self.accelerator.device
         self.weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(

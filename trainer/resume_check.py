@@ -31,7 +31,7 @@ from utils.errors import ConfigError, UserError
 REFUSED = ("family", "training_mode", "adapter_type", "rank", "lora_alpha", "lora_target", "lora_target_modules",
            "use_dora", "use_rslora", "trainable_modules", "optimizer", "revision")
 # Where the run is, not how it trains.
-IGNORED = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir", "logging_dir", "report_to")
+IGNORED = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir", "logging_dir", "report_to", "ddp_timeout")
 _EDGE = 1 << 20  # bytes of tensor data hashed at each end of a weight file
 
 

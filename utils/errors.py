@@ -21,6 +21,10 @@ class TrainingDiverged(UserError):
     """Too many steps in a row had a non-finite loss or gradient."""
 
 
+class ProcessLost(UserError):
+    """Another process of a several-process run died or stalled; the survivors stop."""
+
+
 class TrainingInterrupted(UserError):
     """A signal stopped training after a checkpoint; resuming continues it."""
 
