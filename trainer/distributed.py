@@ -134,6 +134,7 @@ def launcher_config() -> Optional[Tuple[Path, Dict[str, Any]]]:
 # NCCL's transport errors and their timeouts (torch wraps some as DistError, gloo's as RuntimeError).
 _COLLECTIVE_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed) by peer|timed out|broken pipe", re.IGNORECASE)
 _SETTLE_S = 3.0  # a peer that failed on its own error is still exiting when the transport reports it
+_STOPPED_BY = " (SIGSTOP, Ctrl-Z or a debugger)"
 
 
 def process_ids(accelerator: Accelerator) -> List[Tuple[str, int]]:
@@ -168,23 +169,23 @@ def lost_process(failure: BaseException, processes: List[Tuple[str, int]], rank:
                  timeout_s: int) -> LostProcess:
     """What a surviving process says when a collective failed (``failure``, from ``collective_failure``)
     because another process died, was stopped or stalled past ``timeout_s`` (``processes``:
-    ``process_ids``)."""
+    ``process_ids``; empty when the failure came before they were known)."""
     others = [(r, host, pid) for r, (host, pid) in enumerate(processes) if r != rank]
     deadline = time.monotonic() + _SETTLE_S
     while True:
         states = [(r, host, pid, _state(host, pid)) for r, host, pid in others]
         lost = [s for s in states if s[3] in ("died", "is stopped")]
-        if lost or time.monotonic() > deadline:
+        if lost or not others or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     if lost:
-        what = "; ".join(f"rank {r} (pid {pid}) {state}" + (" (SIGSTOP, Ctrl-Z or a debugger)" if state == "is stopped"
-                                                           else "") for r, _, pid, state in lost)
-    else:
-        elsewhere = [f"rank {r} on {host}" for r, host, _, state in states if state is None]
-        what = (f"{' and '.join(elsewhere) or 'another process'} stopped answering"
-                + (f" for {timeout_s} s (ddp_timeout)" if re.search("timed out", str(failure), re.IGNORECASE) else
-                   " (see its own error)"))
+        what = "; ".join(f"rank {r} (pid {pid}) {state}{_STOPPED_BY if state == 'is stopped' else ''}"
+                         for r, _, pid, state in lost)
+    else:  # none found here: another machine's, or one that failed on its own error and is still exiting
+        who = " and ".join(f"rank {r} on {host}" for r, host, _, state in states if state is None)
+        timed_out = re.search("timed out", str(failure), re.IGNORECASE)
+        what = f"{who or 'another process'} stopped answering" + (
+            f" for {timeout_s} s (ddp_timeout)" if timed_out else " (see its own error)")
     return LostProcess(f"{what}: the run stops here (said by rank {rank})", [r for r, *_ in lost])
 
 

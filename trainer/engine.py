@@ -138,7 +138,8 @@ class Trainer:
         surviving process says which rank, in one line; when the main process is the one lost, a
         survivor records it in run_status.json. The launcher's SIGTERM to the survivors (torchrun
         stops them all once one fails) is ignored from here on, so the line is not cut short."""
-        failure = distributed.collective_failure(exc) if len(self.processes) > 1 else None
+        several = self.accelerator is not None and self.accelerator.num_processes > 1
+        failure = distributed.collective_failure(exc) if several else None
         if failure is None:
             return
         self.stop.ignore_from_now()
