@@ -346,9 +346,14 @@ def _inspect(path: Path, fast: bool) -> _ImageFacts:
 
 
 def _read_facts(path: Path, img: Image.Image, fast: bool) -> _ImageFacts:
+    """What the loader will make of ``img``. Both modes run the same checks (so ``validate_dataset.py``
+    and the trainer agree on every file): the file's structure always (a PNG's chunks and its end,
+    which decoding alone pads over), and the pixels decoded, except a large file in ``fast`` mode
+    whose structure is sound."""
     width, height = img.size
     mode = img.mode
-    decode = not fast or width * height <= FAST_DECODE_MAX_PIXELS or not _structure_ok(path, img)
+    structure_ok = _structure_ok(path, img)
+    decode = not fast or width * height <= FAST_DECODE_MAX_PIXELS or not structure_ok
     if decode:
         img.load()  # raises OSError on truncated data, as the loader would
     orientation = _orientation(img, decoded=decode)

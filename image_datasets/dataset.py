@@ -49,7 +49,19 @@ class Sample:
 
 def file_hash(path: Path) -> str:
     """SHA-256 of a file's bytes."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise unreadable_now(path, exc) from None
+
+
+def unreadable_now(path: Path, exc: Exception) -> DataError:
+    """An image that passed the dataset check but cannot be read during the run (moved, deleted,
+    replaced, or its disk gone), as one line naming it and what to do."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+    return DataError(f"{path}: cannot read the image during training ({reason}): it was moved, deleted or changed "
+                     "after the dataset check; put it back (or remove it and its caption) and run the same "
+                     "command again (with resume_from_checkpoint=latest to continue from the last checkpoint)")
 
 
 def image_size(path: Path) -> Tuple[int, int]:
@@ -169,8 +181,11 @@ def _find_references(key: str, target: Path, control_dirs: Sequence[str | Path],
 
 def open_rgb(path: Path) -> Image.Image:
     """An image as RGB with EXIF rotation applied."""
-    with Image.open(path) as img:
-        return ImageOps.exif_transpose(img).convert("RGB")
+    try:
+        with Image.open(path) as img:
+            return ImageOps.exif_transpose(img).convert("RGB")
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:  # Pillow's ways to fail on a file
+        raise unreadable_now(path, exc) from None
 
 
 def load_image(sample: Sample, rng: random.Random | None = None, random_crop: bool = False) -> torch.Tensor:
@@ -266,12 +281,18 @@ class SizeGroupedBatchSampler(Sampler[List[int]]):
     appears ``repeats[index]`` times per epoch (once by default), so groups are drawn in proportion
     to their samples x repeats. The order depends on nothing but the seed and the epoch: a resumed
     run that skips the batches already done continues exactly. ``set_epoch`` is called by the engine.
+
+    The batch size is kept as ``samples_per_batch``, not ``batch_size``: accelerate's ``BatchSamplerShard``
+    reads a ``batch_size`` attribute as "every batch but the last is full", and then drops a round of
+    batches after a group's short last batch and pads the epoch with batches that mix groups (ranks
+    would step out of step). Without it, it deals whole batches round-robin and evens the last round
+    out with whole batches from the epoch's start (see ``drawn``).
     """
 
     def __init__(self, sizes: Sequence[Hashable], batch_size: int, shuffle: bool = True, seed: int = 0,
                  repeats: Optional[Sequence[int]] = None):
         self.sizes = list(sizes)
-        self.batch_size = batch_size
+        self.samples_per_batch = batch_size
         self.shuffle = shuffle
         self.seed = seed
         self.repeats = list(repeats) if repeats is not None else [1] * len(self.sizes)
@@ -298,19 +319,36 @@ class SizeGroupedBatchSampler(Sampler[List[int]]):
                 if self.shuffle:
                     rng.shuffle(indices)
                 drawn += indices
-            batches += [drawn[i:i + self.batch_size] for i in range(0, len(drawn), self.batch_size)]
+            step = self.samples_per_batch
+            batches += [drawn[i:i + step] for i in range(0, len(drawn), step)]
         if self.shuffle:
             rng.shuffle(batches)
         return batches
 
-    def drawn(self, epoch: int, batches_done: int) -> List[int]:
-        """How often each sample was drawn by a run that finished epochs ``0 .. epoch - 1`` and the
-        first ``batches_done`` batches of ``epoch`` (a full epoch draws each sample ``repeats`` times)."""
-        counts = [epoch * r for r in self.repeats]
-        for batch in self.batches(epoch)[:batches_done] if batches_done else []:
+    def drawn(self, epoch: int, batches_done: int, processes: int = 1) -> List[int]:
+        """How often each sample was drawn by a run of ``processes`` processes that finished epochs
+        ``0 .. epoch - 1`` and the first ``batches_done`` batches (each process's) of ``epoch``.
+
+        With several processes accelerate deals the batches round-robin and, when their number is not
+        a multiple of ``processes``, evens the last round out with the epoch's first batches again:
+        those samples are drawn twice."""
+        counts = [epoch * r for r in self.repeats]  # every full epoch draws each sample `repeats` times ...
+        if processes > 1 and len(self) % processes:
+            for e in range(epoch):  # ... plus the batches that evened out its last round
+                for batch in self.dealt(e, processes)[len(self):]:
+                    for index in batch:
+                        counts[index] += 1
+        for batch in self.dealt(epoch, processes)[:batches_done * processes] if batches_done else []:
             for index in batch:
                 counts[index] += 1
         return counts
+
+    def dealt(self, epoch: int, processes: int) -> List[List[int]]:
+        """The batches of ``epoch`` in the order the processes take them, round by round: the epoch's
+        batches, then as many of its first ones again as even out the last round."""
+        batches = self.batches(epoch)
+        short = -len(batches) % processes
+        return batches + (batches * processes)[:short]
 
     def __iter__(self) -> Iterator[List[int]]:
         return iter(self.batches(self.epoch))
@@ -319,4 +357,4 @@ class SizeGroupedBatchSampler(Sampler[List[int]]):
         counts: Dict[Hashable, int] = {}
         for size, repeats in zip(self.sizes, self.repeats):
             counts[size] = counts.get(size, 0) + repeats
-        return sum(-(-n // self.batch_size) for n in counts.values())
+        return sum(-(-n // self.samples_per_batch) for n in counts.values())

@@ -5,6 +5,7 @@
 Faults: kill_at_call:N (SIGKILL at the N-th micro-batch), kill_in_save:N:WHERE (SIGKILL during the
 N-th checkpoint save, WHERE = contents | manifest), slow:SECONDS (each micro-batch sleeps),
 nan_at:A-B (loss is NaN for micro-batch calls A..B),
+signal_rank:RANK:SIGNAL:N (the process of that rank sends itself SIGNAL, e.g. KILL or STOP, at its N-th micro-batch),
 slow_cache:SECONDS (each cache entry written sleeps first), fill_after_save:N (after the N-th save, a file beside output_dir fills its filesystem: a real full disk).
 """
 
@@ -41,6 +42,10 @@ def faulty_step(self, batch, micro):
     n = calls["step"]
     if kind == "kill_at_call" and n == int(arg):
         die()
+    if kind == "signal_rank":
+        rank, name, at = arg.split(":")
+        if int(os.environ.get("RANK", "0")) == int(rank) and n == int(at):
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
     if kind == "slow":
         time.sleep(float(arg))
     loss = real_step(self, batch, micro)

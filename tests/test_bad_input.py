@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 
-from conftest import run_entry
+from conftest import ROOT, run_entry
+from trainer.config import load_config
+from trainer.run_dir import RunFolder
+from utils.errors import ConfigError
+from utils.folders import writable_folder
 
 QUICKSTART = "train_configs/quickstart_tiny.yaml"
 
@@ -74,3 +80,105 @@ def test_resume_from_a_missing_checkpoint(tiny_qwen_image: Path, sample_data: Pa
     result = run(f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
                  f"output_dir={tmp_path}/out", f"resume_from_checkpoint={tmp_path}/checkpoint-9")
     assert_clear_error(result, "resume_from_checkpoint", "is not a complete checkpoint folder")
+
+
+# -- filesystem mistakes: one line naming the key, the path and what to do -----------------------------
+def test_an_output_dir_that_is_a_file_is_one_line(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    (tmp_path / "out").write_text("not a folder")
+    result = run(f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
+                 f"output_dir={tmp_path}/out")
+    assert_clear_error(result, f"key 'output_dir': '{tmp_path}/out' is a file, not a folder")
+
+
+@pytest.fixture
+def read_only(tmp_path: Path):
+    """A read-only filesystem (a tmpfs mounted ro; skipped where mounting is not allowed)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
+    if done.returncode:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_output_and_cache_folders_that_cannot_be_written_are_one_line(tmp_path: Path, read_only: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    cases = {tmp_path / "file": "is a file, not a folder",
+             tmp_path / "file" / "out": f"is inside '{tmp_path / 'file'}', which is a file",
+             read_only: "the file system is read-only",
+             read_only / "new": "the file system is read-only"}
+    for path, says in cases.items():
+        with pytest.raises(ConfigError) as err:
+            RunFolder(path, "pytorch_lora_weights.safetensors").open(None, overwrite=False)
+        assert str(err.value).startswith(f"key 'output_dir': '{path}'") and says in str(err.value), err.value
+        assert "\n" not in str(err.value)
+        with pytest.raises(ConfigError, match=f"key 'cache_dir': .*{says}"):
+            writable_folder(path, "cache_dir")
+    assert writable_folder(tmp_path / "a" / "b", "cache_dir").is_dir() and not list((tmp_path / "a" / "b").iterdir())
+
+
+def test_outputs_inside_an_image_folder_and_system_folders_are_refused_before_training(sample_data: Path,
+                                                                                       tmp_path: Path) -> None:
+    def problems(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as err:
+            load_config(ROOT / QUICKSTART, [f"data_config.img_dir={sample_data}", *overrides],
+                        default_family="qwen_image")
+        return str(err.value)
+
+    said = problems(f"output_dir={sample_data}/out")
+    assert f"key 'output_dir': '{sample_data}/out' is inside the image folder '{sample_data}' " \
+           "(data_config.img_dir)" in said and "choose an output_dir outside it" in said
+    with pytest.raises(ConfigError, match=r"inside the image folder .* \(datasets\[0\]\.img_dir\)"):
+        load_config(None, ["pretrained_model_name_or_path=x", f"output_dir={sample_data}",
+                           f"datasets=[{{img_dir: {sample_data}}}]"], default_family="qwen_image")
+    assert "key 'cache_dir': '/etc' is in the system folder /etc" in problems("cache_dir=/etc")
+    assert "key 'output_dir': '/usr/local/out' is in the system folder /usr" in problems("output_dir=/usr/local/out")
+    load_config(ROOT / QUICKSTART, [f"data_config.img_dir={sample_data}", f"output_dir={tmp_path}/out",
+                                    f"cache_dir={tmp_path}/cache"], default_family="qwen_image")
+
+
+def test_an_image_gone_during_live_encoding_is_one_line(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """precompute_image_embeddings: false reads each image when its batch comes (in the loader's
+    worker processes): one deleted mid-run ends the run with its name, not the worker's traceback."""
+    from accelerate.state import AcceleratorState
+
+    from trainer import cli
+    from trainer.engine import Trainer
+
+    data = tmp_path / "data"
+    shutil.copytree(sample_data, data)
+    real = Trainer._log_step
+
+    def log_step(self, record, progress):
+        if record.step == 1:
+            for name in ("img1.png", "img4.png"):
+                (data / name).unlink()
+        real(self, record, progress)
+
+    monkeypatch.setattr(Trainer, "_log_step", log_step)
+    for workers in (2, 0):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        code = cli.main("qwen_image", "test", ["--config", str(ROOT / QUICKSTART), "report_to=none",
+                                               f"pretrained_model_name_or_path={tiny_qwen_image}",
+                                               f"data_config.img_dir={data}", f"output_dir={tmp_path}/out{workers}",
+                                               "precompute_image_embeddings=false", "max_train_steps=20",
+                                               f"data_config.num_workers={workers}"])
+        AcceleratorState._reset_state(reset_partial_state=True)
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(lines) == 1, err[-3000:]
+        assert "cannot read the image during training (No such file or directory)" in lines[0]
+        assert f"{data}/img" in lines[0] and "Traceback" not in err
+        for name in ("img1.png", "img4.png"):
+            shutil.copy(sample_data / name, data / name)
+
+
+def test_an_image_gone_before_the_cache_pass_is_named() -> None:
+    from image_datasets.dataset import file_hash, open_rgb
+    from utils.errors import DataError
+
+    for read in (file_hash, open_rgb):
+        with pytest.raises(DataError, match="/nowhere/img9.png: cannot read the image during training"):
+            read(Path("/nowhere/img9.png"))

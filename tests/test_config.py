@@ -181,6 +181,61 @@ def test_yaml_is_data_not_code(tmp_path: Path, data_dir: Path) -> None:
         load_config(evil)
 
 
+def float_keys(node: object, prefix: str = "") -> list:
+    """Every float key of the schema (sections, a dataset entry, a validation prompt), dotted."""
+    from trainer.config import DatasetEntry, ValidationPrompt
+
+    keys = []
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            keys += float_keys(value, f"{key}.")
+        elif "float" in str(f.type):
+            keys.append(key)
+    if not prefix:
+        keys += [f"datasets.0.{k}" for k in float_keys(DatasetEntry(), "_.")] + \
+            [f"validation.prompts.0.{k}" for k in float_keys(ValidationPrompt(), "_.")]
+    return [k.replace("_.", "") for k in keys]
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_every_float_key_refuses_numbers_that_are_not_finite(data_dir: Path, value: str) -> None:
+    keys = float_keys(TrainConfig())
+    assert {"learning_rate", "regularization_weight", "validation.cfg_scale", "datasets.0.caption_dropout_rate",
+            "validation.prompts.0.guidance"} <= set(keys) and len(keys) >= 20
+    entry = [f"datasets=[{{img_dir: {data_dir}}}]", "validation.prompts=[{prompt: a}]"]
+    for key in keys:
+        with pytest.raises(ConfigError) as err:
+            load_config(None, ["pretrained_model_name_or_path=Qwen/Qwen-Image", *entry, f"{key}={value}"])
+        shown = key.replace(".0.", "[0].")
+        assert f"key '{shown}': value {float(value.replace('.', ''))} is not a finite number" in str(err.value)
+        assert str(err.value).count(f"key '{shown}'") == 1, "one problem per key"
+
+
+@pytest.mark.parametrize("where", ["yaml", "override"])
+def test_a_config_is_data_resolvers_are_refused_literals_stay(tmp_path: Path, data_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    monkeypatch.setenv("TRAINER_TEST_SECRET", "s3cr3t-token")
+    path = tmp_path / "cfg.yaml"
+    for key, value in [("learning_rate", "${oc.env:TRAINER_TEST_SECRET}"), ("wandb_run_name", "${oc.decode:'1'}"),
+                       ("data_config.trigger_word", "x-${oc.env:TRAINER_TEST_SECRET,none}")]:
+        path.write_text(OmegaConf.to_yaml(OmegaConf.from_dotlist([f"{key}={value}"])) if where == "yaml" else "{}")
+        with pytest.raises(ConfigError) as err:
+            load_config(path, base(data_dir) + ([f"{key}={value}"] if where == "override" else []))
+        assert f"key '{key}': {value!r} calls the OmegaConf resolver" in str(err.value)
+        assert "s3cr3t" not in str(err.value)
+    # A literal ${...} (escaped) stays literal everywhere: loaded, written as config.yaml, read back.
+    path.write_text("data_config:\n  trigger_word: \\${oc.env:TRAINER_TEST_SECRET}\n"
+                    "validation:\n  prompts: ['a \\${oc.env:TRAINER_TEST_SECRET}']\n"
+                    "cache_dir: ${output_dir}/cache\n")
+    cfg = load_config(path, base(data_dir))
+    assert cfg.data_config.trigger_word == "${oc.env:TRAINER_TEST_SECRET}" == cfg.validation.prompts[0].prompt[2:]
+    assert cfg.cache_dir == "./output/cache", "a reference to another key is data: resolved"
+    saved = tmp_path / "config.yaml"
+    saved.write_text(config_to_yaml(cfg))
+    assert "s3cr3t" not in saved.read_text() and load_config(saved) == cfg
+
+
 def test_defaults_are_sane() -> None:
     cfg = TrainConfig()
     assert cfg.lora_alpha is None and cfg.rank == 16

@@ -118,3 +118,31 @@ def test_disk_fills_while_training_then_resume_completes(tiny_qwen_image: Path, 
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def fill(path: Path) -> None:
+    """Write ``path`` until its filesystem has no space left."""
+    with open(path, "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+def test_a_full_disk_while_taking_the_lock_leaves_no_lock_and_the_rerun_works(small_disk: Path) -> None:
+    out = small_disk / "run"
+    out.mkdir()
+    fill(small_disk / "filler")
+    folder = RunFolder(out, LORA)
+    with pytest.raises(OSError) as raw:
+        folder.open(None, overwrite=False)
+    with pytest.raises(DiskFullError) as err:
+        folder.raise_if_disk_full(raw.value)
+    assert "the disk is full" in str(err.value) and "run the same command again" in str(err.value)
+    assert list(out.iterdir()) == [], "no empty run.lock, no temporary owner file"
+    (small_disk / "filler").unlink()
+    again = RunFolder(out, LORA)  # the same command again, with space
+    assert again.open(None, overwrite=False) is None
+    assert json.loads((out / "run.lock").read_text())["pid"] > 0
+    again.release(0)

@@ -120,4 +120,5 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(tiny_qwen_
     assert latest is not None, stderr[-3000:]
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in latest.iterdir()}, "both saved"
     assert "stopped by signal at step" in stderr and "Timeout" not in stderr
+    assert stderr.count("interrupted: ") == 1, "both stop; the main process alone says so"
     no_leftovers(out)

@@ -294,22 +294,55 @@ def test_dataset_losses_average_each_datasets_micro_batches_and_weight_regulariz
 @pytest.mark.e2e
 def test_two_dataset_run_killed_inside_accumulation_resumes_bit_identical(folders: Dict[str, Path],
                                                                           tiny_qwen_image: Path, tmp_path: Path) -> None:
-    """SIGKILL between checkpoints, inside an accumulation window of batches from several datasets:
-    the resumed run's LoRA and metrics (per-dataset losses included) equal an uninterrupted run's."""
+    """SIGKILL inside an accumulation window of batches from several datasets, after a checkpoint at
+    the end of an epoch that ends on a short window (26 micro-batches, accumulation 4: 6 full windows
+    and one of 2): the resumed run's LoRA and metrics (per-dataset losses included) equal an
+    uninterrupted run's."""
     from test_resilience import run
 
     argv = ["--config", str(ROOT / MULTI), *multi_overrides(
-        folders, f"pretrained_model_name_or_path={tiny_qwen_image}", "report_to=none", "max_train_steps=8",
-        "gradient_accumulation_steps=2", "checkpointing_steps=3", "validation.every_n_steps=0", "lora_dropout=0.1",
+        folders, f"pretrained_model_name_or_path={tiny_qwen_image}", "report_to=none", "max_train_steps=9",
+        "gradient_accumulation_steps=4", "checkpointing_steps=7", "validation.every_n_steps=0", "lora_dropout=0.1",
         "overwrite_output_dir=false")]
     reference = run([*argv, f"output_dir={tmp_path / 'reference'}"])
     assert reference.returncode == 0, reference.stderr[-3000:]
-    killed = run([*argv, f"output_dir={tmp_path / 'run'}"], fault="kill_at_call:10")  # in step 5; checkpoint-3 kept
+    killed = run([*argv, f"output_dir={tmp_path / 'run'}"], fault="kill_at_call:32")  # in step 9; checkpoint-7 kept
     assert killed.returncode == -9
     resumed = run([*argv, f"output_dir={tmp_path / 'run'}", "resume_from_checkpoint=latest"])
-    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    assert resumed.returncode == 0 and "checkpoint-7 at step 7" in resumed.stderr, resumed.stderr[-3000:]
     want, got = (load_file(str(tmp_path / p / "pytorch_lora_weights.safetensors")) for p in ("reference", "run"))
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     strip = lambda lines: [{k: v for k, v in m.items() if k != "time"} for m in lines]  # noqa: E731
     logged = strip(metrics(tmp_path / "run"))
     assert logged == strip(metrics(tmp_path / "reference")) and any(len([k for k in m if "/" in k]) > 1 for m in logged)
+
+
+@pytest.mark.e2e
+def test_a_dataset_change_on_resume_is_said_per_key_and_samples_seen_stay_what_was_drawn(
+        multi_run: Path, folders: Dict[str, Path], tiny_qwen_image: Path, tmp_path: Path) -> None:
+    """Resume from checkpoint-10 with the subject seen once instead of three times an epoch and the
+    style set gone: one short line per change, and summary.json's samples_seen add up to the samples
+    the run drew (batch 1, no accumulation: one per step), the style set's 10 steps' draws kept."""
+    out = tmp_path / "changed"
+    out.mkdir()
+    shutil.copytree(multi_run / "checkpoint-10", out / "checkpoint-10")
+    drawn_before = ckpt_state(out / "checkpoint-10")["samples_seen"]
+    assert sum(drawn_before.values()) == 10
+    train_in_process(MULTI, "qwen_image", f"pretrained_model_name_or_path={tiny_qwen_image}", f"output_dir={out}",
+                     f"datasets=[{{name: subject, img_dir: {folders['subject']}, repeats: 1, trigger_word: ohwx}}, "
+                     f"{{img_dir: {folders['reg']}, role: regularization, caption_dropout_rate: 0.0}}]",
+                     "resume_from_checkpoint=latest", "validation.every_n_steps=0")
+    log = (out / "train.log").read_text()
+    changes = [line.split("| ", 2)[-1] for line in log.splitlines() if "resume from checkpoint-10:" in line]
+    assert any(line.endswith("datasets[0].repeats changed 3 -> 1: applied from step 10") for line in changes)
+    assert any("datasets[1] (name 'style', img_dir " in line and line.endswith("removed: applied from step 10")
+               for line in changes), changes
+    assert max(map(len, changes)) < 300, "no line dumps the whole list"
+    seen = {d["name"]: d["samples_seen"] for d in json.loads((out / "summary.json").read_text())["datasets"]}
+    assert sum(seen.values()) == 26 and seen["style"] == drawn_before["style"], seen
+    assert seen["subject"] > drawn_before["subject"] and seen["regularization_dataset"] > \
+        drawn_before["regularization_dataset"]
+
+
+def ckpt_state(path: Path) -> Dict:
+    return json.loads((path / "trainer_state.json").read_text())

@@ -190,3 +190,34 @@ def test_a_new_learning_rate_and_schedule_apply_and_are_said(reference: Path, ti
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 11))
     assert [r["lr"] for r in records[8:]] == [1e-5, 1e-5], "the new rate is used, not the checkpoint's"
+
+
+# -- resume exactly wherever the checkpoint falls (the arithmetic's grid: test_resume_position.py) ----
+def test_resume_at_epoch_ends_inside_and_past_a_finished_run_is_bit_identical(tiny_qwen_image: Path,
+                                                                             sample_data: Path, tmp_path: Path) -> None:
+    """6 images, accumulation 4: each epoch is a full window and a short one (2 steps). Resumes from an
+    epoch's end (the short window), from inside an epoch, and a finished run extended, each equal to
+    the uninterrupted run: LoRA tensors and logged losses. (The schedule must not depend on
+    max_train_steps for the extension to equal a longer run: constant after warm-up.)"""
+    from conftest import train_in_process
+
+    def train(out: Path, *extra: str) -> Path:
+        train_in_process(CONFIG, "qwen_image", *args(tiny_qwen_image, sample_data, out, "max_train_steps=5",
+                                                     "gradient_accumulation_steps=4", "checkpointing_steps=1",
+                                                     "checkpoints_total_limit=null",
+                                                     "lr_scheduler=constant_with_warmup", *extra)[2:])
+        return out
+
+    reference = train(tmp_path / "reference")
+    assert [ckpt.read_state(reference / f"checkpoint-{s}")["epoch"] for s in (2, 3)] == [0, 1]
+    for step in (2, 3, 4):
+        out = train(tmp_path / f"from-{step}", f"resume_from_checkpoint={reference / f'checkpoint-{step}'}")
+        want, got = lora(reference), lora(out)
+        assert all(torch.equal(want[k], got[k]) for k in want), f"resumed from checkpoint-{step}"
+        assert losses(out) == losses(reference)[step:], f"resumed from checkpoint-{step}"
+    extended = train(tmp_path / "extended", "max_train_steps=4")
+    train(extended, "resume_from_checkpoint=latest")
+    want, got = lora(reference), lora(extended)
+    assert all(torch.equal(want[k], got[k]) for k in want), "a finished run extended from its last step"
+    assert losses(extended) == losses(reference)
+    assert [json.loads(x)["epoch"] for x in (extended / "metrics.jsonl").read_text().splitlines()] == [0, 0, 1, 1, 2]

@@ -14,7 +14,7 @@ from typing import Optional
 import pytest
 
 from conftest import ROOT
-from trainer import checkpoint as ckpt, run_dir
+from trainer import checkpoint as ckpt, run_dir, run_lock
 from trainer.adapters import final_weights_name, trained_weights
 from trainer.config import load_config
 from utils.errors import ConfigError, TrainingInterrupted
@@ -93,6 +93,22 @@ def test_metrics_append_read_and_truncate_on_resume(tmp_path: Path, monkeypatch:
     assert all(isinstance(r.pop("time"), float) for r in records), "every line carries its unix time"
     assert records == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}, {"step": 3, "loss": 0.25}]
     assert RunFolder(tmp_path / "empty", LORA).read_metrics() == []
+
+
+def test_metrics_deleted_or_rotated_during_the_run_are_started_again(tmp_path: Path, logs) -> None:
+    folder = RunFolder(tmp_path, LORA)
+    folder.append_metrics({"step": 1, "loss": 1.0})
+    (tmp_path / "metrics.jsonl").unlink()  # a clean-up script
+    folder.append_metrics({"step": 2, "loss": 0.5})
+    folder.flush()
+    assert [r["step"] for r in folder.read_metrics()] == [2], "written to the folder, not the deleted file"
+    os.replace(tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.1")  # log rotation
+    for step in (3, 4):
+        folder.append_metrics({"step": step, "loss": 0.25})
+    folder.close()
+    assert [r["step"] for r in folder.read_metrics()] == [3, 4]
+    said = [r["message"] for r in logs if "was deleted or replaced during the run" in r["message"]]
+    assert len(said) == 2 and str(tmp_path / "metrics.jsonl") in said[0], "one warning each time"
 
 
 def test_config_and_summary_are_written_whole(sample_data: Path, tmp_path: Path) -> None:
@@ -212,3 +228,78 @@ def test_latest_without_a_usable_checkpoint_says_so_and_keeps_old_metrics_apart(
     assert any("no complete checkpoint" in r["message"] and "starting from step 0" in r["message"] for r in logs)
     assert not (tmp_path / "metrics.jsonl").exists() and len(list(tmp_path.glob("metrics-*.jsonl.old"))) == 1
     assert not list(tmp_path.glob(".checkpoint-*.tmp")), "the leftover of an interrupted save is removed"
+
+
+# -- the lock: written whole, taken over when no live process holds it --------------------------------
+LOCK_SCRIPT = """import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from trainer import run_lock
+step = {step!r}
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+real_link, real_fsync = run_lock._link, os.fsync
+if step == "after-write":
+    os.fsync = lambda fd: die()
+if step == "before-link":
+    run_lock._link = lambda tmp, lock: die()
+if step == "after-link":
+    run_lock._link = lambda tmp, lock: real_link(tmp, lock) and die()
+lock = run_lock.RunLock(Path({out!r}))
+lock.acquire()
+if step == "holding-with-a-worker":
+    if os.fork() == 0:  # a data-loader worker, forked while the run holds the lock
+        time.sleep(20)
+        os._exit(0)
+    die()
+if step == "holding":
+    print("held", flush=True)
+    time.sleep(30)
+"""
+
+
+def lock_script(out: Path, step: str) -> list:
+    return [sys.executable, "-c", LOCK_SCRIPT.format(root=str(ROOT), out=str(out), step=step)]
+
+
+@pytest.mark.parametrize("step", ["after-write", "before-link", "after-link", "holding-with-a-worker"])
+def test_a_kill_at_any_step_of_taking_the_lock_never_blocks_the_next_run(tmp_path: Path, step: str) -> None:
+    killed = subprocess.run(lock_script(tmp_path, step), capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -9, killed.stderr
+    lock = tmp_path / "run.lock"
+    if lock.exists():
+        assert run_lock.read_lock(lock)["pid"] != os.getpid(), "never seen empty: the owner is in it"
+    folder = RunFolder(tmp_path, LORA)
+    folder.open(None, overwrite=False)
+    assert run_lock.read_lock(lock)["pid"] == os.getpid()
+    assert [p.name for p in tmp_path.iterdir() if "lock" in p.name] == ["run.lock"], "no temporary owner file left"
+    folder.release(0)
+    assert not lock.exists()
+
+
+@pytest.mark.parametrize("content", ["", "{not json", '{"host": "%s", "pid": 1, "started": 0}'])
+def test_a_lock_no_live_process_holds_is_taken_over_whatever_it_says(tmp_path: Path, content: str, logs) -> None:
+    """Empty (an older version killed between create and write), garbage, or naming a live process
+    (pid 1; a restarted container reuses pids) that does not hold it."""
+    (tmp_path / "run.lock").write_text(content.replace("%s", socket.gethostname()))
+    folder = RunFolder(tmp_path, LORA)
+    folder.open(None, overwrite=False)
+    assert run_lock.read_lock(tmp_path / "run.lock")["pid"] == os.getpid()
+    assert any("taking over the lock of a run that is gone" in r["message"] for r in logs)
+    folder.release(0)
+
+
+def test_a_lock_a_live_process_holds_is_refused(tmp_path: Path) -> None:
+    holder = subprocess.Popen(lock_script(tmp_path, "holding"), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=f"in use by another run .pid {holder.pid} on"):
+            RunFolder(tmp_path, LORA).open(None, overwrite=False)
+        assert run_lock.is_held(tmp_path / "run.lock")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not run_lock.is_held(tmp_path / "run.lock"), "the kernel dropped the dead holder's flock"
+    folder = RunFolder(tmp_path, LORA)
+    folder.open(None, overwrite=False)
+    folder.release(0)

@@ -107,8 +107,8 @@ def test_gradient_accumulation_counts_optimizer_steps(tiny_qwen_image: Path, sam
                                         "gradient_accumulation_steps=3", "checkpointing_steps=2"))
     assert trainer.state.step == 4 and [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
     # 4 optimizer steps x 3 micro-batches = 12 batches of one image: epoch 0 whole (2 steps), then
-    # 2 steps into epoch 1.
-    assert (trainer.state.epoch, trainer.state.batches_done_in_epoch) == (1, 2)
+    # epoch 1 whole (its 6 micro-batches: a resume from here starts epoch 2).
+    assert (trainer.state.epoch, trainer.state.micro_batches_done) == (1, 6)
 
 
 def test_resume_latest_continues_from_the_checkpoint(tiny_qwen_image: Path, sample_data: Path,
@@ -284,3 +284,43 @@ def test_attention_is_timed_at_the_runs_longest_sequence(tiny_qwen_image: Path, 
     text = trainer.features.cached_text(largest.caption)["prompt_embeds"].shape[0]
     side = largest.size[0] * 2 // trainer.family.pixel_multiple  # latent side; 2x2 patches
     assert trainer._attention_tokens() == (side // 2) ** 2 + text
+
+
+def test_metrics_deleted_mid_run_are_started_again_and_the_summary_counts_every_step(
+        tiny_qwen_image: Path, sample_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "deleted"
+    real = Trainer._log_step
+
+    def log_step(self, record, progress):
+        if record.step == 3:
+            (out / "metrics.jsonl").unlink()  # a clean-up mid-run
+        real(self, record, progress)
+
+    monkeypatch.setattr(Trainer, "_log_step", log_step)
+    run_in_process(*overrides(tiny_qwen_image, sample_data, out, "max_train_steps=5", "checkpointing_steps=10"))
+    steps = [m["step"] for m in metrics(out)]  # lines not yet written when it went (within a second) come too
+    assert steps == list(range(steps[0], 6)) and steps[0] in (2, 3)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["final_loss"] == metrics(out)[-1]["loss"]
+    assert (out / "train.log").read_text().count("was deleted or replaced during the run") == 1
+
+
+def test_no_environment_value_reaches_the_run_folder_or_the_trackers(tiny_qwen_image: Path, sample_data: Path,
+                                                                     tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config is data: ``${oc.env:...}`` is refused at load (test_config.py), and a literal one
+    (``\\${...}``) stays literal in config.yaml, every checkpoint's state, summary.json and the
+    tensorboard hyper-parameters: no file of the run holds the environment's value."""
+    monkeypatch.setenv("TRAINER_TEST_TOKEN", "hf_s3cr3t_t0ken")
+    literal = "\\${oc.env:TRAINER_TEST_TOKEN}"
+    out = tmp_path / "run"
+    run_in_process(*overrides(tiny_qwen_image, sample_data, out, "max_train_steps=2", "checkpointing_steps=1",
+                              f"data_config.trigger_word={literal}", f"wandb_run_name=run-{literal}"),
+                   "report_to=tensorboard")  # after overrides' report_to=none: the last one wins
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any("tfevents" in p.name for p in files) and (out / "checkpoint-1" / "trainer_state.json") in files
+    assert not [p for p in files if b"s3cr3t" in p.read_bytes()], "the environment's value reached a file"
+    for path in (out / "config.yaml", out / "checkpoint-2" / "trainer_state.json"):
+        assert "${oc.env:TRAINER_TEST_TOKEN}" in path.read_text(), f"{path.name} keeps the literal"
+    events = b"".join(p.read_bytes() for p in files if "tfevents" in p.name)
+    assert b"${oc.env:TRAINER_TEST_TOKEN}" in events, "the tensorboard hyper-parameters carry the literal"

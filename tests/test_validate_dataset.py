@@ -5,8 +5,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -186,6 +188,34 @@ def test_fast_check_finds_truncation_without_decoding(tmp_path: Path, monkeypatc
     report = check_dataset(tmp_path, img_size=64, fast=True)
     assert {p.path.name for p in report.errors} == {"cut_png.png", "cut_jpg.jpg", "cut_webp.webp"}
     assert report.ok_samples == 3
+
+
+def short_png(width: int, height: int) -> bytes:
+    """A PNG whose one IDAT chunk (valid CRC) holds a quarter of the rows, and no IEND: Pillow's
+    decoder pads the missing rows without a word."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    rows = b"".join(b"\0" + bytes([i % 256]) * width * 3 for i in range(height // 4))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)))
+
+
+@pytest.mark.parametrize("side", [64, 1200], ids=["small-decoded-in-both-modes", "large-not-decoded-when-fast"])
+def test_validate_dataset_and_training_agree_on_a_truncated_png(tmp_path: Path, side: int) -> None:
+    make_sample_dataset(tmp_path, size=64, count=2)
+    (tmp_path / "short.png").write_bytes(short_png(side, side))
+    (tmp_path / "short.txt").write_text("a cut file")
+    with Image.open(tmp_path / "short.png") as img:
+        img.load()  # what the loader does: no error, three quarters of the image made up
+    for fast in (False, True):
+        report = check_dataset(tmp_path, img_size=64, fast=fast)
+        assert [(p.path.name, p.code) for p in report.errors] == [("short.png", "truncated")], (fast, report.errors)
+    with pytest.raises(DataError, match="short.png: truncated or corrupt"):
+        check_before_training(tmp_path, "txt", 64, 16)
+    done = subprocess.run([sys.executable, str(ROOT / "validate_dataset.py"), "--path", str(tmp_path),
+                           "--img-size", "64"], capture_output=True, text=True)
+    assert done.returncode != 0 and "short.png" in done.stdout + done.stderr
 
 
 def test_no_images_and_missing_folder_cannot_be_skipped(tmp_path: Path) -> None:

@@ -68,7 +68,9 @@ def problem(folder: Path) -> Optional[str]:
         return f"{state_file} is missing (an incomplete checkpoint)"
     except (OSError, ValueError) as exc:
         return f"{state_file} is unreadable ({exc})"
-    bad = [k for k in ("global_step", "epoch", "batches_done_in_epoch")
+    # The loop position (checkpoints of older versions counted optimizer steps: batches_done_in_epoch).
+    position = "micro_batches_done_in_epoch" if "micro_batches_done_in_epoch" in state else "batches_done_in_epoch"
+    bad = [k for k in ("global_step", "epoch", position)
            if not isinstance(state.get(k), int) or isinstance(state.get(k), bool) or state[k] < 0]
     if bad or not isinstance(state.get("files", {}), dict):
         return f"{state_file}: {', '.join(bad) or 'files'} is not a non-negative integer (or is missing)"

@@ -7,6 +7,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from trainer.config import load_config
+from trainer.signals import is_main_process
 from utils.errors import TrainingInterrupted, UserError
 
 
@@ -40,7 +41,8 @@ def main(default_family: str, description: str, argv: Optional[List[str]] = None
                           profile_defaults=profile_defaults)
         Trainer(cfg).run()
     except TrainingInterrupted as exc:
-        print(f"interrupted: {exc}", file=sys.stderr)
+        if is_main_process():  # every process stops; one says so
+            print(f"interrupted: {exc}", file=sys.stderr)
         return exc.exit_code
     except UserError as exc:
         # One clear message, no traceback: these are mistakes the user can fix.

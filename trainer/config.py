@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from utils.errors import ConfigError
+from utils.folders import system_folder
 from trainer.families import SPECS
 
 # Weight formats of each quantization backend (their implementations: trainer/quantization.py).
@@ -357,6 +359,11 @@ class TrainConfig:
     checkpoints_total_limit: Optional[int] = None  # keep only the newest N checkpoints (null: all)
     resume_from_checkpoint: Optional[str] = None  # "latest" or a checkpoint folder
 
+    # Several processes: seconds a process waits for the others in a collective (the gradient
+    # all-reduce, a barrier) before the run ends, naming the process that stopped answering (HF
+    # Trainer's ddp_timeout). A process that dies is noticed at once; a stalled one after this.
+    ddp_timeout: int = 1800
+
     # Sample images during training (FlyMyAI's disable_sampling + sample_* keys are translated into it)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
 
@@ -435,7 +442,7 @@ def load_config(
     if overrides:
         user = _apply_overrides(user, overrides, source)
     raw = OmegaConf.to_container(user, resolve=False)
-    unknown = _unknown_keys(raw, TrainConfig, also=FLYMYAI_KEYS)
+    unknown = _unknown_keys(raw, TrainConfig, also=FLYMYAI_KEYS) + _resolver_calls(raw)
     if unknown:
         raise ConfigError(f"{source}: " + "; ".join(_blame_overrides(unknown, overrides)))
     try:
@@ -447,7 +454,8 @@ def load_config(
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{source}: " + _blame_overrides([_describe_type_error(exc)], overrides)[0]) from None
-    cfg.validation.prompts = [_typed(ValidationPrompt, p if isinstance(p, dict) else {"prompt": p})
+    # Typed again from loaded values: escaped, so a literal ${...} in a prompt stays one.
+    cfg.validation.prompts = [_typed(ValidationPrompt, _escaped(p if isinstance(p, dict) else {"prompt": p}))
                               for p in cfg.validation.prompts]
     _name_datasets(cfg.datasets)
     if cfg.family is None:
@@ -525,9 +533,39 @@ def flymyai_compat(raw: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
     return raw, problems
 
 
+# An OmegaConf interpolation that calls a resolver (``${oc.env:TOKEN}``, ``${oc.decode:...}``): it would
+# read the environment (or run other code) into the config. ``\${...}`` is a literal and stays one.
+_RESOLVER_CALL = re.compile(r"(?<!\\)\$\{\s*([A-Za-z_][\w.]*)\s*:")
+
+
+def _resolver_calls(data: Any, key: str = "") -> List[str]:
+    """Every value of the YAML and overrides (``data``: plain containers, unresolved) that calls an
+    OmegaConf resolver. A config is data: the environment never reaches a run's files or trackers.
+    A reference to another key (``${output_dir}/cache``) is data too and stays allowed."""
+    if isinstance(data, dict):
+        return [p for k, v in data.items() for p in _resolver_calls(v, f"{key}.{k}" if key else str(k))]
+    if isinstance(data, list):
+        return [p for i, v in enumerate(data) for p in _resolver_calls(v, f"{key}[{i}]")]
+    match = _RESOLVER_CALL.search(data) if isinstance(data, str) else None
+    if match is None:
+        return []
+    return [f"key '{key}': {data!r} calls the OmegaConf resolver '{match.group(1)}'; a config is data, so the "
+            "environment and resolvers are not read: write the value itself (or \\${...} for a literal ${...})"]
+
+
 def config_to_yaml(cfg: TrainConfig) -> str:
-    """The resolved config as YAML, as saved beside a run's outputs."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved config as YAML, as saved beside a run's outputs. Its values are written as data:
+    a literal ``${...}`` in one (given as ``\\${...}``) is escaped again, so reading the file back never
+    resolves it."""
+    return OmegaConf.to_yaml(OmegaConf.create(_escaped(dataclasses.asdict(cfg))))
+
+
+def _escaped(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _escaped(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_escaped(v) for v in data]
+    return data.replace("${", "\\${") if isinstance(data, str) else data
 
 
 def _read_yaml(path: str | os.PathLike) -> DictConfig:
@@ -677,7 +715,9 @@ def _describe_type_error(exc: OmegaConfBaseException, prefix: str = "") -> str:
 
 def config_problems(cfg: TrainConfig) -> List[str]:
     """Every value the types cannot rule out, each naming its key (empty when the config is fine):
-    the top level's choices, each section's own checks, then the rules of each concern."""
+    numbers that are not finite, the top level's choices, each section's own checks, then the rules
+    of each concern (a key already reported as not finite is not reported again)."""
+    nonfinite = _nonfinite(cfg)
     problems = choice_problems(cfg)
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
@@ -686,7 +726,26 @@ def config_problems(cfg: TrainConfig) -> List[str]:
     for concern in (_model_problems, _data_problems, _schedule_problems, _optimizer_problems, _lora_problems,
                     _memory_problems, _platform_problems, _output_problems):
         problems += concern(cfg)
-    return problems
+    named = {key for key, _ in nonfinite}
+    return [message for _, message in nonfinite] + [p for p in problems if _named_key(p) not in named]
+
+
+def _nonfinite(node: Any, prefix: str = "") -> List[Tuple[str, str]]:
+    """(key, problem) of every float value anywhere in the config that is nan or infinite: no float
+    key means anything at .inf (a learning rate, a weight, a scale)."""
+    if dataclasses.is_dataclass(node):
+        return [found for f in dataclasses.fields(node)
+                for found in _nonfinite(getattr(node, f.name), f"{prefix}.{f.name}" if prefix else f.name)]
+    if isinstance(node, list):
+        return [found for i, item in enumerate(node) for found in _nonfinite(item, f"{prefix}[{i}]")]
+    if isinstance(node, float) and not math.isfinite(node):
+        return [(prefix, f"key '{prefix}': value {node} is not a finite number")]
+    return []
+
+
+def _named_key(problem: str) -> Optional[str]:
+    match = re.match(r"key '([^']+)'", problem)
+    return match.group(1) if match else None
 
 
 def _model_problems(cfg: TrainConfig) -> List[str]:
@@ -847,14 +906,36 @@ def _platform_problems(cfg: TrainConfig) -> List[str]:
     )
 
 
+def _folder_problems(cfg: TrainConfig) -> List[str]:
+    """Where the run writes: not into the system's folders, and the outputs not inside an image folder
+    (the run's sample images and plots would be read as training images on the next start)."""
+    problems = [f"key '{key}': '{path}' is in the system folder {root}; choose a folder of your own"
+                for key, path in (("output_dir", cfg.output_dir), ("cache_dir", cfg.cache_dir))
+                if path and (root := system_folder(path))]
+    for prefix, entry in _entry_prefixes(cfg):
+        folders = {"img_dir": entry.img_dir, "control_dir": entry.control_dir,
+                   **{f"control_dirs[{i}]": d for i, d in enumerate(entry.control_dirs or [])}}
+        problems += [f"key 'output_dir': '{cfg.output_dir}' is inside the image folder '{folder}' ({prefix}{key}): "
+                     "the run's own images would be read as training data; choose an output_dir outside it"
+                     for key, folder in folders.items() if folder and _inside(cfg.output_dir, folder)]
+    return problems
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or inside it (symbolic links and ``..`` resolved)."""
+    path_, folder_ = (Path(p).expanduser().resolve() for p in (path, folder))
+    return path_ == folder_ or folder_ in path_.parents
+
+
 def _output_problems(cfg: TrainConfig) -> List[str]:
-    """The output folder's logs and checkpoints."""
+    """The output folder's place, logs and checkpoints."""
     logs = Path(cfg.logging_dir)
-    return _failed(
+    return _folder_problems(cfg) + _failed(
         (not (logs.is_absolute() or ".." in logs.parts),
          f"key 'logging_dir': value '{cfg.logging_dir}' must be a folder inside output_dir (relative, without '..')"),
         (cfg.log_every_n_steps >= 1, f"key 'log_every_n_steps': value {cfg.log_every_n_steps} must be >= 1"),
         (cfg.checkpointing_steps >= 1, f"key 'checkpointing_steps': value {cfg.checkpointing_steps} must be >= 1"),
+        (cfg.ddp_timeout >= 1, f"key 'ddp_timeout': value {cfg.ddp_timeout} must be >= 1 (seconds)"),
         (cfg.checkpoints_total_limit is None or cfg.checkpoints_total_limit >= 1,
          f"key 'checkpoints_total_limit': value {cfg.checkpoints_total_limit} must be >= 1 (or null)"),
     )

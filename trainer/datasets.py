@@ -99,15 +99,29 @@ class TrainingData:
         """The first train dataset's trigger word ("[trigger]" in validation prompts)."""
         return next((e.trigger_word for e in self.entries if e.role == "train" and e.trigger_word), "")
 
-    def summary(self, sampler: SizeGroupedBatchSampler, state: Any, batches_per_step: int) -> List[Dict[str, Any]]:
+    def samples_seen(self, sampler: SizeGroupedBatchSampler, state: Any, processes: int) -> Dict[str, int]:
+        """Samples drawn per dataset name so far: what the run had drawn where its sampler started
+        (``state.seen_before``, from a checkpoint: the datasets may have changed since) plus what this
+        sampler drew from there (``state.since``) to where the loop stands."""
+        now = sampler.drawn(state.epoch, state.micro_batches_done, processes)
+        start = sampler.drawn(*state.since, processes)
+        seen = dict(state.seen_before) if state.seen_before is not None else {}
+        if state.seen_before is None:  # an older checkpoint: as if this sampler had drawn from step 0
+            start = [0] * len(now)
+        for index, entry in enumerate(self.entries):
+            drawn = sum(now[i] - start[i] for i, d in enumerate(self.dataset_of) if d == index)
+            seen[entry.name] = seen.get(entry.name, 0) + drawn
+        return seen
+
+    def summary(self, sampler: SizeGroupedBatchSampler, state: Any, processes: int) -> List[Dict[str, Any]]:
         """``summary.json``'s ``datasets``: each folder, its role, images, repeats and the samples the
-        run drew from it, from where the loop stands (``state``: its epoch and the optimizer steps
-        done in it, each of ``batches_per_step`` batches over all processes)."""
-        drawn = sampler.drawn(state.epoch, state.batches_done_in_epoch * batches_per_step)
+        run drew from it (``samples_seen``); a dataset the run drew from before a resume dropped it is
+        listed with its count alone."""
+        seen = self.samples_seen(sampler, state, processes)
         out = []
         for index, entry in enumerate(self.entries):
             mine = [i for i, d in enumerate(self.dataset_of) if d == index]
             out.append({"name": entry.name, "path": entry.img_dir, "role": entry.role,
                         "images": len({self.samples[i].image_path for i in mine}), "repeats": entry.repeats,
-                        "samples_seen": sum(drawn[i] for i in mine)})
-        return out
+                        "samples_seen": seen.pop(entry.name)})
+        return out + [{"name": name, "samples_seen": count, "removed": True} for name, count in seen.items()]

@@ -18,16 +18,19 @@ ZeRO-2 they point into one flat buffer; so the engine
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
 import shlex
+import socket
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, gather_object
 from loguru import logger
 
 from trainer.adapters import adapter_parameters
@@ -125,6 +128,85 @@ def launcher_config() -> Optional[Tuple[Path, Dict[str, Any]]]:
                 logger.warning(f"could not read the launcher's config {shlex.quote(name)}")
                 return None
     return None
+
+
+# What a collective (all-reduce, barrier) raises when another process is gone or stalled: gloo's and
+# NCCL's transport errors and their timeouts (torch wraps some as DistError, gloo's as RuntimeError).
+_COLLECTIVE_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed) by peer|timed out|broken pipe", re.IGNORECASE)
+_SETTLE_S = 3.0  # a peer that failed on its own error is still exiting when the transport reports it
+_STOPPED_BY = " (SIGSTOP, Ctrl-Z or a debugger)"
+
+
+def process_ids(accelerator: Accelerator) -> List[Tuple[str, int]]:
+    """(host, pid) of every process, by rank (one collective at set-up): whom to name when one is lost."""
+    me = (socket.gethostname(), os.getpid())
+    return [me] if accelerator.num_processes == 1 else [tuple(p) for p in gather_object([me])]
+
+
+@dataclasses.dataclass
+class LostProcess:
+    """Why a collective failed: ``line`` names the rank(s) that died, were stopped or stopped answering."""
+
+    line: str
+    ranks: List[int]  # the ranks found dead or stopped (empty when none could be told)
+
+
+def collective_failure(exc: BaseException) -> Optional[BaseException]:
+    """The failed collective in ``exc`` or the errors it was raised while handling (a launcher's
+    SIGTERM arriving as the failure is handled), or None."""
+    seen = set()
+    error: Optional[BaseException] = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, torch.distributed.DistError) or (
+                isinstance(error, RuntimeError) and _COLLECTIVE_FAILURE.search(str(error).split("\n")[0])):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def lost_process(failure: BaseException, processes: List[Tuple[str, int]], rank: int,
+                 timeout_s: int) -> LostProcess:
+    """What a surviving process says when a collective failed (``failure``, from ``collective_failure``)
+    because another process died, was stopped or stalled past ``timeout_s`` (``processes``:
+    ``process_ids``; empty when the failure came before they were known)."""
+    others = [(r, host, pid) for r, (host, pid) in enumerate(processes) if r != rank]
+    deadline = time.monotonic() + _SETTLE_S
+    while True:
+        states = [(r, host, pid, _state(host, pid)) for r, host, pid in others]
+        lost = [s for s in states if s[3] in ("died", "is stopped")]
+        if lost or not others or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if lost:
+        what = "; ".join(f"rank {r} (pid {pid}) {state}{_STOPPED_BY if state == 'is stopped' else ''}"
+                         for r, _, pid, state in lost)
+    else:  # none found here: another machine's, or one that failed on its own error and is still exiting
+        who = " and ".join(f"rank {r} on {host}" for r, host, _, state in states if state is None)
+        timed_out = re.search("timed out", str(failure), re.IGNORECASE)
+        what = f"{who or 'another process'} stopped answering" + (
+            f" for {timeout_s} s (ddp_timeout)" if timed_out else " (see its own error)")
+    return LostProcess(f"{what}: the run stops here (said by rank {rank})", [r for r, *_ in lost])
+
+
+def _state(host: str, pid: int) -> Optional[str]:
+    """``died``, ``is stopped`` or ``runs`` for a process on this machine; None for another machine's."""
+    if host != socket.gethostname():
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return "died"
+    except OSError:  # no /proc (not Linux): only whether it exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "died"
+        except PermissionError:
+            pass
+        return "runs"
+    code = stat.rsplit(")", 1)[1].split()[0]  # after "pid (name)": the state letter
+    return "died" if code in ("Z", "X", "x") else "is stopped" if code in ("T", "t") else "runs"
 
 
 def refuse_unsupported(cfg: TrainConfig, kind: DistributedType) -> None:

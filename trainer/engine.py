@@ -14,15 +14,16 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, set_seed
+from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs,
+                              ProjectConfiguration, set_seed)
 from diffusers.training_utils import EMAModel
 from loguru import logger
 from safetensors.torch import load_file, save_file
@@ -37,7 +38,7 @@ from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from trainer.dataset_losses import DatasetLosses
 from trainer.datasets import TrainingData
-from utils.errors import TrainingDiverged, TrainingInterrupted
+from utils.errors import ProcessLost, TrainingDiverged, TrainingInterrupted, from_loader_worker
 from trainer.families import load_family
 from trainer.families.base import ModelFamily
 from trainer.features import FeatureStore, latent_shape
@@ -45,6 +46,7 @@ from trainer.model_setup import prepare_transformer, transformer_load_device
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.platform import RunPolicy, configure_device, prepare_environment
 from trainer.precision import choose_mixed_precision
+from trainer.position import RunState, micro_batches
 from trainer.quantization import check_available, quantization_spec
 from trainer.memory_check import warn_if_it_does_not_fit
 from trainer.reporting import plot_histogram, plot_losses, write_summary
@@ -57,24 +59,6 @@ from utils.attention import AttentionChoice, sdpa_context
 from utils.memory_monitor import MemoryMonitor
 
 EMA_NAME = "ema_weights.safetensors"
-
-
-@dataclass
-class RunState:
-    """Where the loop stands; ``step``, ``epoch`` and ``batches_done_in_epoch`` go into checkpoints."""
-
-    step: int = 0  # optimizer steps done
-    epoch: int = 0
-    batches_done_in_epoch: int = 0  # optimizer-step batches already consumed in `epoch`
-    bad_steps: int = 0  # non-finite steps in a row
-    loss_avg: Optional[float] = None  # the smoothed loss of the logs
-
-    def saved(self) -> Dict[str, int]:
-        return {"global_step": self.step, "epoch": self.epoch, "batches_done_in_epoch": self.batches_done_in_epoch}
-
-    def restore(self, saved: Dict[str, int]) -> None:
-        self.step, self.epoch = saved["global_step"], saved["epoch"]
-        self.batches_done_in_epoch = saved["batches_done_in_epoch"]
 
 
 class Trainer:
@@ -95,6 +79,7 @@ class Trainer:
         self.resume_from: Optional[Path] = None
         self.policy: Optional[RunPolicy] = None
         self.accelerator: Optional[Accelerator] = None
+        self.processes: List[Tuple[str, int]] = []  # (host, pid) of each rank
         self.is_main = False
         self.device = torch.device("cpu")
         self.weight_dtype = torch.float32
@@ -129,22 +114,48 @@ class Trainer:
         self.wall["imports"] = process_age_s()  # interpreter start to here: mostly imports
         try:
             with self.stop:  # the whole run: a signal before the loop stops at once, in it after a checkpoint
-                for phase in (self.setup, self.prepare_data, self.setup_model, self.train):
-                    start = time.perf_counter()
-                    phase()
-                    self.wall[phase.__name__] = time.perf_counter() - start
-                if self.stop.stopping:
-                    self.accelerator.end_training()
-                    raise TrainingInterrupted(
-                        f"stopped by signal at step {self.state.step}; checkpoint saved in "
-                        f"{self.output_dir / f'checkpoint-{self.state.step}'}. Resume with "
-                        "resume_from_checkpoint=latest", exit_code=self.stop.exit_code)
-                return self.finish()
-        except Exception as exc:
-            self.folder.raise_if_disk_full(exc)  # a full disk anywhere: one clear line
-            raise
+                try:
+                    for phase in (self.setup, self.prepare_data, self.setup_model, self.train):
+                        start = time.perf_counter()
+                        phase()
+                        self.wall[phase.__name__] = time.perf_counter() - start
+                    if self.stop.stopping:
+                        self.accelerator.end_training()
+                        raise TrainingInterrupted(
+                            f"stopped by signal at step {self.state.step}; checkpoint saved in "
+                            f"{self.output_dir / f'checkpoint-{self.state.step}'}. Resume with "
+                            "resume_from_checkpoint=latest", exit_code=self.stop.exit_code)
+                    return self.finish()
+                except Exception as exc:  # inside the signal handlers: the launcher's SIGTERM waits for this
+                    self.folder.raise_if_disk_full(exc)  # a full disk anywhere: one clear line
+                    worker = from_loader_worker(exc)
+                    if worker is not None:  # a data-loader worker's error: its own line, not its traceback
+                        raise worker from None
+                    self._raise_if_a_process_was_lost(exc)
+                    raise
         finally:
             self.folder.release(self.state.step, sys.exc_info()[1])
+
+    def _raise_if_a_process_was_lost(self, exc: Exception) -> None:
+        """Several processes: a collective failed because another process died or stalled. Each
+        surviving process says which rank, in one line; when the main process is the one lost, a
+        survivor records it in run_status.json. The launcher's SIGTERM to the survivors (torchrun
+        stops them all once one fails) is ignored from here on, so the line is not cut short."""
+        several = self.accelerator is not None and self.accelerator.num_processes > 1
+        failure = distributed.collective_failure(exc) if several else None
+        if failure is None:
+            return
+        self.stop.ignore_from_now()
+        lost = distributed.lost_process(failure, self.processes, self.accelerator.process_index,
+                                        self.cfg.ddp_timeout)
+        latest = ckpt.latest_checkpoint(self.output_dir)
+        message = f"{lost.line} at step {self.state.step}; " + (
+            f"the last checkpoint is {latest}: resume with resume_from_checkpoint=latest" if latest else
+            "there is no checkpoint yet: run the same command again") + " once every process can run"
+        survivors = [r for r in range(len(self.processes)) if r not in lost.ranks]
+        if 0 in lost.ranks and survivors[0] == self.accelerator.process_index:
+            self.folder.write_status("failed", self.state.step, message)  # the main process cannot any more
+        raise ProcessLost(message) from None
 
     # -- setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -156,12 +167,15 @@ class Trainer:
         self.accelerator = Accelerator(
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             # Qwen's last block leaves its text-side outputs unused: DDP must not wait for them.
-            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True),
+                             # A collective waits this long for a stalled process (a dead one fails at once).
+                             InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))],
             mixed_precision=precision.accelerator_arg,
             log_with=trackers or None,
             project_config=ProjectConfiguration(
                 project_dir=str(self.output_dir), logging_dir=str(self.output_dir / cfg.logging_dir)),
         )
+        self.processes = distributed.process_ids(self.accelerator)  # (host, pid) by rank: whom a failure names
         self.is_main = self.accelerator.is_main_process
         self.device = self.accelerator.device
         self.weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
@@ -287,7 +301,7 @@ class Trainer:
 
     def _resume(self, path: Path) -> None:
         resume_check.load(path, self.accelerator.load_state, self.cfg, self.samples, self.lr_scheduler)
-        self.state.restore(ckpt.read_state(path))
+        self.state.restore(ckpt.read_state(path), self.cfg.gradient_accumulation_steps)
         if self.is_main:  # steps logged after the checkpoint by the interrupted run are redone
             self.folder.truncate_metrics(self.state.step)
         logger.info(f"resumed from {path} at step {self.state.step}")
@@ -317,42 +331,34 @@ class Trainer:
 
     def _loop(self, progress: tqdm) -> None:
         cfg, acc, state = self.cfg, self.accelerator, self.state
-        while state.step < cfg.max_train_steps:
-            done = state.batches_done_in_epoch * cfg.gradient_accumulation_steps
-            loader = acc.skip_first_batches(self.dataloader, done) if done else self.dataloader
-            # accelerate's loaders re-set the sampler's epoch from their own iteration count on
-            # every pass (a fresh skip-loader counts from 0): give them ours.
-            loader.set_epoch(state.epoch)
-            self.sampler.set_epoch(state.epoch)
-            losses: List[torch.Tensor] = []
-            for micro, batch in enumerate(loader, start=done):
-                with acc.accumulate(self.transformer):
-                    loss = self.training_step(batch, micro)
-                    losses.append(loss.detach())
-                    # Fused backward steps each weight inside backward: a non-finite loss must not
-                    # get there. Otherwise its NaN gradients are caught below, before the step.
-                    if not cfg.fused_backward or self._all_finite(loss):
-                        self._backward(loss)
-                    self.swapper.release_all()
-                    grad_norm = self._clip_gradients()
-                    if acc.sync_gradients:
-                        records = self._step(losses, grad_norm)
-                if not acc.sync_gradients:
-                    continue
-                state.step += 1
-                self.stop.agree(acc)  # after this step, on every process alike
-                state.batches_done_in_epoch = (micro + 1) // cfg.gradient_accumulation_steps
-                self._account(records, progress)
-                losses = []
-                if self.validation.due(state.step):
-                    self._validate()
-                if self._should_checkpoint():
-                    self._account(self.readout.flush(), progress)
-                    self.save_checkpoint()
-                if state.step >= cfg.max_train_steps or self.stop.stopping:
-                    return
-            state.epoch += 1
-            state.batches_done_in_epoch = 0
+        if state.step >= cfg.max_train_steps:
+            return
+        losses: List[torch.Tensor] = []
+        for micro, batch in micro_batches(self.dataloader, self.sampler, state):
+            with acc.accumulate(self.transformer):
+                loss = self.training_step(batch, micro)
+                losses.append(loss.detach())
+                # Fused backward steps each weight inside backward: a non-finite loss must not
+                # get there. Otherwise its NaN gradients are caught below, before the step.
+                if not cfg.fused_backward or self._all_finite(loss):
+                    self._backward(loss)
+                self.swapper.release_all()
+                grad_norm = self._clip_gradients()
+                if acc.sync_gradients:
+                    records = self._step(losses, grad_norm)
+            if not acc.sync_gradients:
+                continue
+            state.stepped(micro)
+            self.stop.agree(acc)  # after this step, on every process alike
+            self._account(records, progress)
+            losses = []
+            if self.validation.due(state.step):
+                self._validate()
+            if self._should_checkpoint():
+                self._account(self.readout.flush(), progress)
+                self.save_checkpoint()
+            if state.step >= cfg.max_train_steps or self.stop.stopping:
+                return
 
     def training_step(self, batch: Dict[str, Any], micro_step: int) -> torch.Tensor:
         """Flow-matching loss of one micro-batch. Randomness comes from a generator seeded by the
@@ -454,6 +460,7 @@ class Trainer:
         if self.first_step_s is None:
             self.first_step_s = step_time
         state.loss_avg = loss if state.loss_avg is None else 0.9 * state.loss_avg + 0.1 * loss
+        state.last_loss = loss
         if now - self.postfix_at >= progress.mininterval:  # the bar redraws at most that often
             self.postfix_at = now
             progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
@@ -491,7 +498,9 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Trained weights + optimizer/scheduler/RNG state + loop position, written atomically."""
         self.folder.flush()
-        record = resume_check.record(self.cfg, self.family.model_path, self.samples, self.state.saved())
+        saved = {**self.state.saved(), "samples_seen": self.data.samples_seen(self.sampler, self.state,
+                                                                              self.accelerator.num_processes)}
+        record = resume_check.record(self.cfg, self.family.model_path, self.samples, saved)
         path = ckpt.write_checkpoint(self.output_dir, self.state.step,
                                      lambda folder: self.accelerator.save_state(str(folder)), record,
                                      self.is_main, barrier=self.accelerator.wait_for_everyone)
@@ -518,11 +527,11 @@ class Trainer:
             write_summary(self.folder, self.cfg, self.train_seconds, self.monitor.log_summary(),
                           {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME,
                            **({"contact_sheet": str(sheet)} if sheet else {})},
-                          {"datasets": self.data.summary(self.sampler, self.state, self.cfg.gradient_accumulation_steps
-                                                         * self.accelerator.num_processes),
+                          {"datasets": self.data.summary(self.sampler, self.state, self.accelerator.num_processes),
                            "wall_seconds": {k: round(v, 2) for k, v in self.wall.items() if v is not None},
                            "first_step_s": self.first_step_s, "compiled": self.compiled,
-                           "attention_backend": self.attention.name})
+                           "attention_backend": self.attention.name},
+                          steps=self.state.step, final_loss=self.state.last_loss)
         self.accelerator.end_training()
         return final
 

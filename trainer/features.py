@@ -23,6 +23,7 @@ from image_datasets.cache import FeatureCache, Tensors, cache_key
 from image_datasets.dataset import Sample, file_hash, open_rgb, pixels_at
 from trainer.async_step import to_device
 from trainer.config import TrainConfig, dataset_entries
+from utils.folders import writable_folder
 
 ENCODE_BATCH = 8  # prompts per text-encoder call in the cache pass (the memory planner plans for it)
 HOLD_BYTES = 1 << 30  # a run's disk-cache entries up to this size are read once and held in memory
@@ -86,6 +87,8 @@ class FeatureStore:
         self.accelerator, self.dtype, self.keep_encoders = accelerator, dtype, keep_encoders
         self.device = accelerator.device
         cache_dir = cfg.resolved_cache_dir if cfg.save_cache_on_disk else None
+        if cache_dir is not None:
+            writable_folder(cache_dir, "cache_dir")  # unset: <output_dir>/cache
         self.text = FeatureCache("text", cache_dir)
         self.latents = FeatureCache("latents", cache_dir)
         self.hashes: Dict[Path, str] = {}  # file contents, for cache keys

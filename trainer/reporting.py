@@ -70,20 +70,21 @@ def plot_losses(records: List[Dict[str, Any]], path: Path, size: Tuple[float, fl
 
 
 def write_summary(folder: RunFolder, cfg: TrainConfig, seconds: float, memory: Dict[str, Any],
-                  outputs: Dict[str, str], timing: Optional[Dict[str, Any]] = None) -> Path:
-    """``summary.json``: config hash, steps, time (and ``timing``: start-up phases, first step,
-    compile and attention choices, the datasets and what the run drew of each), final loss, peak
-    memory, output paths."""
-    records = folder.read_metrics()
-    losses = [r["loss"] for r in records]
+                  outputs: Dict[str, str], timing: Optional[Dict[str, Any]] = None, *, steps: int,
+                  final_loss: Optional[float] = None) -> Path:
+    """``summary.json``: config hash, steps and final loss (from the run's own state: ``metrics.jsonl``
+    may have been cleaned up or rotated meanwhile), time (and ``timing``: start-up phases, first step,
+    compile and attention choices, the datasets and what the run drew of each), the smoothed final
+    loss of the logged curve, peak memory, output paths."""
+    losses = [r["loss"] for r in folder.read_metrics()]
     summary = {
         "config_sha256": hashlib.sha256(config_to_yaml(cfg).encode()).hexdigest(),
         "family": cfg.family,
         "training_mode": cfg.training_mode,
-        "steps": records[-1]["step"] if records else 0,
+        "steps": steps,
         "train_seconds": round(seconds, 2),
         **(timing or {}),
-        "final_loss": losses[-1] if losses else None,
+        "final_loss": final_loss if final_loss is not None else (losses[-1] if losses else None),
         "final_loss_smoothed": smoothed(losses)[-1] if losses else None,
         "peak_memory_gib": memory.get("peak", {}),
         "outputs": outputs,

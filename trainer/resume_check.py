@@ -13,6 +13,7 @@ and the dataset. A resume compares them with the new run:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from functools import lru_cache
@@ -20,7 +21,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from loguru import logger
-from omegaconf import OmegaConf
 
 from image_datasets.dataset import Sample
 from trainer import checkpoint as ckpt
@@ -31,7 +31,7 @@ from utils.errors import ConfigError, UserError
 REFUSED = ("family", "training_mode", "adapter_type", "rank", "lora_alpha", "lora_target", "lora_target_modules",
            "use_dora", "use_rslora", "trainable_modules", "optimizer", "revision")
 # Where the run is, not how it trains.
-IGNORED = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir", "logging_dir", "report_to")
+IGNORED = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir", "logging_dir", "report_to", "ddp_timeout")
 _EDGE = 1 << 20  # bytes of tensor data hashed at each end of a weight file
 
 
@@ -91,14 +91,50 @@ def _changes(state: Dict[str, Any], cfg: TrainConfig, samples: Sequence[Sample])
     old, new = state.get("config"), _flat(cfg)
     lines: List[str] = []
     if isinstance(old, dict):
-        lines += [f"{k} changed {old.get(k)!r} -> {new.get(k)!r}: applied from step {state['global_step']}"
-                  for k in sorted(set(old) | set(new))
-                  if k not in REFUSED and k not in IGNORED and old.get(k) != new.get(k)]
+        lines += [f"{line}: applied from step {state['global_step']}" for k in sorted(set(old) | set(new))
+                  if k not in REFUSED and k not in IGNORED for line in _diff(k, old.get(k), new.get(k))]
     old_data = state.get("fingerprints", {}).get("dataset")
     if old_data and old_data != dataset_fingerprint(samples):
         lines.append(f"the dataset changed since the checkpoint (now {len(samples)} samples): training continues "
                      "on the new one")
     return lines
+
+
+def _diff(key: str, old: Any, new: Any) -> List[str]:
+    """What changed under ``key``, one line per value: a list of sections (``datasets``, validation
+    prompts) item by item and key by key (``datasets[0].repeats changed 3 -> 1``), items matched by
+    name where they have one, so removing one dataset does not read as every later one changing."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [line for k in [*old, *(k for k in new if k not in old)]
+                for line in _diff(f"{key}.{k}", old.get(k), new.get(k))]
+    if isinstance(old, list) and isinstance(new, list) and any(isinstance(i, dict) for i in old + new):
+        return _list_diff(key, old, new)
+    return [] if old == new else [f"{key} changed {old!r} -> {new!r}"]
+
+
+def _list_diff(key: str, old: List[Any], new: List[Any]) -> List[str]:
+    def name(item: Any, index: int) -> Any:
+        return item.get("name") if isinstance(item, dict) and item.get("name") else index
+
+    old_names, new_names = [name(i, n) for n, i in enumerate(old)], [name(i, n) for n, i in enumerate(new)]
+    if len(set(old_names)) < len(old_names) or len(set(new_names)) < len(new_names):
+        old_names, new_names = list(range(len(old))), list(range(len(new)))  # no unique names: by position
+    lines = [f"{key}[{n}]{_label(item)} removed" for n, (item, label) in enumerate(zip(old, old_names))
+             if label not in new_names]
+    for n, (item, label) in enumerate(zip(new, new_names)):
+        if label not in old_names:
+            lines.append(f"{key}[{n}]{_label(item)} added")
+        else:
+            lines += _diff(f"{key}[{n}]", old[old_names.index(label)], item)
+    return lines
+
+
+def _label(item: Any) -> str:
+    """A list item as the change lines show it: its name and folder, or its value."""
+    if isinstance(item, dict):
+        shown = {k: item[k] for k in ("name", "img_dir", "prompt") if item.get(k)}
+        return f" ({', '.join(f'{k} {v!r}' for k, v in shown.items())})" if shown else ""
+    return f" ({item!r})"
 
 
 def _apply_schedule(scheduler: Any, fresh: List[float]) -> None:
@@ -130,7 +166,7 @@ def _flat(cfg: TrainConfig) -> Dict[str, Any]:
             else:
                 flat[f"{prefix}{key}"] = value
 
-    walk(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), "")
+    walk(dataclasses.asdict(cfg), "")  # the values as loaded: nothing in them is resolved again
     return json.loads(json.dumps(flat, default=str))
 
 

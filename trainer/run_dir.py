@@ -35,6 +35,7 @@ from trainer.config import TrainConfig, config_to_yaml
 from trainer.run_lock import RunLock
 from trainer.signals import register_cleanup
 from utils.errors import ConfigError, TrainingInterrupted, UserError
+from utils.folders import writable_folder
 
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
@@ -59,6 +60,7 @@ class RunFolder:
         self._unregister = lambda: None
         self._started = False  # run_status.json belongs to this run once it has started
         self._metrics_file: Optional[IO[str]] = None
+        self._pending: List[str] = []  # metrics.jsonl lines not yet written
         self._flushed_at = float("-inf")  # the first line goes out at once
 
     def open(self, resume_from_checkpoint: Optional[str], overwrite: bool) -> Optional[Path]:
@@ -69,7 +71,7 @@ class RunFolder:
         (``trainer/distributed.py``)."""
         main = int(os.environ.get("RANK", "0")) == 0  # before the Accelerator: the launcher's rank
         if main:
-            self.path.mkdir(parents=True, exist_ok=True)
+            writable_folder(self.path, "output_dir")
             self.lock.acquire()
             self._unregister = register_cleanup(self.lock.release)  # a second signal's hard exit
             self._remove_partial_saves()
@@ -172,22 +174,41 @@ class RunFolder:
     def flush(self) -> None:
         """Put the pending ``metrics.jsonl`` lines into the file (before a checkpoint is written, so
         every step up to it is logged; a resumed run redoes the steps after it)."""
-        if self._metrics_file is not None:
-            self._metrics_file.flush()
+        if self._pending:
+            handle = self._metrics_handle()
+            handle.write("".join(self._pending))
+            handle.flush()
+            self._pending = []
         self._flushed_at = time.monotonic()
 
     def close(self, quiet: bool = False) -> None:
         """Flush and close what the run keeps open; ``quiet`` (a run already failing, e.g. on a full
         disk) logs a failed flush instead of raising over the first error."""
-        metrics, self._metrics_file = self._metrics_file, None
-        if metrics is None:
-            return
         try:
-            metrics.close()
+            self.flush()
         except OSError as exc:
             if not quiet:
                 raise
             logger.warning(f"{self.metrics}: the last lines were not written ({exc})")
+        finally:
+            self._pending = []
+            metrics, self._metrics_file = self._metrics_file, None
+            if metrics is not None:
+                _close_quietly(metrics)
+
+    def _metrics_handle(self) -> IO[str]:
+        """``metrics.jsonl`` open for appending: opened again (with a warning) when it was deleted,
+        moved or replaced during the run (a clean-up, log rotation), instead of writing on into a
+        file no longer in the folder."""
+        handle = self._metrics_file
+        if handle is not None and not _still_at(handle, self.metrics):
+            logger.warning(f"{self.metrics} was deleted or replaced during the run: a new one is started "
+                           "(the lines written before are not in it)")
+            _close_quietly(handle)
+            handle = None
+        if handle is None:
+            handle = self._metrics_file = open(self.metrics, "a")
+        return handle
 
     # -- files ------------------------------------------------------------------------------------
     def write_config(self, cfg: TrainConfig) -> Path:
@@ -195,12 +216,10 @@ class RunFolder:
         return write_text_atomic(self.path / CONFIG_NAME, config_to_yaml(cfg))
 
     def append_metrics(self, record: Dict[str, Any]) -> None:
-        """One line of ``metrics.jsonl``; the file stays open and is flushed every ``METRICS_FLUSH_S``
-        (one write a second instead of one per step)."""
-        if self._metrics_file is None:
-            self._metrics_file = open(self.metrics, "a")
+        """One line of ``metrics.jsonl``; lines are written every ``METRICS_FLUSH_S`` (one write a
+        second instead of one per step)."""
         record = {"step": record["step"], "time": record.get("time", time.time()), **record}
-        self._metrics_file.write(json.dumps(record) + "\n")
+        self._pending.append(json.dumps(record) + "\n")
         if time.monotonic() - self._flushed_at >= METRICS_FLUSH_S:
             self.flush()
 
@@ -267,6 +286,22 @@ def _checkpoint_folders(output_dir: Path) -> List[Path]:
     """``checkpoint-N`` folders, complete or not, oldest first."""
     found = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
     return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+
+
+def _still_at(handle: IO[str], path: Path) -> bool:
+    """Whether the open file ``handle`` is still the file at ``path``."""
+    try:
+        mine, there = os.fstat(handle.fileno()), path.stat()
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _close_quietly(handle: IO[str]) -> None:
+    try:
+        handle.close()
+    except OSError:
+        pass  # the lines it held were written (flush) or reported already
 
 
 def _rewrite_in_place(path: Path, text: str) -> None:

@@ -1,13 +1,17 @@
 """One run per output folder: ``<output_dir>/run.lock``.
 
-The lock holds ``{"host": str, "pid": int, "started": float}`` (the trainer's main process) and is
-created with ``O_EXCL``, so of two runs started together exactly one gets it. A lock whose owner ran
-on this host and is no longer alive (kill -9, power loss) is stale and taken over; a lock from
-another host cannot be checked from here and is never taken over.
+The lock holds ``{"host": str, "pid": int, "started": float}`` (the trainer's main process). It is never
+seen empty: the owner is written to a temporary file first, which is then hard-linked into place
+(``link`` fails when a lock exists, so of two runs started together exactly one gets it). The owning
+process keeps an ``flock`` on the file for as long as it runs; the kernel drops it when the process
+dies however it dies (kill -9, a full disk mid-way, power loss). So a lock no live process holds is
+stale and taken over, whatever it contains (an owner, nothing, garbage). A lock naming another host
+is never taken over: a lock on a network filesystem cannot be checked from here.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -15,14 +19,14 @@ import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Set
+from typing import Any, Dict, Iterator, Optional
 
 from loguru import logger
 
 from utils.errors import ConfigError
 
 LOCK_NAME = "run.lock"
-_HELD: Set[Path] = set()  # the locks this process holds: a lock naming this pid but not held here is stale
+_HELD: Dict[Path, int] = {}  # the locks this process holds -> the descriptor keeping their flock
 
 
 class RunLock:
@@ -36,35 +40,46 @@ class RunLock:
     def acquire(self) -> None:
         """Take the lock, or raise ``ConfigError`` naming the folder and the run that holds it."""
         with _folder_mutex(self.path.parent):  # a stale lock is replaced by one run, not two
+            _remove_orphans(self.path)
             for _ in range(2):
                 if self._create():
                     self.held = True
-                    _HELD.add(self.path)
                     return
                 holder = read_lock(self.path)
-                if holder is None or not _is_stale(holder, self.path):
+                if not _is_stale(self.path, holder):
                     raise ConfigError(_refusal(self.path, holder))
-                logger.warning(f"{self.path}: taking over the lock of a run that is gone "
-                               f"(pid {holder['pid']} on {holder['host']}, started {_when(holder['started'])})")
+                logger.warning(f"{self.path}: taking over the lock of a run that is gone ({_describe(holder)})")
                 self.path.unlink(missing_ok=True)
         raise ConfigError(_refusal(self.path, read_lock(self.path)))
 
     def release(self) -> None:
         """Remove the lock if it is still ours."""
-        if self.held and read_lock(self.path) == self.owner:
-            self.path.unlink(missing_ok=True)
+        fd = _HELD.pop(self.path, None) if self.held else None
+        if fd is not None:
+            if _same_file(fd, self.path):
+                self.path.unlink(missing_ok=True)
+            os.close(fd)  # drops the flock
         self.held = False
-        _HELD.discard(self.path)
 
     def _create(self) -> bool:
+        """Write the owner beside the lock, flocked, and link it into place; False if a lock exists."""
+        tmp = self.path.with_name(f".{LOCK_NAME}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as fh:
-            json.dump(self.owner, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held before the lock can be seen
+            data = json.dumps(self.owner).encode()
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+            os.fsync(fd)
+            if not _link(tmp, self.path):
+                os.close(fd)
+                return False
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            tmp.unlink(missing_ok=True)
+        _HELD[self.path] = fd
         return True
 
 
@@ -79,28 +94,73 @@ def read_lock(path: Path) -> Optional[Dict[str, Any]]:
     return data if ok else None
 
 
-def _is_stale(holder: Dict[str, Any], path: Path) -> bool:
-    """Same host and the pid no longer runs (another host's process cannot be checked). A restarted
-    container often gives the new run the dead one's pid: this pid counts as gone unless this
-    process holds the lock."""
-    if holder["host"] != socket.gethostname():
-        return False
-    if holder["pid"] == os.getpid():
-        return path not in _HELD
+def is_held(path: Path) -> bool:
+    """Whether a live process holds the lock file ``path`` (its flock), on this machine."""
     try:
-        os.kill(holder["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
         return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # a filesystem without flock: say held, so nothing is taken over on a guess
+        return True
+    finally:
+        os.close(fd)
     return False
+
+
+def _is_stale(path: Path, holder: Optional[Dict[str, Any]]) -> bool:
+    """No live process holds the lock (this one included). Another host's lock cannot be checked from
+    here: a flock on a network filesystem is not to be trusted."""
+    if holder is not None and holder["host"] != socket.gethostname():
+        return False
+    return not is_held(path)
+
+
+def _link(tmp: Path, lock: Path) -> bool:
+    """``tmp`` as ``lock``, atomically, unless a lock exists."""
+    try:
+        os.link(tmp, lock)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV):
+            raise
+        # A filesystem without hard links (FAT, some network shares): the folder mutex orders the runs.
+        if lock.exists():
+            return False
+        os.replace(tmp, lock)
+    return True
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        mine, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _remove_orphans(lock: Path) -> None:
+    """Temporary owner files of runs killed before their lock was in place (none holds them)."""
+    for tmp in lock.parent.glob(f".{LOCK_NAME}.*.tmp"):
+        if not is_held(tmp):
+            tmp.unlink(missing_ok=True)
+
+
+def _describe(holder: Optional[Dict[str, Any]]) -> str:
+    if holder is None:
+        return "the lock names no owner"
+    return f"pid {holder['pid']} on {holder['host']}, started {_when(holder['started'])}"
 
 
 def _refusal(path: Path, holder: Optional[Dict[str, Any]]) -> str:
     folder = path.parent
     if holder is None:
-        return (f"output_dir '{folder}' is in use by another run ({path} exists but names no owner); "
-                f"if no run uses this folder, delete {path}")
+        return (f"output_dir '{folder}' is in use by another run ({path} is held by a running process but names "
+                f"no owner yet); wait for it, or choose another output_dir")
     return (f"output_dir '{folder}' is in use by another run (pid {holder['pid']} on {holder['host']}, started "
             f"{_when(holder['started'])}); wait for it, stop it, or choose another output_dir (if that run is "
             f"gone, delete {path})")
@@ -113,9 +173,22 @@ def _when(started: float) -> str:
 @contextmanager
 def _folder_mutex(folder: Path) -> Iterator[None]:
     """An advisory lock on the folder itself while the lock file is checked and written."""
-    fd = os.open(folder, os.O_RDONLY)
+    fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing drops the flock
+
+
+def _close_in_child() -> None:
+    """A forked child (a data-loader worker) must not keep the lock's flock alive after the run dies."""
+    for fd in _HELD.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)

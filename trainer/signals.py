@@ -30,6 +30,12 @@ REPEAT_S = 0.2
 _PR_SET_PDEATHSIG = 1
 
 
+def is_main_process() -> bool:
+    """Rank 0 of the launch (``RANK``, set by torchrun / accelerate launch), or a lone process: the one
+    that prints a run's stop and interrupt lines."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def stop_with_parent() -> None:
     """Under a launcher, ask Linux for SIGTERM when it dies (plain ``accelerate launch`` killed by
     SIGTERM does not pass it on): the run then checkpoints instead of running on orphaned. A no-op
@@ -96,6 +102,14 @@ class GracefulStop:
             signal.signal(sig, handler)
         self._previous = {}
 
+    def ignore_from_now(self) -> None:
+        """Ignore SIGINT/SIGTERM for the rest of this process (it is ending on an error and says why;
+        a launcher stopping the other processes must not cut that short). Main thread only."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            self._previous = {}
+
     @property
     def exit_code(self) -> int:
         """128 + the signal (SIGTERM for a process that stopped because another one was signalled)."""
@@ -132,7 +146,8 @@ class GracefulStop:
         if self.requested == signum and time.monotonic() - self._first_at < REPEAT_S:
             return
         if self.requested is not None:
-            logger.error(f"second {name}: exiting now without saving")
+            if is_main_process():
+                logger.error(f"second {name}: exiting now without saving")
             _run_cleanups()
             os._exit(128 + signum)
         self.requested, self._first_at = signum, time.monotonic()
@@ -141,5 +156,6 @@ class GracefulStop:
                 f"{name} received outside the training loop: stopped at once (finished cache entries and "
                 "checkpoints are kept); run the same command again, with resume_from_checkpoint=latest to "
                 "continue from the last checkpoint", exit_code=128 + signum)
-        logger.warning(f"{name} received: stopping after this step with a checkpoint "
-                       f"(send it again to exit at once)")
+        if is_main_process():  # every process gets the signal; one says so
+            logger.warning(f"{name} received: stopping after this step with a checkpoint "
+                           f"(send it again to exit at once)")
