@@ -51,7 +51,8 @@ def _moments(n: int) -> Callable[[TrainedShapes], float]:
 
 
 def _adamw8bit(s: TrainedShapes) -> float:
-    return 2.0 * s.numel  # two 8-bit moments
+    """Two 8-bit moments, each with an fp32 scale per 256-element block."""
+    return (2 + 2 * 4 / 256) * s.numel
 
 
 def _adafactor(s: TrainedShapes) -> float:
