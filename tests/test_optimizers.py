@@ -19,7 +19,7 @@ from conftest import lora_keys_match, train_in_process
 from test_resilience import CONFIG, args, losses, run
 from trainer.adapters import lora_state_dict
 from trainer.config import TrainConfig, load_config
-from trainer.optim import build_optimizer, evaluation_weights, step_size, training_weights
+from trainer.optim import apply_settings, build_optimizer, evaluation_weights, step_size, training_weights
 from trainer.optimizer_specs import OPTIMIZERS, Matrix, TrainedShapes
 from utils.errors import ConfigError
 
@@ -120,6 +120,26 @@ def test_state_dict_round_trip_continues_bit_equal(name: str) -> None:
         assert torch.equal(want, got), f"{name}: {key} differs after the resume"
     for want, got in zip(state_tensors(optimizer), state_tensors(again)):  # kept in its own dtype too
         assert want.dtype == got.dtype and torch.equal(want, got), f"{name}: optimizer state differs"
+
+
+@pytest.mark.parametrize("name", ["prodigy", "adafactor", "muon"])
+def test_a_resume_applies_the_new_settings(name: str) -> None:
+    """The checkpoint's param groups bring the old values back; the config's win, other keys stay."""
+    model = Tiny()
+    optimizer = build_optimizer(TrainConfig(**settings(name)), model.parameters(), blocks=[model.block])
+    steps(model, optimizer, 0, 1)
+    changed = TrainConfig(**settings(name, adam_weight_decay=0.05, adam_beta1=0.8,
+                                     **({"d_coef": 2.0} if name == "prodigy" else {})))
+    again = build_optimizer(changed, model.parameters(), blocks=[model.block])
+    again.load_state_dict(optimizer.state_dict())
+    eps = [g["eps"] for g in again.param_groups]
+    assert all(g["weight_decay"] == 0.01 for g in again.param_groups), "torch restores the saved values"
+    apply_settings(again, changed)
+    assert all(g["weight_decay"] == 0.05 for g in again.param_groups)
+    assert all(g["betas"] == (0.8, 0.999) for g in again.param_groups if "betas" in g)
+    assert [g["eps"] for g in again.param_groups] == eps, "Adafactor's and Muon's own eps are left alone"
+    if name == "prodigy":
+        assert again.param_groups[0]["d_coef"] == 2.0
 
 
 @pytest.mark.parametrize("name", SCHEDULE_FREE)

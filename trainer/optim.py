@@ -141,6 +141,17 @@ def keep_saved_dtypes(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     return optimizer
 
 
+def apply_settings(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    """Put ``cfg``'s optimizer settings over those a checkpoint's state brought back (a resume with a
+    changed ``d_coef``, betas or weight decay applies them, as it says). Only keys a group already
+    has are set, and never ``eps`` (Adafactor and Muon keep their own there)."""
+    values = {"betas": (cfg.adam_beta1, cfg.adam_beta2), "weight_decay": cfg.adam_weight_decay,
+              "d_coef": cfg.d_coef, "safeguard_warmup": cfg.safeguard_warmup,
+              "use_bias_correction": cfg.use_bias_correction}
+    for group in optimizer.param_groups:
+        group.update({key: value for key, value in values.items() if key in group})
+
+
 # --------------------------------------------------------------------------- schedule-free, step size
 @contextlib.contextmanager
 def evaluation_weights(optimizer: Any) -> Iterator[None]:
