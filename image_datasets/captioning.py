@@ -92,6 +92,8 @@ class CaptionReport:
     failed: List[Tuple[Path, str]] = field(default_factory=list)
 
     def summary(self) -> str:
+        if not (self.captioned or self.skipped or self.failed):
+            return f"{self.folder}: no images found ({', '.join(IMAGE_EXTENSIONS)})"
         lines = [f"{self.folder}: captioned {len(self.captioned)}, skipped {len(self.skipped)} (caption exists), "
                  f"failed {len(self.failed)}"]
         lines += [f"  failed: {path}: {reason}" for path, reason in self.failed]
@@ -240,6 +242,8 @@ def load_kwargs(options: CaptionOptions, device: str) -> Dict[str, Any]:
     if dtype is None:  # auto
         dtype = (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if on_gpu else torch.float32
     kwargs: Dict[str, Any] = {"dtype": dtype, "use_safetensors": True, "trust_remote_code": False}
+    if on_gpu:
+        kwargs["device_map"] = {"": device}  # straight onto the GPU (bitsandbytes quantizes as it places)
     if options.quantization is None:
         return kwargs
     if not on_gpu:
@@ -256,7 +260,6 @@ def load_kwargs(options: CaptionOptions, device: str) -> Dict[str, Any]:
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
     else:
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
-    kwargs["device_map"] = {"": device}  # bitsandbytes places the weights as it quantizes them
     return kwargs
 
 

@@ -181,6 +181,8 @@ def test_gpu_loading_options() -> None:
     assert four["device_map"] == {"": "cuda"} and four["dtype"] == torch.bfloat16
     eight = load_kwargs(CaptionOptions(quantization="8bit", dtype="fp16"), "cuda:1")
     assert eight["quantization_config"].load_in_8bit and eight["device_map"] == {"": "cuda:1"}
+    bf16 = load_kwargs(CaptionOptions(dtype="bf16"), "cuda")
+    assert "quantization_config" not in bf16 and bf16["device_map"] == {"": "cuda"}, "loaded onto the GPU directly"
     plain = load_kwargs(CaptionOptions(), "cpu")
     assert plain == {"dtype": torch.float32, "use_safetensors": True, "trust_remote_code": False}
 
@@ -191,3 +193,9 @@ def test_large_images_are_scaled_down_rotated_as_shown(tmp_path: Path) -> None:
     exif[0x0112] = 6  # rotated 90 degrees: displayed as portrait
     Image.new("RGB", (3000, 1000), "red").save(path, exif=exif)
     assert load_image(path, 1024).size == (341, 1024)
+
+
+def test_a_folder_without_images_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "notes.txt").write_text("not an image")
+    done = main(capsys, "--data", str(tmp_path), "--model", str(tmp_path / "never-loaded"))
+    assert done.returncode == 0 and f"{tmp_path}: no images found (.png, .jpg, .jpeg, .webp)" in done.stdout
