@@ -767,14 +767,16 @@ def _optimizer_problems(cfg: TrainConfig) -> List[str]:
         (cfg.max_nonfinite_steps >= 1, f"key 'max_nonfinite_steps': value {cfg.max_nonfinite_steps} must be >= 1"),
         (cfg.max_grad_norm >= 0, f"key 'max_grad_norm': value {cfg.max_grad_norm} must be >= 0 (0 disables)"),
         (cfg.d_coef > 0, f"key 'd_coef': value {cfg.d_coef} must be > 0"),
-        (missing is None, f"key 'optimizer': {cfg.optimizer} needs the {spec.package} package, which is not "
-         f"installed: {missing}"),
+        (missing is None, f"key 'optimizer': {cfg.optimizer} needs {spec.requirement} ({spec.package} is not "
+         f"installed): {missing}"),
         *[(cfg.optimizer in users or getattr(cfg, key) == default,
            f"key '{key}': only {' and '.join(users)} read it (optimizer is {cfg.optimizer}); remove it")
           for key, (users, default) in OPTIMIZER_KEYS.items()],
         (not spec.schedule_free or cfg.lr_scheduler == "constant",
          f"key 'lr_scheduler': {cfg.optimizer} is schedule-free (it averages the weights instead of decaying "
-         f"the learning rate); use lr_scheduler: constant, not {cfg.lr_scheduler}"),
+         f"the learning rate); use lr_scheduler: constant, not {cfg.lr_scheduler}"
+         + (" (lr_warmup_steps still warms it up, inside the optimizer)" if cfg.optimizer == "adamw_schedulefree"
+            else "")),
         (cfg.optimizer != "prodigy_schedulefree" or cfg.lr_warmup_steps == 0,
          "key 'lr_warmup_steps': prodigy_schedulefree warms up by itself (its step size grows from a tiny "
          "start); set 0"),

@@ -91,7 +91,7 @@ class OptimizerSpec:
     name: str
     label: str  # as the planner and logs show it
     state_bytes: Callable[[TrainedShapes], float]
-    package: Optional[str] = None  # the module imported; None: torch's own (or a fallback exists)
+    package: Optional[str] = None  # the module it needs; None: always there (or a fallback exists)
     requirement: str = ""  # its pip line, as in requirements.txt
     schedule_free: bool = False  # trains at one point, evaluates at another (optimizer.train()/eval())
     adaptive: bool = False  # finds its own step size: learning_rate multiplies it (1.0 is usual)
@@ -115,5 +115,5 @@ OPTIMIZERS: Dict[str, OptimizerSpec] = {spec.name: spec for spec in (
                   "prodigy-plus-schedule-free>=2.0.1,<2.1", schedule_free=True, adaptive=True, shards=False),
     OptimizerSpec("adamw_schedulefree", "schedule-free AdamW", _moments(2), "schedulefree",
                   "schedulefree>=1.4.1,<1.5", schedule_free=True, shards=False),
-    OptimizerSpec("muon", "Muon + AdamW", _muon, shards=False),
+    OptimizerSpec("muon", "Muon + AdamW", _muon, "torch.optim._muon", "torch>=2.9", shards=False),  # torch's own
 )}
