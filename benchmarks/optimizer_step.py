@@ -1,11 +1,11 @@
 """Each optimizer's step time and state memory on Qwen-Image's rank-16 LoRA shapes, side by side.
 
-    OMP_NUM_THREADS=2 python benchmarks/optimizer_step.py                 # CPU, ~1 min
-    python benchmarks/optimizer_step.py --device cuda --steps 50          # a GPU
+    OMP_NUM_THREADS=2 python benchmarks/optimizer_step.py                 # CPU: 6 of the 60 blocks
+    python benchmarks/optimizer_step.py --device cuda --blocks 60 --steps 20 --rounds 5   # a GPU
 
 The weights are the LoRA matrices the planner counts for ``train_configs/train_lora.yaml`` (Qwen-Image,
-rank 16, ``lora_target: attention``; the shapes from its published config, nothing downloaded), in
-fp32 with fixed random gradients. Each optimizer is built by ``trainer.optim.build_optimizer`` as a
+rank 16, ``lora_target: attention``; the shapes from its published config, nothing downloaded), of
+``--blocks`` of its 60 blocks, in fp32 with fixed random gradients. Each optimizer is built by ``trainer.optim.build_optimizer`` as a
 run builds it; the optimizers alternate in rounds so drift in the machine's load hits each alike.
 Prints ms/step (median of the rounds), the ratio to AdamW, the state's bytes as measured and as the
 memory planner counts them (``trainer/optimizer_specs.py``).
@@ -14,6 +14,7 @@ memory planner counts them (``trainer/optimizer_specs.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -28,19 +29,21 @@ import torch  # noqa: E402
 
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.optim import build_optimizer, training_weights  # noqa: E402
-from trainer.optimizer_specs import OPTIMIZERS  # noqa: E402
+from trainer.optimizer_specs import OPTIMIZERS, TrainedShapes  # noqa: E402
 
 LEARNING_RATE = {"prodigy": 1.0, "prodigy_schedulefree": 1.0, "adafactor": 1e-4}
 
 
-def lora_shapes():
-    """The planner's LoRA matrices for train_lora.yaml (rank 16 on Qwen-Image's attention)."""
+def lora_shapes(blocks: int) -> TrainedShapes:
+    """The planner's LoRA matrices for train_lora.yaml (rank 16 on Qwen-Image's attention), those of
+    the repeated blocks taken ``blocks`` times."""
     from trainer.planner import load_plan_config, lora_layout, model_spec, resolve_settings
 
     cfg = load_plan_config(str(ROOT / "train_configs" / "train_lora.yaml"), family="qwen_image")
     spec = model_spec(cfg.pretrained_model_name_or_path, None, cfg.family)
     s = resolve_settings(cfg, spec)
-    return lora_layout(spec.transformer, s.lora_targets).shapes(spec.transformer, s.rank)
+    shapes = lora_layout(spec.transformer, s.lora_targets).shapes(spec.transformer, s.rank)
+    return TrainedShapes(tuple(dataclasses.replace(m, count=blocks) if m.hidden else m for m in shapes.matrices))
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -55,9 +58,10 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=5, help="steps per optimizer per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--blocks", type=int, default=6, help="how many of the 60 blocks' LoRA (default 6)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    shapes = lora_shapes()
+    shapes = lora_shapes(args.blocks)
     gen = torch.Generator().manual_seed(0)
     runs: Dict[str, tuple] = {}
     for name, spec in OPTIMIZERS.items():
@@ -86,7 +90,7 @@ def main(argv: List[str] | None = None) -> int:
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - start) / args.steps * 1e3)
     base = statistics.median(runs["adamw"][1])
-    print(f"{shapes.numel / 1e6:.2f}M LoRA params (Qwen-Image, rank 16, attention), {device}, "
+    print(f"{shapes.numel / 1e6:.2f}M LoRA params (Qwen-Image, rank 16, attention, {args.blocks} blocks), {device}, "
           f"{args.rounds} rounds of {args.steps} steps")
     print(f"{'optimizer':<22}{'ms/step':>9}{'x AdamW':>9}{'state MiB':>11}{'planner MiB':>13}")
     for name, (optimizer, times) in runs.items():
