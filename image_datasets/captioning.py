@@ -209,7 +209,7 @@ class Captioner:
         try:
             model = AutoModelForImageTextToText.from_pretrained(options.model, **kwargs, **hub)
             processor = load_vl_processor(options.model, **hub)
-        except (OSError, ValueError, KeyError) as exc:  # not found, offline, not an image-text-to-text model
+        except (OSError, ValueError, KeyError, ImportError) as exc:  # not found, offline, not such a model, no torchvision
             raise UserError(f"--model {options.model}: cannot load it as a vision-language model "
                             f"({type(exc).__name__}: {_first_line(exc)}); give a hub id or folder of a model that "
                             "transformers' AutoModelForImageTextToText loads, e.g. Qwen/Qwen3-VL-2B-Instruct") from None

@@ -15,7 +15,7 @@ package. Two kinds need more than ``step()``:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence
 
 import torch
 from loguru import logger
