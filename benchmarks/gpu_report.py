@@ -446,6 +446,26 @@ def loading_section(run: Run) -> str:
 STARTUP_STEPS = 12
 
 
+def tiny_train_run(prefix: Sequence[str], tmp: Path, model: Path, data: Path, precision: str) -> Tuple[float, dict]:
+    """One tiny run of ``train.py`` started as a user starts it (``prefix``: the interpreter or a
+    launcher): its wall time and ``summary.json``. Raises RuntimeError with the last line of stderr."""
+    out = tmp / "out"
+    cmd = list(prefix) + [str(ROOT / "train.py"), "--config", str(ROOT / "train_configs/quickstart_tiny.yaml"),
+                          f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}",
+                          f"output_dir={out}", "overwrite_output_dir=true", f"cache_dir={tmp / 'cache'}",
+                          f"max_train_steps={STARTUP_STEPS}", "checkpointing_steps=6", "report_to=none",
+                          f"mixed_precision={precision}"]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1][:100] if done.stderr.strip() else f"exit {done.returncode}")
+    return wall, json.loads((out / "summary.json").read_text())
+
+
+STARTUP_PHASES = ("imports", "setup", "prepare_data", "setup_model", "train")
+
+
 def startup_section(run: Run) -> str:
     """Wall time of a tiny run of ``train.py`` (the embedded tiny Qwen-Image, sample data) as a user
     starts it, with where the seconds go (the engine's own phase timings from summary.json)."""
@@ -465,23 +485,13 @@ def startup_section(run: Run) -> str:
             launchers.pop("accelerate launch")
         for launcher, prefix in launchers.items():
             for cache in ("first run", "cache on disk"):
-                out = Path(tmp) / "out"
-                cmd = prefix + [str(ROOT / "train.py"), "--config", str(ROOT / "train_configs/quickstart_tiny.yaml"),
-                                f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}",
-                                f"output_dir={out}", "overwrite_output_dir=true", f"cache_dir={Path(tmp) / 'cache'}",
-                                f"max_train_steps={STARTUP_STEPS}", "checkpointing_steps=6", "report_to=none",
-                                f"mixed_precision={precision}"]
-                start = time.perf_counter()
-                done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-                wall = time.perf_counter() - start
-                if done.returncode != 0:
-                    rows.append((launcher, cache, f"failed: {done.stderr.strip().splitlines()[-1][:100]}")
-                                + ("",) * 7)
+                try:
+                    wall, summary = tiny_train_run(prefix, Path(tmp), model, data, precision)
+                except RuntimeError as exc:
+                    rows.append((launcher, cache, f"failed: {exc}") + ("",) * 7)
                     continue
-                summary = json.loads((out / "summary.json").read_text())
                 phases = summary.get("wall_seconds", {})
-                rows.append((launcher, cache, f"{wall:.1f}", *(fmt(phases.get(k), ".1f") for k in
-                             ("imports", "setup", "prepare_data", "setup_model", "train")),
+                rows.append((launcher, cache, f"{wall:.1f}", *(fmt(phases.get(k), ".1f") for k in STARTUP_PHASES),
                              fmt(summary.get("first_step_s"), ".2f")))
             if (Path(tmp) / "cache").exists():
                 shutil.rmtree(Path(tmp) / "cache")

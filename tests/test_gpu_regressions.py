@@ -6,6 +6,9 @@
    engine test below runs LayerNorm in fp32 as CUDA autocast does.
 2. Block swap moved a quantized weight's wrapper but not its inner data and scales:
    ``mat2 is on cpu``. The test swaps blocks to the ``meta`` device, a second device the CPU has.
+3. (Found on reading, before a GPU ran it.) quanto's fp8 Marlin weight keeps its GEMM workspace as
+   an attribute outside ``__tensor_flatten__``; block swap creates it on the side stream and
+   guarded only the flattened tensors against reuse by the next prefetch.
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from conftest import read_losses, train_in_process
-from trainer.block_swap import BlockSwapper, inner_tensors, map_inner
+from trainer.block_swap import BlockSwapper, inner_tensors, map_inner, stream_tensors
 from trainer.quantization import QuantizationSpec, is_quantized, quantize_module
 
 SPECS = [QuantizationSpec("quanto", "qfloat8"), QuantizationSpec("quanto", "qint8"),
          QuantizationSpec("quanto", "qint4"), QuantizationSpec("torchao", "int8_weight_only")]
 IDS = [f"{s.backend}-{s.weights}" for s in SPECS]
+# Formats whose layer calls F.linear on the quantized weight (the cast tests' probe) and int8_w8a8,
+# whose Int8Linear quantizes its own input: all of them are swapped.
+SWAPPED = SPECS + [QuantizationSpec("torchao", "int8_w8a8")]
+SWAPPED_IDS = [f"{s.backend}-{s.weights}" for s in SWAPPED]
 
 
 @pytest.fixture
@@ -107,7 +114,7 @@ def devices(block: torch.nn.Module) -> set:
     return {t.device.type for t in tensors + list(block.buffers())}
 
 
-@pytest.mark.parametrize("spec", [None] + SPECS, ids=["bf16"] + IDS)
+@pytest.mark.parametrize("spec", [None] + SWAPPED, ids=["bf16"] + SWAPPED_IDS)
 def test_swapped_in_block_has_every_inner_tensor_on_the_device(spec: Optional[QuantizationSpec]) -> None:
     blocks = torch.nn.ModuleList([quantized_block(spec) for _ in range(2)])
     x = torch.randn(3, 128, dtype=torch.bfloat16)
@@ -126,7 +133,7 @@ def test_swapped_in_block_has_every_inner_tensor_on_the_device(spec: Optional[Qu
     assert torch.equal(blocks[1](x), before), "the host copy is the block's own weights"
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+@pytest.mark.parametrize("spec", SWAPPED, ids=SWAPPED_IDS)
 def test_map_inner_rebuilds_a_quantized_weight_from_new_inner_tensors(spec: QuantizationSpec) -> None:
     weight = quantized_block(spec)[0].weight
     calls: List[torch.Tensor] = []
@@ -155,3 +162,27 @@ def test_block_swap_with_quantized_blocks_gives_the_same_losses(tiny_qwen_image:
                          f"blocks_to_swap={swap}")
         runs[name] = read_losses(out)
     assert runs["resident"] == runs["swapped"]
+
+
+def test_swap_guards_a_quantized_weights_workspace_against_reuse() -> None:
+    """What block swap marks as used by the compute stream (``stream_tensors``) includes a tensor
+    a subclass keeps outside its flattened inner tensors, as quanto's fp8 Marlin weight keeps the
+    GEMM's workspace; each tensor once."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b, workspace = torch.randn(4, 4), torch.randn(4, 4), torch.zeros(16, dtype=torch.int32)
+    weight = TwoTensor(a, b)
+    weight._workspace = workspace
+    guarded = stream_tensors(weight)
+    assert len(guarded) == 3 and any(t is workspace for t in guarded), "the workspace is guarded too"
+    assert not any(t is workspace for t in inner_tensors(weight)), "flattening alone misses it"
+    plain = torch.randn(3)
+    assert stream_tensors(plain) == [plain]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_stream_tensors_of_a_quantized_weight_are_its_inner_tensors_once(spec: QuantizationSpec) -> None:
+    weight = quantized_block(spec)[0].weight
+    guarded, inner = stream_tensors(weight), inner_tensors(weight)
+    assert len(guarded) == len({id(t) for t in guarded}) >= len(inner) >= 2
+    assert all(any(t is g for g in guarded) for t in inner)

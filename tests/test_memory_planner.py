@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from trainer.block_swap import inner_tensors
 from trainer.config import QuantizationConfig, TrainConfig
 import trainer.planner as mp
 from trainer.families import SPECS
@@ -134,9 +135,31 @@ def test_quantized_weights_bytes(small_model) -> None:
     assert block.linear_weights == linear_weights
     outer = 2 * spec.transformer.outer_params
     rest = 2 * (block.params - linear_weights)  # biases and norm weights stay bf16
-    for weights, per_weight, scales in (("qfloat8", 1.0, 2 * block.linear_out), ("qint4", 0.5 + 4 / 128, 0)):
+    for weights, per_weight, scales in (("qfloat8", 1.0, 2 * block.linear_out), ("qint4", 0.5 + 4 / 128, 0),
+                                        ("int8_w8a8", 1.0, 4 * block.linear_out)):  # torchao: fp32 scales
         got = items(mp.plan_memory(cfg, quantization=weights, spec=spec))[f"transformer weights ({weights})"]
         assert got * GIB == pytest.approx(outer + rest + linear_weights * per_weight + scales)
+
+
+def test_int8_w8a8_weights_are_the_bytes_the_quantized_model_holds() -> None:
+    """A real (small-width) Qwen-Image transformer, its blocks quantized as ``place`` does: the plan's
+    transformer weights equal the bytes of every plain tensor it then holds (int8 data, fp32 scales,
+    the bf16 rest), and are about half of bf16's."""
+    import diffusers
+
+    from trainer.quantization import QuantizationSpec, quantize_module
+
+    model = diffusers.QwenImageTransformer2DModel.from_config({**SMALL_QWEN, "num_layers": 2}).to(torch.bfloat16)
+    tspec = _transformer_spec(model, SPECS["qwen_image"])
+    spec = mp.ModelSpec("small", "test", "", tspec, (), None, 0)
+    for block in model.transformer_blocks:
+        quantize_module(block, QuantizationSpec("torchao", "int8_w8a8"))
+    held = sum(t.numel() * t.element_size() for p in model.parameters() for t in inner_tensors(p))
+    cfg = train_config("qwen_image", mixed_precision="bf16")
+    planned = items(mp.plan_memory(cfg, quantization="int8_w8a8", spec=spec))["transformer weights (int8_w8a8)"]
+    bf16 = items(mp.plan_memory(cfg, quantization="none", spec=spec))["transformer weights (bf16)"]
+    assert planned * GIB == held
+    assert 0.5 < planned / bf16 < 0.6
 
 
 def test_activation_bytes_with_and_without_checkpointing(small_model) -> None:
@@ -444,8 +467,9 @@ SMALL_FLUX = {"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_chan
     ("qwen_image", "attention", "bf16", None), ("qwen_image", "attention_mlp", "bf16", None),
     ("qwen_image", "all_linear", "bf16", None), ("qwen_image", "attention_mlp", "no", None),
     ("qwen_image", "attention", "bf16", "qfloat8"), ("qwen_image", "attention", "bf16", "int8_weight_only"),
+    ("qwen_image", "attention_mlp", "bf16", "int8_w8a8"),
     ("flux", "attention", "bf16", None), ("flux", "all_linear", "bf16", None), ("flux", "attention_mlp", "no", None),
-    ("flux", "attention", "bf16", "qfloat8"),
+    ("flux", "attention", "bf16", "qfloat8"), ("flux", "attention", "bf16", "int8_w8a8"),
 ])
 def test_per_block_formula_matches_saved_tensors(family: str, preset: str, precision: str,
                                                  backend: Optional[str]) -> None:
@@ -468,6 +492,11 @@ def test_per_block_formula_matches_saved_tensors(family: str, preset: str, preci
         for _, block in blocks:
             quanto.quantize(block, weights=quanto.qfloat8)
             quanto.freeze(block)
+    elif backend == "int8_w8a8":
+        from trainer.quantization import QuantizationSpec, quantize_module
+
+        for _, block in blocks:
+            quantize_module(block, QuantizationSpec("torchao", backend))
     elif backend is not None:
         pytest.importorskip("torchao")
         import torchao.quantization as ao
@@ -490,7 +519,8 @@ def test_per_block_formula_matches_saved_tensors(family: str, preset: str, preci
         rope = model.pos_embed([(1, 16, 16)], max_txt_seq_len=n_txt, device="cpu")
         kwargs = dict(hidden_states=x, encoder_hidden_states=text, encoder_hidden_states_mask=None, temb=temb,
                       image_rotary_emb=rope)
-    exclude = [*model.parameters(), *model.buffers(), *rope]
+    exclude = [*model.parameters(), *(t for p in model.parameters() for t in inner_tensors(p)), *model.buffers(),
+               *rope]  # a quantized weight's int8 data and scales are weights too
     measured = [saved_block_bytes(block, kwargs, exclude, half) for _, block in blocks]
 
     tspec = _transformer_spec(_build(["diffusers", config["_class_name"]], config), SPECS[family])

@@ -9,6 +9,7 @@ import torch
 
 from conftest import train_in_process
 from trainer.config import TrainConfig
+from trainer.families import SPECS
 from trainer.platform import choose_attention, maybe_fp8, prepare_environment, requested_features
 
 
@@ -135,6 +136,11 @@ def test_compile_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     assert decide(quanto, compile=True) and decide(device=cpu, compile=True), "an explicit true wins"
     assert not decide(compile=False)
     assert not decide(max_train_steps=12) and decide(max_train_steps=12, compile=True), "a short run stays eager"
+    flux, qwen = SPECS["flux"], SPECS["qwen_image"]
+    on, why = platform.compile_decision(TrainConfig(), gpu, None, flux)
+    assert not on and "illegal memory access" in why, "FLUX.1-dev's compiled backward failed on an H200"
+    assert platform.compile_decision(TrainConfig(compile=True), gpu, None, flux)[0], "an explicit true wins"
+    assert platform.compile_decision(TrainConfig(), gpu, None, qwen)[0]
     monkeypatch.setattr(platform, "_has_triton", lambda: False)
     assert not decide()
     with pytest.raises(ConfigError, match="triton"):

@@ -7,6 +7,7 @@ export, the final artefact's name) so the engine's loop and checkpoints don't ca
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Protocol
 
@@ -56,7 +57,10 @@ def add_lora(transformer: torch.nn.Module, cfg: TrainConfig, presets: Mapping[st
     targets = resolve_lora_targets(cfg, presets)
     transformer.requires_grad_(False)
     try:
-        transformer.add_adapter(lora_config(cfg, targets))
+        with warnings.catch_warnings():
+            # peft's LoRA layer for torchao weights warns that it cannot merge; we never merge.
+            warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated without")
+            transformer.add_adapter(lora_config(cfg, targets))
     except ValueError as exc:  # peft: "Target modules ... not found in the base model"
         raise ConfigError(f"LoRA targets {targets} match no layer of the transformer: {exc}") from None
     trainable = [p for p in transformer.parameters() if p.requires_grad]

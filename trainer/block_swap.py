@@ -75,7 +75,7 @@ class BlockSwapper:
             # Copied on the side stream, used on this one: the memory must not be reused by the
             # next prefetch before this stream's kernels that read it have run.
             for _, tensor in _frozen_tensors(self.blocks[index]):
-                for inner in inner_tensors(tensor):
+                for inner in stream_tensors(tensor):
                     inner.record_stream(stream)
         self.loads += 1
         # Overlap the next block's copy with this block's compute. Gradient checkpointing recomputes
@@ -125,6 +125,20 @@ def inner_tensors(tensor: torch.Tensor) -> List[torch.Tensor]:
         return [tensor]
     names, _ = tensor.__tensor_flatten__()
     return [t for name in names for t in inner_tensors(getattr(tensor, name))]
+
+
+def stream_tensors(tensor: torch.Tensor) -> List[torch.Tensor]:
+    """Every plain tensor a kernel can reach through ``tensor``: its inner tensors and, for a tensor
+    subclass, the tensors it keeps as attributes outside ``__tensor_flatten__``. quanto's fp8 Marlin
+    weight keeps the GEMM's workspace (lock counters the kernel writes) that way; it is allocated on
+    the swap's side stream when the weight arrives, so without ``record_stream`` the next prefetch
+    could be handed that memory while the block's GEMMs still use it."""
+    found = inner_tensors(tensor)
+    if is_traceable_wrapper_subclass(tensor):
+        for value in vars(tensor).values():
+            if isinstance(value, torch.Tensor):
+                found += [t for t in stream_tensors(value) if all(t is not f for f in found)]
+    return found
 
 
 def map_inner(tensor: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

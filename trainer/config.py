@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -32,7 +33,7 @@ from trainer.optimizer_specs import OPTIMIZERS
 
 # Weight formats of each quantization backend (their implementations: trainer/quantization.py).
 QUANTO_WEIGHTS = ("qfloat8", "qint8", "qint4")
-TORCHAO_WEIGHTS = ("int8_weight_only", "int4_weight_only", "float8_weight_only")
+TORCHAO_WEIGHTS = ("int8_weight_only", "int4_weight_only", "float8_weight_only", "int8_w8a8")
 WEIGHT_FORMATS = {"quanto": QUANTO_WEIGHTS, "torchao": TORCHAO_WEIGHTS}
 
 
@@ -89,7 +90,7 @@ class FolderKeys(Section):
     """How one folder of images and captions becomes training samples: the keys a ``datasets`` entry
     may set for itself (``data_config`` holds them for a one-folder run, and as the entries' defaults)."""
 
-    img_dir: str = ""
+    img_dir: str = ""  # the folder of images, each with its caption beside it (img1.png + img1.txt)
     img_size: int = 1024  # longest side after resize, as in FlyMyAI
     resolutions: Optional[List[int]] = None  # multi-resolution training, e.g. [512, 768, 1024]
     bucket_mode: str = one_of("longest_side", BUCKET_MODES,
@@ -257,7 +258,7 @@ class TrainConfig:
     """Every key the engine reads. Unknown keys are errors, never silently ignored."""
 
     # Model
-    pretrained_model_name_or_path: str = ""
+    pretrained_model_name_or_path: str = ""  # the base model: a Hugging Face repo id or a local folder
     revision: Optional[str] = None
     family: Optional[str] = one_of(None, tuple(SPECS), "set by the entry script; may be given to override")
     training_mode: str = one_of("lora", ("lora", "full"), "lora, or full fine-tuning (train_full_qwen_image.py)")
@@ -288,9 +289,9 @@ class TrainConfig:
 
     # Schedule
     seed: Optional[int] = 42
-    max_train_steps: int = 1000
+    max_train_steps: int = 1000  # optimizer steps the run trains for
     gradient_accumulation_steps: int = 1
-    learning_rate: float = 1e-4
+    learning_rate: float = 1e-4  # peak learning rate (after warm-up)
     lr_scheduler: str = one_of("constant", ("constant", "constant_with_warmup", "linear", "cosine",
                                             "cosine_with_restarts", "polynomial"), "diffusers' get_scheduler")
     lr_warmup_steps: int = 0
@@ -344,7 +345,7 @@ class TrainConfig:
     # LoRA
     adapter_type: str = one_of("lora", ("lora", "lokr", "loha"),
                                "peft adapter; LoKr/LoHa save in peft's own format")
-    rank: int = 16
+    rank: int = 16  # LoRA rank: the adapter's size (more learns more detail, and takes more memory)
     lora_alpha: Optional[float] = None  # default: rank (scale 1.0)
     lora_dropout: float = 0.0
     lora_init: str = one_of("default", ("default", "gaussian"), "initialisation of the LoRA weights")
@@ -358,8 +359,8 @@ class TrainConfig:
     ema_decay: Optional[float] = None  # EMA of the trained weights (e.g. 0.999); saved beside them
 
     # Checkpoints
-    checkpointing_steps: int = 500
-    checkpoints_total_limit: Optional[int] = None
+    checkpointing_steps: int = 500  # save a resumable checkpoint every this many steps
+    checkpoints_total_limit: Optional[int] = None  # keep only the newest N checkpoints (null: all)
     resume_from_checkpoint: Optional[str] = None  # "latest" or a checkpoint folder
 
     # Sample images during training (FlyMyAI's disable_sampling + sample_* keys are translated into it)
@@ -512,6 +513,7 @@ def _apply_overrides(user: DictConfig, overrides: List[str], source: str) -> Dic
     sets that item's key."""
     indexed = [item for item in overrides if re.search(r"\.\d+(\.|=)", item.partition("=")[0] + "=")]
     user = OmegaConf.merge(user, _parse_overrides([item for item in overrides if item not in indexed]))
+    _parse_overrides(indexed)  # each value is YAML, or the error names its override
     for item in indexed:
         key, _, value = item.partition("=")
         try:
@@ -525,10 +527,12 @@ def _parse_overrides(overrides: List[str]) -> DictConfig:
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. learning_rate=2e-4)")
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot parse overrides {overrides}: {exc}") from None
+    for item in overrides:  # one at a time, so that the error names the bad one
+        try:
+            OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as exc:  # a value that is not YAML: `{`, `[a, b`
+            raise ConfigError(f"override {item[:200]!r}: not a valid value ({' '.join(str(exc).split())[:300]})") from None
+    return OmegaConf.from_dotlist(list(overrides))
 
 
 def _unknown_keys(data: Any, schema: type, prefix: str = "", also: Sequence[str] = ()) -> List[str]:

@@ -58,7 +58,7 @@ def prepare_transformer(cfg: TrainConfig, family: Any, transformer: torch.nn.Mod
     batch = cfg.data_config.train_batch_size
     shape = attention_shape(transformer, attention_tokens, batch) if attention_tokens else None
     attention = choose_attention(cfg, transformer, shape, device, compute_dtype)
-    compiled, why = compile_decision(cfg, device, spec)
+    compiled, why = compile_decision(cfg, device, spec, family.spec)
     fp8 = maybe_fp8(cfg, transformer, blocks, compiled)
     trainable = weights.attach(transformer) - freeze(transformer, family.unused_modules(transformer), compute_dtype)
     if trainable == 0:

@@ -14,6 +14,7 @@ import torch
 from loguru import logger
 
 from trainer.config import TrainConfig
+from trainer.families.spec import FamilySpec
 from utils.errors import ConfigError
 from trainer.quantization import QuantizationSpec
 from utils.attention import AttentionChoice, apply_attention_backend, measured_choice, select_attention_backend
@@ -147,12 +148,14 @@ def fp8_linears(transformer: torch.nn.Module, blocks: Sequence[torch.nn.Module])
 COMPILE_MIN_STEPS = 100  # peer measurement on an H100: first step 26.6 s, then 0.58 s/step saved
 
 
-def compile_decision(cfg: TrainConfig, device: torch.device, spec: Optional[QuantizationSpec]) -> Tuple[bool, str]:
+def compile_decision(cfg: TrainConfig, device: torch.device, spec: Optional[QuantizationSpec],
+                     family: Optional[FamilySpec] = None) -> Tuple[bool, str]:
     """Whether to ``torch.compile`` the transformer's repeated blocks, and why (for the log).
 
     ``compile: null`` (auto) compiles on CUDA where triton is installed, for runs of at least
     ``COMPILE_MIN_STEPS`` steps, except blocks quantized with quanto (its CUDA kernels have no fake
-    implementations for the compiler's tracing); ``true`` and ``false`` decide. On an H100 a compiled
+    implementations for the compiler's tracing) and families whose spec says why not
+    (``FamilySpec.compile_auto_off``); ``true`` and ``false`` decide. On an H100 a compiled
     block step was 1.9x faster than eager (0.637 against 1.212 s/step, diffusers' own Qwen-Image LoRA
     step, ../shared/gpu-runs).
     """
@@ -170,6 +173,8 @@ def compile_decision(cfg: TrainConfig, device: torch.device, spec: Optional[Quan
         return False, "auto: off, triton is not installed"
     if spec is not None and spec.backend == "quanto":
         return False, "auto: off for quanto-quantized blocks (its CUDA kernels cannot be traced)"
+    if family is not None and family.compile_auto_off:
+        return False, f"auto: off for {family.title}: {family.compile_auto_off}"
     return True, "auto: on (CUDA)"
 
 

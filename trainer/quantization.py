@@ -1,5 +1,9 @@
 """Weight quantization of frozen models, one block at a time, with optimum-quanto or torchao.
 
+torchao's ``int8_w8a8`` also quantizes the activations, and multiplies in int8 forward and for the
+input gradient in backward (``trainer/int8_linear.py``); the other formats store 8- or 4-bit weights
+and multiply in the compute dtype.
+
 Moving a block to the GPU and quantizing it there before the next one means the GPU never holds the
 whole bf16 model (the 24 GB profile's trick). LoRA trains on top in fp32.
 
@@ -22,10 +26,13 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm.auto import tqdm
 
 from trainer.config import TrainConfig
+from trainer.int8_linear import Int8Linear, quantize_int8_w8a8
 from utils.errors import ConfigError
 
-# The torchao config class of each weight format the schema offers (config.TORCHAO_WEIGHTS); quanto's
-# formats are the names of its own qtypes.
+INT8_W8A8 = "int8_w8a8"  # torchao weights, int8 activations and matmuls (trainer/int8_linear.py)
+
+# The torchao config class of each weight-only format the schema offers (config.TORCHAO_WEIGHTS; the
+# other, int8_w8a8, is trainer/int8_linear.py); quanto's formats are the names of its own qtypes.
 TORCHAO_CONFIGS = {"int8_weight_only": "Int8WeightOnlyConfig", "int4_weight_only": "Int4WeightOnlyConfig",
                    "float8_weight_only": "Float8WeightOnlyConfig"}
 
@@ -70,6 +77,9 @@ def quantize_module(module: torch.nn.Module, spec: QuantizationSpec) -> None:
 
         quanto.quantize(module, weights=getattr(quanto, spec.weights))
         quanto.freeze(module)
+    elif spec.weights == INT8_W8A8:
+        for linear in [m for m in module.modules() if type(m) is torch.nn.Linear]:
+            quantize_int8_w8a8(linear)
     else:
         import torchao.quantization as ao
 
@@ -91,10 +101,11 @@ def is_quantized(tensor: Optional[torch.Tensor]) -> bool:
 def cast_inputs_to_compute_dtype(module: torch.nn.Module) -> int:
     """Make each quantized linear of ``module`` cast its floating-point input to the compute dtype:
     autocast's dtype where autocast is on, else the dtype the weight was quantized from. Returns
-    how many layers were hooked (a layer is hooked once)."""
+    how many layers were hooked (a layer is hooked once). ``Int8Linear`` quantizes its input from
+    any dtype itself: a cast first would only copy it."""
     hooked = 0
     for linear in quantized_linears(module):
-        if not getattr(linear, "_casts_input", False):
+        if not getattr(linear, "_casts_input", False) and not isinstance(linear, Int8Linear):
             linear.register_forward_pre_hook(_cast_input)
             linear._casts_input = True
             hooked += 1

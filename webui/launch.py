@@ -1,13 +1,13 @@
-"""Starting, stopping and resuming runs: the entry scripts, the CLI's own config check, ``--plan``,
-and the ``accelerate launch`` child processes.
+"""Starting and stopping runs: the entry scripts, the CLI's own config check, ``--plan``, the launch
+record, and the child processes.
 
-A run started here is ``accelerate launch [--cpu] <entry> --config <runs-dir>/<id>/webui_config.yaml
-key=value ... output_dir=<runs-dir>/<id>``: an argument list, never a shell string. The child gets its
-own session (process group); its output goes to ``launcher.log`` in the run folder, and
-``webui_launch.json`` there records the command, the plan shown before launching, the exit code and
-whether a stop was asked for. Stopping sends SIGTERM once to the trainer processes (the launcher's
-children, and ``run.lock``'s pid), which checkpoint and exit (``trainer/signals.py``); the launcher
-itself is left to notice, since it does not forward signals.
+A run started here is ``python -m trainer.launch [--cpu ...] <entry> --config <run>/webui_config.yaml
+key=value ... output_dir=<run> overwrite_output_dir=false``: an argument list, never a shell string.
+``trainer.launch`` is accelerate's launcher with signal forwarding, so stopping a run is one SIGTERM to
+it: the trainer checkpoints and exits (``trainer/signals.py``), and the launcher exits with its code.
+The child gets its own session (process group), so a Ctrl-C of the page's server never reaches it;
+its output goes to ``launcher.log`` in the run folder, and ``webui_launch.json`` there records the
+launch (``webui/runs.py`` lists its keys). Which run starts when is ``webui/scheduler.py``'s.
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
-
-import psutil
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from trainer.config import TrainConfig, load_config
-from utils.errors import ConfigError
 from trainer.run_dir import write_text_atomic
 from trainer.run_lock import LOCK_NAME, read_lock
-from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, lock_alive, read_json
+from utils.errors import ConfigError
+from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, launched_alive, lock_alive, read_json, stop_pending
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 PLAN_TIMEOUT_S = 300
+RELAUNCH_KEYS = ("returncode", "ended", "stop_requested", "stopped", "launch_error", "cancelled")
+_RECORD_LOCK = threading.Lock()  # request threads, reapers and the scheduler all update records
 
 
 @dataclass(frozen=True)
@@ -138,51 +138,52 @@ def plan(text: str, entry: Entry, overrides: List[str], gpu_memory: Optional[str
     return {"returncode": done.returncode, "output": (done.stdout + done.stderr).replace(str(path), "config.yaml")}
 
 
+def update_record(folder: Path, drop: Sequence[str] = (), only_pid: Optional[int] = None, **changes: Any) -> Dict[str, Any]:
+    """Rewrite ``webui_launch.json`` with ``changes`` and without the keys in ``drop`` (atomically);
+    with ``only_pid``, only while the record is still that launch's. Returns the record."""
+    with _RECORD_LOCK:
+        record = read_json(folder / LAUNCH_NAME) or {}
+        if only_pid is not None and record.get("pid") != only_pid:
+            return record
+        record = {**{k: v for k, v in record.items() if k not in drop}, **changes}
+        write_text_atomic(folder / LAUNCH_NAME, json.dumps(record, indent=2))
+        return record
+
+
 class Launcher:
-    """The runs this server started, by run id. ``command`` is what goes before the entry script
-    (default: ``python -m accelerate.commands.launch`` with ``launcher_args``)."""
+    """The child processes this server started, by run id. ``command`` is what goes before the entry
+    script (default: ``python -m trainer.launch`` with ``launcher_args``); ``on_exit(run_id, folder,
+    pid, code)`` is called when a child ends."""
 
     def __init__(self, launcher_args: Optional[List[str]] = None, command: Optional[List[str]] = None):
-        self.command = command or [sys.executable, "-m", "accelerate.commands.launch",
+        self.command = command or [sys.executable, "-m", "trainer.launch",
                                    *(launcher_args if launcher_args is not None else default_launcher_args())]
         self.children: Dict[str, subprocess.Popen] = {}
-        self._lock = threading.Lock()
-        self._record_lock = threading.Lock()  # the reaper thread and stop() both update the record
+        self.on_exit: Callable[[str, Path, int, int], None] = lambda *args: None
 
-    def start(self, run_id: str, folder: Path, text: str, entry: Entry, overrides: List[str],
-              plan_output: Optional[Dict[str, Any]] = None) -> subprocess.Popen:
-        """Write the config into the run folder and launch the run as a child process."""
+    def argv(self, folder: Path, entry: Entry, overrides: List[str]) -> List[str]:
+        """The command line of a run in ``folder`` (its YAML is ``folder/webui_config.yaml``)."""
         check_overrides(overrides)
-        folder.mkdir(parents=True, exist_ok=True)
-        config = folder / LAUNCH_CONFIG
-        config.write_text(text)
-        argv = [*self.command, str(ROOT / entry.name), "--config", str(config), *overrides, f"output_dir={folder}"]
-        with self._lock:
-            if self.alive(run_id):
-                raise RuntimeError(f"run '{run_id}' is running")
-            with open(folder / CHILD_LOG, "ab") as log:
-                child = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            self.children[run_id] = child
-        record = {"entry": entry.name, "overrides": overrides, "argv": argv, "pid": child.pid,
-                  "started": time.time(), "plan": plan_output}
-        write_text_atomic(folder / LAUNCH_NAME, json.dumps(record, indent=2))
-        threading.Thread(target=self._reap, args=(child, folder), daemon=True).start()
+        return [*self.command, str(ROOT / entry.name), "--config", str(folder / LAUNCH_CONFIG), *overrides]
+
+    def start(self, run_id: str, folder: Path, argv: List[str], env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+        """Launch ``argv`` as a child process in its own session, its output in ``launcher.log``.
+        wandb (when the config asks for it) writes into the run folder, not the project."""
+        with open(folder / CHILD_LOG, "ab") as log:
+            child = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_DIR": str(folder), **(env or {})})
+        self.children[run_id] = child
+        threading.Thread(target=self._reap, args=(run_id, folder, child), daemon=True).start()
         return child
 
-    def _reap(self, child: subprocess.Popen, folder: Path) -> None:
-        """Record the exit code in ``webui_launch.json`` when the child ends."""
+    def _reap(self, run_id: str, folder: Path, child: subprocess.Popen) -> None:
         code = child.wait()
-        self._update(folder, returncode=code, ended=time.time())
-
-    def _update(self, folder: Path, **changes: Any) -> None:
-        with self._record_lock:
-            record = read_json(folder / LAUNCH_NAME) or {}
-            write_text_atomic(folder / LAUNCH_NAME, json.dumps({**record, **changes}, indent=2))
+        self.on_exit(run_id, folder, child.pid, code)
 
     def alive(self, run_id: str) -> Optional[bool]:
-        """Whether a child this server started for ``run_id`` still runs (any process of its group:
-        the trainer may outlive the launcher); None when it started none."""
+        """Whether a child this server started for ``run_id`` still runs (any process of its group);
+        None when it started none."""
         child = self.children.get(run_id)
         if child is None:
             return None
@@ -195,33 +196,30 @@ class Launcher:
         return True
 
     def stop(self, run_id: str, folder: Path) -> List[int]:
-        """SIGTERM, once, to the run's trainer processes; returns their pids. ``LookupError`` when
-        no process of the run is known to be running, or a stop was sent already (a second signal
-        would make the trainer exit without its checkpoint)."""
-        child, alive = self.children.get(run_id), self.alive(run_id)
+        """SIGTERM, once, to the run: to its launcher (this server's child, or one an earlier server
+        started), which passes it on; to the trainer holding ``run.lock`` for a run started elsewhere.
+        Returns the pids signalled. ``LookupError`` when nothing of the run runs, or a stop was sent
+        already (a second signal would make the trainer exit without its checkpoint)."""
         record = read_json(folder / LAUNCH_NAME) or {}
-        if alive and record.get("stop_requested"):
-            raise LookupError(f"run '{run_id}' was asked to stop and is writing its checkpoint")
-        pids = set()
-        if child is not None and alive:
-            try:
-                pids |= {p.pid for p in psutil.Process(child.pid).children()}
-            except psutil.NoSuchProcess:
-                pass
         lock = read_lock(folder / LOCK_NAME)
-        if lock_alive(lock):
-            pids.add(lock["pid"])
-        if not pids and child is not None and alive:
-            os.killpg(child.pid, signal.SIGTERM)  # the trainer has not started yet: stop the whole group
-        elif not pids:
+        mine = bool(self.alive(run_id)) or launched_alive(record)
+        if record.get("queued"):
+            raise LookupError(f"run '{run_id}' is queued, not running: cancel it instead")
+        if stop_pending(folder, record) and (mine or lock_alive(lock)):
+            raise LookupError(f"run '{run_id}' was asked to stop and is writing its checkpoint")
+        if mine:
+            child = self.children.get(run_id)
+            pid = child.pid if child is not None and self.alive(run_id) else record["pid"]
+        elif lock_alive(lock):
+            pid = lock["pid"]  # type: ignore[index]
+        else:
             raise LookupError(f"run '{run_id}' is not running")
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        self._update(folder, stop_requested=True, stopped=time.time())
-        return sorted(pids) or [child.pid]
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            raise LookupError(f"run '{run_id}' is not running") from None
+        update_record(folder, stop_requested=True, stopped=time.time())
+        return [pid]
 
 
 def default_launcher_args() -> List[str]:

@@ -33,7 +33,7 @@ def safe_join(root: Path, relative: str) -> Path:
     base = root.resolve()
     target = (base / parts).resolve()
     if not target.is_relative_to(base):  # a symlink leading out
-        raise OutsideRoot(f"path '{relative}' leads outside {root}")
+        raise OutsideRoot(f"path '{relative}' leads outside its folder")  # (the server's own paths are not shown)
     return target
 
 

@@ -7,7 +7,15 @@ and tolerates their absence, since older run folders lack the newer ones:
     run_status.json    {"state": running|finished|failed|stopped, "step", "max_steps", "message", "time"}
     metrics.jsonl      {"step", "loss", "lr", "time", "loss/<dataset>", ...} per line; the last may be torn
     summary.json       at the end (``trainer/reporting.py``)
-    webui_launch.json  written by this page for the runs it starts (``webui/launch.py``)
+    webui_launch.json  written by this page for the runs it starts or queues (``webui/launch.py``):
+                       {"entry", "overrides", "created", "max_steps", "plan", "queued", "queued_at",
+                        "cancelled", "argv", "pid", "started", "device", "returncode", "ended",
+                        "stop_requested", "launch_error"}
+    webui_config.yaml  the YAML text the page launched with (the overrides are in the record)
+
+The state shown is the live process's while it lives (``starting`` until the trainer has written its
+own status since this launch, then ``running``), else the end state the run wrote since this launch,
+else what the launcher's exit code says.
 """
 
 from __future__ import annotations
@@ -15,10 +23,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import psutil
 from omegaconf import OmegaConf
 
 from trainer.checkpoint import list_checkpoints
@@ -30,7 +40,9 @@ from webui.paths import NAME
 LAUNCH_NAME = "webui_launch.json"
 LAUNCH_CONFIG = "webui_config.yaml"
 CHILD_LOG = "launcher.log"
-STATES = ("running", "finished", "failed", "stopped")
+STATES = ("queued", "starting", "running", "finished", "failed", "stopped", "cancelled")
+ACTIVE = ("queued", "starting", "running")  # a run in these states owns its folder
+END_STATES = ("finished", "failed", "stopped")
 MARKERS = (CONFIG_NAME, METRICS_NAME, STATUS_NAME, LOCK_NAME, LAUNCH_NAME, SUMMARY_NAME, LOG_NAME)
 STOP_CODES = (130, 143, -2, -15)  # SIGINT / SIGTERM: the trainer checkpointed and stopped
 SPEED_WINDOW = 20  # steps over which s/step is measured
@@ -132,56 +144,139 @@ def lock_alive(lock: Optional[Dict[str, Any]]) -> Optional[bool]:
     return pid_alive(lock.get("pid"))
 
 
+def launched_alive(record: Dict[str, Any]) -> bool:
+    """Whether the launcher a page started for this record (possibly an earlier server) still runs:
+    its pid lives and was created when the record says it started (not a reused pid)."""
+    pid, started = record.get("pid"), record.get("started")
+    if "returncode" in record or not isinstance(pid, int) or not isinstance(started, (int, float)):
+        return False
+    try:
+        created = psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return False
+    return abs(created - started) < 5.0
+
+
+def status_of_this_launch(status: Dict[str, Any], launch: Dict[str, Any]) -> bool:
+    """Whether ``run_status.json`` was written since the page's latest launch of the run (always,
+    for a run the page never launched)."""
+    started = launch.get("started")
+    return not isinstance(started, (int, float)) or (isinstance(status.get("time"), (int, float))
+                                                     and status["time"] >= started)
+
+
+def stop_pending(folder: Path, launch: Dict[str, Any]) -> bool:
+    """A stop was sent to this launch and the trainer has it: it was up then, or is not up yet. (A
+    second signal to a trainer that got one exits without its checkpoint; a trainer that took the
+    lock after the stop never saw it, since the launcher had no trainer to pass it to.)"""
+    if not launch.get("stop_requested"):
+        return False
+    lock = read_lock(folder / LOCK_NAME)
+    return not (lock_alive(lock) and lock["started"] > (launch.get("stopped") or 0))  # type: ignore[index]
+
+
 def run_state(folder: Path, child_alive: Optional[bool]) -> str:
-    """running, finished, failed or stopped. ``child_alive`` is what the launcher knows of a child it
-    started (None: not one of its children). ``run_status.json`` wins when it names an end state."""
+    """One of ``STATES``. ``child_alive`` is what the launcher knows of a child it started (None: not
+    one of its children). A live process wins over what the files said before it started."""
     status = read_json(folder / STATUS_NAME) or {}
     launch = read_json(folder / LAUNCH_NAME) or {}
-    alive = child_alive if child_alive is not None else lock_alive(read_lock(folder / LOCK_NAME))
-    if alive is None and launch and "returncode" not in launch:  # started by an earlier server of this page
-        alive = pid_alive(launch.get("pid"))
-    if status.get("state") in ("finished", "failed", "stopped"):
+    if launch.get("queued"):
+        return "queued"
+    fresh = status_of_this_launch(status, launch)
+    locked = lock_alive(read_lock(folder / LOCK_NAME))
+    alive = child_alive if child_alive is not None else bool(locked or launched_alive(launch))
+    if alive:  # the trainer is up once it has written its status or taken the lock since this launch
+        return "running" if (fresh and status) or locked else "starting"
+    if launch.get("cancelled") and "started" not in launch:
+        return "cancelled"
+    if fresh and status.get("state") in END_STATES:
         return status["state"]
-    if alive:
-        return "running"
     code = launch.get("returncode")
+    if launch.get("launch_error"):
+        return "failed"
     if launch.get("stop_requested") or code in STOP_CODES:
         return "stopped"
-    if (folder / SUMMARY_NAME).is_file():
+    if (folder / SUMMARY_NAME).is_file() and (code == 0 or not launch):
         return "finished"
-    if code not in (None, 0) or status.get("state") == "running" or (launch and not list_checkpoints(folder)):
+    if code not in (None, 0) or (fresh and status.get("state") == "running") or (launch and not list_checkpoints(folder)):
         return "failed"  # died without saying so
     return "stopped" if list_checkpoints(folder) else "failed"
 
 
 def read_config(folder: Path) -> Dict[str, Any]:
-    """The run's config as plain data (the resolved ``config.yaml``, else the page's launch YAML)."""
-    for name in (CONFIG_NAME, LAUNCH_CONFIG):
-        try:
-            data = OmegaConf.to_container(OmegaConf.load(folder / name), resolve=False)
-        except Exception:  # missing, half-written or not YAML: try the next, else nothing
-            continue
-        if isinstance(data, dict):
+    """The run's config as plain data: the ``config.yaml`` the run wrote at its latest start, else
+    what the page launched or queued (its YAML with the overrides applied). Never resolved."""
+    launch = read_json(folder / LAUNCH_NAME) or {}
+    written = folder / CONFIG_NAME
+    launched = launch.get("created") or launch.get("started")
+    try:
+        current = not launched or written.stat().st_mtime >= max(launch.get("started") or 0, launch.get("queued_at") or 0)
+    except OSError:
+        current = False
+    if current:
+        data = _load_yaml(written)
+        if data is not None:
             return data
-    return {}
+    data = _load_yaml(folder / LAUNCH_CONFIG)
+    if data is None:
+        return _load_yaml(written) or {}
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(launch.get("overrides") or [])))
+        return OmegaConf.to_container(merged, resolve=False)  # type: ignore[return-value]
+    except Exception:  # an override the run itself refused: show the YAML as it was
+        return data
+
+
+def _load_yaml(path: Path) -> Optional[Dict[str, Any]]:
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception:  # missing, half-written or not YAML
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def seconds_per_step(records: List[Dict[str, Any]]) -> Optional[float]:
-    """Mean seconds per step over the last ``SPEED_WINDOW`` records that carry a ``time``."""
+    """Median seconds per step over the last ``SPEED_WINDOW`` records that carry a ``time`` (the
+    median, so that a validation pass or a checkpoint between two steps does not set the ETA)."""
     timed = [r for r in records[-SPEED_WINDOW:] if isinstance(r.get("time"), (int, float))]
-    if len(timed) < 2 or timed[-1]["step"] <= timed[0]["step"]:
-        return None
-    return (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
+    rates = sorted((b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(timed, timed[1:])
+                   if b["step"] > a["step"])
+    return rates[len(rates) // 2] if rates else None
 
 
-def samples(folder: Path) -> List[Dict[str, Any]]:
-    """Validation samples by step (``samples/step-N/prompt-i.png``); step 0 is the base model's."""
+def prompt_texts(cfg: Dict[str, Any]) -> List[str]:
+    """The validation prompts of a config, as text (a mapping entry's ``prompt``)."""
+    prompts = (cfg.get("validation") or {}).get("prompts") or []
+    return [str(p.get("prompt", "")) if isinstance(p, dict) else str(p) for p in prompts]
+
+
+def samples(folder: Path, prompts: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    """Validation samples by step (``samples/step-N/prompt-i.png``); step 0 is the base model's.
+    Each file comes with its prompt's text when ``prompts`` has it."""
     out = []
     for step_dir in sorted((folder / "samples").glob("step-*")):
         if step_dir.is_dir() and step_dir.name[5:].isdigit():
             files = sorted(p.relative_to(folder).as_posix() for p in step_dir.glob("*.png") if not p.name.startswith("."))
             if files:
-                out.append({"step": int(step_dir.name[5:]), "files": files})
+                texts = [_prompt_of(Path(f).stem, prompts or []) for f in files]
+                out.append({"step": int(step_dir.name[5:]), "files": files, "prompts": texts})
+    return out
+
+
+def _prompt_of(stem: str, prompts: List[str]) -> Optional[str]:
+    index = stem.rpartition("-")[2]
+    return prompts[int(index)] if index.isdigit() and int(index) < len(prompts) else None
+
+
+def checkpoints(folder: Path) -> List[Dict[str, Any]]:
+    """Complete checkpoints, oldest first: name, step, size and the weight files inside."""
+    out = []
+    for path in list_checkpoints(folder):
+        files = [p for p in path.rglob("*") if p.is_file()]
+        out.append({"name": path.name, "step": int(path.name.split("-", 1)[1]),
+                    "bytes": sum(p.stat().st_size for p in files),
+                    "weights": sorted(p.relative_to(folder).as_posix() for p in files if p.suffix == ".safetensors"
+                                      and "optimizer" not in p.name)})
     return out
 
 
@@ -214,41 +309,70 @@ def weights_file(folder: Path, summary: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def overview(folder: Path, records: List[Dict[str, Any]], child_alive: Optional[bool]) -> Dict[str, Any]:
-    """One row of the runs list: state, family, model, step, losses, s/step, ETA, peak memory."""
+def timing(folder: Path, records: List[Dict[str, Any]], state: str) -> Dict[str, Optional[float]]:
+    """When the run was first started (the page's record, else its first metrics line, else its
+    config) and for how long it has run since (up to now while it runs, else its last sign of life)."""
+    launch = read_json(folder / LAUNCH_NAME) or {}
     status = read_json(folder / STATUS_NAME) or {}
+    first = records[0].get("time") if records else None
+    starts = [t for t in (launch.get("first_started"), launch.get("started"), first) if isinstance(t, (int, float))]
+    if not starts:
+        try:
+            starts = [(folder / CONFIG_NAME).stat().st_mtime]
+        except OSError:
+            return {"started": None, "duration_s": None}
+    started = min(starts)
+    if state in ("starting", "running"):
+        end: Optional[float] = time.time()
+    else:
+        ends = [t for t in (launch.get("ended"), status.get("time"), records[-1].get("time") if records else None)
+                if isinstance(t, (int, float))]
+        end = max(ends) if ends else None
+    return {"started": started, "duration_s": max(0.0, end - started) if end is not None else None}
+
+
+def overview(folder: Path, records: List[Dict[str, Any]], child_alive: Optional[bool]) -> Dict[str, Any]:
+    """One row of the runs list: state, family, model, step, losses, s/step, ETA, start, duration, peak."""
+    status = read_json(folder / STATUS_NAME) or {}
+    launch = read_json(folder / LAUNCH_NAME) or {}
     summary = read_json(folder / SUMMARY_NAME) or {}
     cfg = read_config(folder)
+    fresh = status_of_this_launch(status, launch)
     losses = [r["loss"] for r in records if isinstance(r.get("loss"), (int, float))]
-    step = status.get("step") if isinstance(status.get("step"), int) else (records[-1]["step"] if records else 0)
+    step = status.get("step") if isinstance(status.get("step"), int) else 0
     step = max(step, records[-1]["step"]) if records else step
-    max_steps = status.get("max_steps") or cfg.get("max_train_steps")
+    # what this launch asked for: the run's own status once it has written one, else the page's record
+    max_steps = (status.get("max_steps") if fresh else None) or launch.get("max_steps") or cfg.get("max_train_steps")
     speed = seconds_per_step(records)
     state = run_state(folder, child_alive)
+    message = launch.get("launch_error") or (status.get("message") if fresh or not launch else None)
     return {
-        "id": folder.name, "state": state, "message": status.get("message"),
+        "id": folder.name, "state": state, "message": message,
         "family": cfg.get("family") or summary.get("family"), "model": cfg.get("pretrained_model_name_or_path"),
         "step": step, "max_steps": max_steps,
         "loss": losses[-1] if losses else None, "loss_smoothed": smoothed(losses)[-1] if losses else None,
         "s_per_step": speed,
         "eta_s": speed * (max_steps - step) if speed and state == "running" and isinstance(max_steps, int) else None,
+        **timing(folder, records, state),
         "peak_memory_gib": summary.get("peak_memory_gib") or None,
         "checkpoints": [p.name for p in list_checkpoints(folder)],
         "weights": weights_file(folder, summary),
+        "samples_count": sum(len(s["files"]) for s in samples(folder)),
     }
 
 
 def detail(folder: Path, records: List[Dict[str, Any]], child_alive: Optional[bool], since: int = 0) -> Dict[str, Any]:
-    """A run's page: the overview plus metrics (from record ``since`` on), samples, logs, config,
-    the plan made at launch and the measured peak."""
+    """A run's page: the overview plus metrics (from record ``since`` on), samples with their
+    prompts, checkpoints, logs, config, the plan made at launch and the measured peak."""
     launch = read_json(folder / LAUNCH_NAME) or {}
     view = overview(folder, records, child_alive)
+    cfg = read_config(folder)
     return {
-        **view, "stopping": bool(launch.get("stop_requested")) and view["state"] == "running",
+        **view, "stopping": stop_pending(folder, launch) and view["state"] in ("starting", "running"),
         "metrics": records[since:], "metrics_total": len(records),
-        "samples": samples(folder),
+        "samples": samples(folder, prompt_texts(cfg)), "checkpoint_files": checkpoints(folder),
         "log": log_tail(folder / LOG_NAME), "launcher_log": log_tail(folder / CHILD_LOG),
-        "config": read_config(folder),
+        "config": cfg, "queued_at": launch.get("queued_at") if view["state"] == "queued" else None,
         "plan": launch.get("plan"), "entry": launch.get("entry"),
         "summary": read_json(folder / SUMMARY_NAME), "artefacts": artefacts(folder),
     }

@@ -1,8 +1,13 @@
 """GPU suite plumbing: tests marked ``gpu`` are skipped, with a one-line reason, where there is no
-CUDA GPU; ``cuda`` is the device fixture of the suite. The harness is importable as ``harness``."""
+CUDA GPU; ``cuda`` is the device fixture of the suite. The harness is importable as ``harness``.
+
+The GPU pass's dry run (``benchmarks/gpu_pass.py --dry-run``, which sets ``GPU_PASS_DRY_RUN=1``)
+runs the tests also marked ``cpu_dry_run`` on the CPU at tiny scale, so its plumbing is tested
+without a GPU; their CUDA-only assertions skip themselves there."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import List
@@ -17,15 +22,24 @@ for path in (HERE.parents[1], HERE):  # the repository (trainer, utils) and this
 
 from harness import no_cuda_reason  # noqa: E402
 
+DRY_RUN = "GPU_PASS_DRY_RUN"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cpu_dry_run: a gpu test that the GPU pass's dry run runs on the CPU")
+    config.addinivalue_line("markers", "timeout(seconds): per-test limit (pytest-timeout, where installed)")
+    config.addinivalue_line("markers", "xdist_group(name): tests that share a pytest-xdist worker")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
-    """Skip every ``gpu``-marked test when there is no CUDA GPU."""
+    """Skip every ``gpu``-marked test when there is no CUDA GPU (but ``cpu_dry_run`` ones in a dry run)."""
     reason = no_cuda_reason()
     if reason is None:
         return
     skip = pytest.mark.skip(reason=reason)
+    dry_run = os.environ.get(DRY_RUN) == "1"
     for item in items:
-        if item.get_closest_marker("gpu") is not None:
+        if item.get_closest_marker("gpu") is not None and not (dry_run and item.get_closest_marker("cpu_dry_run")):
             item.add_marker(skip)
 
 

@@ -31,7 +31,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -89,7 +89,10 @@ TINY = Scale("tiny", layers=2, single_layers=2, heads=2, head_dim=16, text_dim=3
 # FLUX.2 [klein] base 9B from the family's reference (4B) config: its real depth, width and text width
 # (for flux2 only: other families have other sizes).
 KLEIN_9B = Scale("klein9b", layers=8, single_layers=24, heads=32, text_dim=3 * 4096)
-SCALES = {"full": FULL, "tiny": TINY, "klein9b": KLEIN_9B}
+# Two blocks (and two single-stream blocks) at the real width: the real kernels and shapes (fp8 Marlin
+# takes only widths that are multiples of 64/128) in seconds on a GPU, for the GPU pass's quick tests.
+QUICK = Scale("quick", layers=2, single_layers=2)
+SCALES = {"full": FULL, "tiny": TINY, "quick": QUICK, "klein9b": KLEIN_9B}
 
 
 def rope_axes(head_dim: int) -> List[int]:
@@ -643,11 +646,12 @@ class ConvergenceReport:
 def convergence(family: str, steps: int = 100, resolution: int = 1024, dtype: torch.dtype = torch.bfloat16,
                 device: torch.device | str = "cuda", *, scale: Scale = FULL, model_dir: Optional[Path | str] = None,
                 lr: float = CONVERGENCE_LR, factor: float = CONVERGENCE_FACTOR, seed: int = 0,
-                profile: Optional[str] = None) -> ConvergenceReport:
+                profile: Optional[str] = None, overrides: Sequence[str] = ()) -> ConvergenceReport:
     """Overfit one fixed sample (latents, text, noise and noise level all fixed) for ``steps`` steps
     with a constant learning rate; the loss must fall by ``factor``. ``profile``: a name of
-    ``PROFILES`` (its YAML: quantized blocks, 8-bit AdamW, block swap scaled to ``scale``)."""
-    overrides = [f"learning_rate={lr}", "lr_scheduler=constant", "lr_warmup_steps=0"]
+    ``PROFILES`` (its YAML: quantized blocks, 8-bit AdamW, block swap scaled to ``scale``);
+    ``overrides``: config keys on top (e.g. another weight format)."""
+    overrides = [f"learning_rate={lr}", "lr_scheduler=constant", "lr_warmup_steps=0", *overrides]
     yaml = None
     if profile is not None:
         yaml = PROFILES[profile][0]
@@ -766,6 +770,7 @@ class MemoryReport:
     device_peak_gib: Optional[float]  # max_memory_reserved + memory outside torch's allocator (context)
     planned_gib: Optional[float]  # utils.memory_planner's training peak, when the planner exists
     steps: Optional[StepReport] = None
+    compiled: bool = False  # the blocks were compiled (the profile's own compile setting)
 
     @property
     def measured_gib(self) -> Optional[float]:
@@ -805,7 +810,9 @@ def scaled_swap(blocks_to_swap: int, family: str, scale: Scale) -> int:
     """The profile's ``blocks_to_swap`` in proportion to a scaled model's blocks (unchanged at full size)."""
     full, scaled = (transformer_config(family, s) for s in (FULL, scale))
     count = lambda c: c["num_layers"] + c.get("num_single_layers", 0)  # noqa: E731
-    return blocks_to_swap if count(full) == count(scaled) else max(1, round(blocks_to_swap * count(scaled) / count(full)))
+    if blocks_to_swap == 0 or count(full) == count(scaled):
+        return blocks_to_swap
+    return max(1, round(blocks_to_swap * count(scaled) / count(full)))
 
 
 def planned_training_gib(cfg: TrainConfig, text: int) -> Optional[float]:
@@ -816,10 +823,11 @@ def planned_training_gib(cfg: TrainConfig, text: int) -> Optional[float]:
 
 def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: Scale = FULL,
                    resolution: int = 1024, steps: int = 3, family: str = "qwen_image",
-                   overrides: Sequence[str] = ()) -> MemoryReport:
+                   overrides: Sequence[str] = (), inspect: Optional[Callable[[Rig], None]] = None) -> MemoryReport:
     """Train a few steps with a low-memory profile (quantized blocks, 8-bit AdamW, block swap) built
     as the engine builds it, and measure its peak against the budget and the planner. ``overrides``
-    change the profile (another weight format, more or fewer swapped blocks)."""
+    change the profile (another weight format, more or fewer swapped blocks); ``inspect`` is called
+    with the rig after the steps (tests look at what the engine built)."""
     yaml, budget = PROFILES[profile]
     family = PROFILE_FAMILIES.get(profile, family)
     device = torch.device(device)
@@ -830,11 +838,13 @@ def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: 
     with rig_session(family, device, torch.bfloat16, scale=scale, profile=yaml, overrides=overrides,
                      resolution=resolution) as rig:
         steps_report = run_steps(rig, steps, resolution)
+        if inspect is not None:
+            inspect(rig)
         outside = _outside_allocator_gib(device)
         device_peak = None if outside is None else steps_report.reserved_gib + outside
         planned = planned_training_gib(rig.cfg, steps_report.text_tokens)
         return MemoryReport(profile, budget, swap, rig.load_peak_gib, steps_report.peak_gib, device_peak,
-                            planned, steps_report)
+                            planned, steps_report, rig.compiled)
 
 
 # =========================================================================== FLOPs and MFU
@@ -1074,7 +1084,7 @@ def machine_facts() -> Dict[str, Any]:
 
 
 __all__ = [
-    "FAMILIES", "FULL", "KLEIN_9B", "PROFILES", "PROFILE_FAMILIES", "SCALES", "TINY", "Batch", "KernelProfile",
+    "FAMILIES", "FULL", "KLEIN_9B", "PROFILES", "QUICK", "PROFILE_FAMILIES", "SCALES", "TINY", "Batch", "KernelProfile",
     "Rig", "Scale",
     "StepFlops",
     "StepReport", "build_meta_transformer", "build_rig", "build_transformer", "compare_attention_backends",

@@ -274,3 +274,31 @@ def test_gpu_report_takes_the_klein_9b_scale_for_flux2_only() -> None:
     assert gpu_report.run_scale(gpu_report.parse_args(["--families", "flux2"])) is harness.FULL
     with pytest.raises(SystemExit, match="--families flux2 only"):
         gpu_report.run_scale(gpu_report.parse_args(["--families", "qwen_image", "--scale", "klein9b"]))
+
+
+def test_quantized_step_benchmark_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/quantized_step.py on the tiny model: every row measured, written as markdown and as
+    one JSON line each; the int8 row really multiplied in int8, the others did not; a spent budget
+    skips rows and says so."""
+    import json
+
+    from benchmarks import quantized_step
+
+    out = tmp_path / "quant.md"
+    quantized_step.main(["--device", "cpu", "--steps", "3", "--out", str(out)])
+    rows = [json.loads(line) for line in (tmp_path / "quant.md.jsonl").read_text().splitlines()]
+    assert [(r["part"], r["format"]) for r in rows] == [("layer", "int8_w8a8")] * 2 + [
+        ("model", "bf16"), ("model", "int8_w8a8"), ("model", "qfloat8")]
+    assert all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
+    layers, models = rows[:2], {r["format"]: r["values"] for r in rows[2:]}
+    assert all(r["values"]["int8_kernel"] and r["values"]["out_error"] < 0.02 for r in layers)
+    assert models["int8_w8a8"]["int8_mm_per_step"] > 0 and models["bf16"]["int8_mm_per_step"] == 0
+    assert models["int8_w8a8"]["weights_mib"] < 0.8 * models["bf16"]["weights_mib"]
+    assert all(v["finite"] and v["s_per_step"] > 0 and v["train_peak_gib"] > 0 for v in models.values())
+    text = out.read_text()
+    assert "| Qwen-Image | int8_w8a8 | off (eager) |" in text and "## One linear layer" in text
+
+    quantized_step.main(["--device", "cpu", "--steps", "3", "--parts", "model", "--formats", "bf16", "int8_w8a8",
+                         "--time-budget", "0.001", "--out", str(out)])
+    rows = [json.loads(line) for line in (tmp_path / "quant.md.jsonl").read_text().splitlines()]
+    assert [r["status"].split(" (")[0] for r in rows] == ["skipped: time budget"] * 2

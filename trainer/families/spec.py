@@ -117,6 +117,9 @@ class FamilySpec:
     hub_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Why ``lora_export_formats: [comfyui]`` is refused for this family ("" when the export is offered).
     comfyui_unsupported: str = ""
+    # Why ``compile: auto`` leaves this family's blocks eager on a GPU ("" when it compiles them); an
+    # explicit ``compile: true`` still compiles.
+    compile_auto_off: str = ""
 
     @property
     def block_attributes(self) -> Tuple[str, ...]:

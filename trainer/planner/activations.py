@@ -10,7 +10,7 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 from trainer.families.spec import BlockLayout
 from trainer.optimizer_specs import Matrix, TrainedShapes
 from trainer.planner.model import BlockKind, LinearInfo, TransformerSpec
-from trainer.planner.settings import Settings
+from trainer.planner.settings import INT8_SCRATCH_IN, INT8_SCRATCH_OUT, Settings
 
 
 # --------------------------------------------------------------------------- LoRA targets
@@ -155,8 +155,11 @@ def block_quantization_bytes(transformer: TransformerSpec, kind: BlockKind, t: T
     quanto: its linear autograd function saves every input, even of frozen layers: one per input group.
     torchao weight-only: autograd keeps the dequantized (half-precision) weight of every linear whose
     input needs a gradient (all but the modulation linears, unless the modulation trains).
+    torchao int8_w8a8: nothing (the int8 layer keeps only its own weight for backward).
     """
     layout = kind.layout
+    if s.quantization == "int8_w8a8":
+        return 0
     if s.backend == "torchao":
         graded = [li for li in kind.linears
                   if layout.get(li.name, ("", ""))[1] != "mod" or layout[li.name][0] in mod_streams]
@@ -165,6 +168,19 @@ def block_quantization_bytes(transformer: TransformerSpec, kind: BlockKind, t: T
         return 0
     groups = _input_groups(layout, kind.linears, s.batch)
     return sum(t.stream(stream) * width * s.act_bytes for (stream, _), width in groups.items())
+
+
+def int8_scratch_bytes(transformer: TransformerSpec, s: Settings) -> int:
+    """torchao int8_w8a8: the largest transient of one int8 linear call (bytes): its input quantized
+    and its int32 product scaled in fp32, for the tokens it sees (one per sample: modulation)."""
+    t = Tokens(s.image_tokens * s.batch, s.text_tokens * s.batch)
+
+    def tokens(kind: BlockKind, li: LinearInfo) -> int:
+        stream, group = kind.layout.get(li.name, ("joint", li.name))
+        return s.batch if group == "mod" else t.stream(stream)
+
+    return max(tokens(k, li) * (INT8_SCRATCH_IN * li.in_features + INT8_SCRATCH_OUT * li.out_features)
+               for k in transformer.blocks for li in k.linears)
 
 
 def zero_cond_bytes(transformer: TransformerSpec, kind: BlockKind, t: Tokens, a: int) -> int:

@@ -11,7 +11,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 from utils.errors import UserError
 from trainer.families import SPECS
 from trainer.optimizer_specs import OPTIMIZERS
-from trainer.planner.activations import LoraLayout, Tokens, block_input_bytes, estimate_activations, lora_layout
+from trainer.planner.activations import (LoraLayout, Tokens, block_input_bytes, estimate_activations, int8_scratch_bytes,
+                                         lora_layout)
 from trainer.planner.model import EncoderSpec, ModelSpec, TransformerSpec, model_spec
 from trainer.planner.settings import (
     CLIP_TOKENS,
@@ -23,6 +24,7 @@ from trainer.planner.settings import (
     HOST_BASELINE_CPU_GIB,
     HOST_BASELINE_CUDA_GIB,
     QUANT_BYTES,
+    SCALE_BYTES,
     VAE_DECODE_FACTOR,
     VAE_ENCODE_FACTOR,
     WORKSPACE_GIB,
@@ -173,7 +175,8 @@ def _transformer_weight_bytes(spec: TransformerSpec, s: Settings) -> Tuple[float
             size = kind.params * a
         else:
             per_weight = QUANT_BYTES[s.quantization]
-            scales = kind.linear_out * 2 if per_weight >= 1 else 0  # 8-bit: one bf16 scale per output channel
+            # 8-bit: one scale per output channel
+            scales = kind.linear_out * SCALE_BYTES.get(s.quantization, 2) if per_weight >= 1 else 0
             size = (kind.params - kind.linear_weights) * a + kind.linear_weights * per_weight + scales
         blocks += [size] * kind.count
     return spec.outer_params * a, blocks
@@ -193,7 +196,10 @@ def _training_items(spec: ModelSpec, s: Settings, lora: LoraLayout) -> List[Memo
         items.append(MemoryItem("block swap: blocks in flight", _gib(2 * max(swapped)),
                                 "the running block and the prefetched next one"
                                 + ("" if s.checkpointing else "; no saving without gradient checkpointing")))
-    if s.quantization is not None:
+    if s.quantization == "int8_w8a8":
+        items.append(MemoryItem("int8 matmul scratch", _gib(int8_scratch_bytes(t, s)),
+                                "the largest linear's input in int8 and its int32/fp32 product"))
+    elif s.quantization is not None:
         largest = max(li.in_features * li.out_features for k in t.blocks for li in k.linears)
         items.append(MemoryItem("dequantization scratch", _gib(2 * largest * a),
                                 "the largest block linear dequantized on the fly, two at a time"))
@@ -248,8 +254,8 @@ def _activation_items(spec: ModelSpec, s: Settings, lora: LoraLayout) -> List[Me
                     MemoryItem("backward buffers", _gib(est.transient), "gradients of one block's MLP and streams")]
 
 
-_RESIDENT = ("transformer weights", "block swap", "dequantization", "LoRA parameters", "optimizer state",
-             "text encoder weights", "VAE weights", "CUDA context")
+_RESIDENT = ("transformer weights", "block swap", "dequantization", "int8 matmul", "LoRA parameters",
+             "optimizer state", "text encoder weights", "VAE weights", "CUDA context")
 
 
 def _validation_items(spec: ModelSpec, s: Settings, train_items: Sequence[MemoryItem]) -> List[MemoryItem]:

@@ -45,7 +45,13 @@ DEFAULT_SHARD_GIB = 5.0  # a safetensors shard, when the checkpoint's index is n
 QUANT_BYTES: Dict[str, float] = {
     "qfloat8": 1.0, "qint8": 1.0, "qint4": 0.5 + 4 / 128,  # quanto: int4 in groups of 128, bf16 scale+shift
     "float8_weight_only": 1.0, "int8_weight_only": 1.0, "int4_weight_only": 0.5 + 4 / 128,  # torchao
+    "int8_w8a8": 1.0,  # torchao Int8Tensor, multiplied in int8 (trainer/int8_linear.py)
 }
+# Bytes of each output channel's scale of an 8-bit weight: bf16, but fp32 in torchao's Int8Tensor.
+SCALE_BYTES: Dict[str, int] = {"int8_w8a8": 4}
+# The int8 matmul's scratch per token (trainer/int8_linear.py): the input quantized (an fp32 copy and
+# its int8 values, 5 B per input feature) and the product (int32, then fp32: 8 B per output feature).
+INT8_SCRATCH_IN, INT8_SCRATCH_OUT = 5, 8
 
 # VAE encode peak (inference, no grad) per input pixel, in units of (first-level channels x bytes):
 # traced on fake tensors at 512^2 and 1024^2 (the ratio is constant); see the docs.

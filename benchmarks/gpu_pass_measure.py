@@ -1,0 +1,337 @@
+"""One measurement of the GPU pass (``benchmarks/gpu_pass.py``), run in its own process:
+
+    python benchmarks/gpu_pass_measure.py qwen_step --out DIR [--dry-run]
+
+Each result is appended to ``DIR/results.jsonl`` the moment it exists and echoed as a ``RESULT`` line,
+so a stage stopped at its time limit keeps what it measured. On a GPU the models are full-size
+random-weight transformers (``tests/gpu/harness.py``: nothing downloaded) at 1024^2; ``--dry-run``
+runs the same code on tiny models at 64^2 on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+for _path in (ROOT, ROOT / "tests" / "gpu"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import torch  # noqa: E402
+
+from benchmarks.gpu_pass import MACHINE, RESULTS, append_record  # noqa: E402
+
+# The project (engine, harness, diffusers) is imported only by the measurements that need it, so the
+# machine record and quanto's build still happen where an import of the project fails.
+harness: Any = None
+gpu_report: Any = None
+LIGHT = ("machine", "quanto_build")
+
+
+def load_project() -> None:
+    global harness, gpu_report
+    import harness as harness_module
+    from benchmarks import gpu_report as report_module
+
+    harness, gpu_report = harness_module, report_module
+
+
+TARGET_S = 0.45  # s/step, stated for an H100 (gpu_report.TARGET_S_PER_STEP, checked in load_project's users)
+PROFILE_WHEN_OVER = 1.2  # profile a target family that misses the target by more than 20%
+FLUX2_GOAL_GIB, FLUX2_GOAL_MFU = 10.0, 0.30  # FLUX.2 [klein] 4B LoRA at 1024^2
+PACKAGES = ("torch", "triton", "diffusers", "transformers", "accelerate", "peft", "safetensors", "optimum-quanto",
+            "bitsandbytes", "torchao", "fastsafetensors", "omegaconf", "loguru", "huggingface-hub", "tokenizers",
+            "numpy", "pytest", "pytest-xdist", "pytest-timeout")
+
+
+@dataclass
+class Ctx:
+    """Where and at what size this process measures, and where it writes."""
+
+    name: str
+    out: Path
+    dry_run: bool
+    device: torch.device
+    scale: harness.Scale
+    resolution: int
+    steps: int
+    t0: float
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        append_record(self.out / RESULTS, {"kind": kind, "stage": self.name, "t": round(time.time() - self.t0, 1),
+                                           **fields})
+        short = ", ".join(f"{k}={_short(v)}" for k, v in fields.items() if not isinstance(v, (list, dict)))
+        print(f"RESULT {kind}: {short}"[:400], flush=True)
+
+    @property
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+
+    def report_run(self, section: str, families: List[str]) -> gpu_report.Run:
+        """A ``gpu_report.Run`` for reusing one of its sections at this process's size."""
+        argv = ["--sections", section, "--families", *families] + (["--dry-run"] if self.dry_run else [])
+        return gpu_report.Run(self.device, self.scale, self.resolution, self.steps, families, self.dry_run,
+                              12, None, argv)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value).replace("\n", " | ")
+
+
+def context(name: str, out: Path, dry_run: bool) -> Ctx:
+    """Where this process measures: the CPU at tiny scale in a dry run, else the GPU at full size."""
+    t0 = float(os.environ.get("GPU_PASS_T0") or time.time())
+    if name not in LIGHT:
+        load_project()
+        assert gpu_report.TARGET_S_PER_STEP == TARGET_S
+    if dry_run:
+        return Ctx(name, out, True, torch.device("cpu"), harness and harness.TINY, 64, 3, t0)
+    if not torch.cuda.is_available() and name not in LIGHT:
+        raise SystemExit(f"{harness.no_cuda_reason()}; use --dry-run on the CPU")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return Ctx(name, out, False, device, harness and harness.FULL, 1024, 8, t0)
+
+
+# =========================================================================== machine and build
+
+
+def _run(cmd: List[str]) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        return (done.stdout + done.stderr).strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"({' '.join(cmd)}: {exc})"
+
+
+def versions() -> Dict[str, Optional[str]]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def machine(ctx: Ctx) -> None:
+    """The GPU, driver, torch / CUDA / cuDNN, package versions, CPU and memory, and whether the project
+    imports here (torch only otherwise); nvidia-smi and the full pip list go to machine.txt."""
+    facts: Dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                             "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+                             "gpu": "none (CPU)"}
+    query = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,"
+                  "clocks.mem,power.limit,pstate,temperature.gpu", "--format=csv"])
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        lines = query.splitlines()
+        facts.update(gpu=props.name, gpus=torch.cuda.device_count(), memory_gib=round(props.total_memory / 2**30, 1),
+                     capability=f"sm_{props.major}{props.minor}", multiprocessors=props.multi_processor_count,
+                     driver=lines[1].split(",")[1].strip() if len(lines) > 1 and "," in lines[1] else None,
+                     flash_sdp=torch.backends.cuda.flash_sdp_enabled(), cudnn_sdp=torch.backends.cuda.cudnn_sdp_enabled())
+    try:
+        load_project()
+        facts["peak_bf16_tflops"] = harness.peak_bf16_tflops(facts["gpu"])
+        project = "ok"
+    except Exception as exc:  # recorded: every other stage needs these imports
+        traceback.print_exc()
+        project = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    smi = _run(["nvidia-smi"])
+    pip = _run([sys.executable, "-m", "pip", "list", "--format=freeze"])
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    (ctx.out / MACHINE).write_text(f"$ nvidia-smi\n{smi}\n\n$ nvidia-smi --query-gpu=...\n{query}\n\n"
+                                   f"$ uname -a\n{platform.uname()}\n\n$ python -m pip list\n{pip}\n")
+    ctx.emit("machine", **facts, project_imports=project, versions=versions(), python=sys.version.split()[0],
+             cpus=os.cpu_count(), host_memory_gib=round(mem_gib, 1), kernel=platform.release(),
+             nvidia_smi=query, pythonpath=os.environ.get("PYTHONPATH", ""))
+    if project != "ok":
+        raise RuntimeError(f"the project does not import here: {project}")
+
+
+def quanto_build(ctx: Ctx, status: Path) -> None:
+    """Compile quanto's CUDA extension now (Marlin fp8 / int4 kernels; ~100 s on a fresh machine),
+    writing "building", then "ok: ..." or "failed: ..." to ``status``."""
+    start = time.time()
+    if ctx.dry_run or not torch.cuda.is_available():
+        status.write_text("ok: nothing to build (no CUDA)\n")
+        ctx.emit("quanto_build", status="nothing to build (no CUDA)")
+        return
+    status.write_text("building\n")
+    try:
+        from optimum.quanto.library.extensions import get_extension, is_extension_available
+
+        if not is_extension_available("quanto_cuda"):
+            result = "ok: quanto registers no CUDA extension here"
+        else:
+            get_extension("quanto_cuda").lib
+            result = f"ok: built in {time.time() - start:.0f} s"
+    except Exception as exc:  # the status file carries it to the stages that need the kernels
+        traceback.print_exc()
+        result = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    status.write_text(result + "\n")
+    ctx.emit("quanto_build", status=result, wall_s=round(time.time() - start, 1))
+
+
+# =========================================================================== step time
+
+
+def step(ctx: Ctx, family: str, compile: str = "auto", profile: bool = False, attention: str = "auto") -> None:
+    """LoRA steps of ``family`` with checkpointing (``compile``: the engine's auto, or off; ``attention``:
+    the engine's measured choice, or one backend); a torch.profiler pass when a target family misses
+    the H100 target by more than 20%."""
+    overrides = (["compile=false"] if compile == "off" else []) + (
+        [f"attention_backend={attention}"] if attention != "auto" else [])
+    with harness.rig_session(family, ctx.device, torch.bfloat16, scale=ctx.scale, overrides=overrides,
+                             checkpointing=True, resolution=ctx.resolution) as rig:
+        ctx.emit("build", family=family, build_s=round(rig.build_seconds, 1), load_peak_gib=rig.load_peak_gib,
+                 compiled=rig.compiled, attention=rig.attention.name, attention_reason=rig.attention.reason)
+        report = harness.run_steps(rig, ctx.steps, ctx.resolution)
+        flops = harness.rig_flops(rig, report)
+        seconds = report.median_step_s
+        targeted = family in gpu_report.TARGET_FAMILIES and compile == "auto"
+        ctx.emit("step", family=family, title=gpu_report.FAMILY_NAMES[family], checkpointing=True, compile=compile,
+                 compiled=rig.compiled, s_per_step=round(seconds, 4), first_step_s=round(report.step_times[0], 2),
+                 step_times=[round(t, 4) for t in report.step_times], peak_gib=report.peak_gib,
+                 reserved_gib=report.reserved_gib, tflop_per_step=round(flops.training / 1e12, 2),
+                 mfu=harness.mfu(flops, seconds, harness.peak_bf16_tflops(ctx.device_name)),
+                 image_tokens=report.image_tokens, text_tokens=report.text_tokens, attention=report.attention,
+                 losses=report.losses, finite=report.finite, device=ctx.device_name, resolution=ctx.resolution,
+                 steps=ctx.steps, target_s=TARGET_S if targeted else None,
+                 meets=(seconds <= TARGET_S) if targeted else None)
+        if profile and (seconds > TARGET_S * PROFILE_WHEN_OVER or ctx.dry_run):
+            profile_steps(ctx, rig, family, seconds)
+
+
+def profile_steps(ctx: Ctx, rig: harness.Rig, family: str, seconds: float) -> None:
+    """Where the step's time goes: the top kernels by device time and how much of the step the GPU
+    sits idle (host gaps: launches, syncs, Python)."""
+    prof = harness.profile_top_kernels(rig, ctx.resolution, steps=2)
+    top = [{"name": r.name, "calls": r.calls, "self_ms": round(r.self_ms, 2), "share": round(r.share, 4),
+            "category": harness.kernel_category(r.name)} for r in prof.top(15)]
+    ctx.emit("profile", family=family, title=gpu_report.FAMILY_NAMES[family], s_per_step=round(seconds, 4),
+             device_busy_s=round(prof.busy_s, 4), profiled_wall_s=round(prof.wall_s, 4),
+             idle_of_step=round(max(0.0, 1 - prof.busy_s / seconds), 3),
+             idle_of_profiled_step=round(max(0.0, 1 - prof.busy_s / prof.wall_s), 3),
+             shares={k: round(v, 4) for k, v in prof.shares().items()}, top=top, advice=gpu_report.advice(prof),
+             unit="device" if prof.device == "cuda" else "CPU", profiled_steps=prof.steps)
+
+
+# =========================================================================== memory profiles
+
+
+def memory(ctx: Ctx, profile: str, steps: int) -> None:
+    """A low-memory profile's YAML as the engine builds it: load / train / device peaks against the
+    budget and the planner, and its s/step (FLUX.2 [klein]: MFU too, and its own goals)."""
+    family = harness.PROFILE_FAMILIES.get(profile, "qwen_image")
+    rep = harness.memory_profile(profile, ctx.device, scale=ctx.scale, resolution=ctx.resolution,
+                                 steps=steps if not ctx.dry_run else 2)
+    s = rep.steps.median_step_s
+    fields: Dict[str, Any] = {}
+    if family == "flux2":
+        flops = harness.family_flops("flux2", ctx.resolution, ctx.scale)
+        peak = max(x for x in (rep.device_peak_gib, rep.load_peak_gib, 0.0) if x is not None)
+        mfu = harness.mfu(flops, s, harness.peak_bf16_tflops(ctx.device_name))
+        fields = {"tflop_per_step": round(flops.training / 1e12, 2), "mfu": mfu, "goal_gib": FLUX2_GOAL_GIB,
+                  "goal_mfu": FLUX2_GOAL_MFU, "meets_memory_goal": peak <= FLUX2_GOAL_GIB if rep.device_peak_gib else None,
+                  "meets_mfu_goal": (mfu >= FLUX2_GOAL_MFU) if mfu is not None else None}
+    ctx.emit("memory", profile=profile, yaml=harness.PROFILES[profile][0], family=family, budget_gib=rep.budget_gib,
+             blocks_to_swap=rep.blocks_to_swap, load_peak_gib=rep.load_peak_gib, train_peak_gib=rep.train_peak_gib,
+             device_peak_gib=rep.device_peak_gib, within_budget=rep.within_budget, planned_gib=rep.planned_gib,
+             plan_error=rep.plan_error, s_per_step=round(s, 4), first_step_s=round(rep.steps.step_times[0], 2),
+             step_times=[round(t, 4) for t in rep.steps.step_times], losses=rep.steps.losses,
+             finite=rep.steps.finite, compiled=rep.compiled, device=ctx.device_name, resolution=ctx.resolution,
+             **fields)
+
+
+# =========================================================================== what else fits
+
+
+def attention(ctx: Ctx) -> None:
+    """Each SDPA kernel forced alone on Qwen-Image's and FLUX.1-dev's attention at 1024^2."""
+    for family in gpu_report.one_per_transformer(["qwen_image", "flux"]):
+        rep = harness.compare_attention_backends(family, ctx.device, torch.bfloat16, ctx.resolution, scale=ctx.scale)
+        ctx.emit("attention", family=family, title=gpu_report.FAMILY_NAMES[family], shape=list(rep.shape),
+                 auto=rep.auto, fastest=rep.fastest, auto_is_fastest=rep.auto_is_fastest(), device=ctx.device_name,
+                 results=[{"name": r.name, "ms": r.ms, "out_error": r.out_error, "grad_error": r.grad_error,
+                           "correct": r.correct(rep.tolerance), "failure": r.failure} for r in rep.results])
+        gpu_report.free_memory()
+
+
+def startup(ctx: Ctx) -> None:
+    """A tiny run of ``train.py`` as a user starts it, twice (first run, then with the cache on disk):
+    wall time and the engine's own phase timings."""
+    from image_datasets.sample_data import make_sample_dataset
+    from utils.tiny_models import build_tiny_pipeline
+
+    precision = "no" if ctx.device.type == "cpu" else "bf16"
+    with tempfile.TemporaryDirectory(prefix="gpu-pass-startup-") as tmp:
+        model = build_tiny_pipeline("qwen_image", Path(tmp) / "model", seed=0)
+        data = make_sample_dataset(Path(tmp) / "data", size=64, count=6)
+        for cache in ("first run", "cache on disk"):
+            wall, summary = gpu_report.tiny_train_run([sys.executable], Path(tmp), model, data, precision)
+            phases = summary.get("wall_seconds", {})
+            ctx.emit("startup", launcher="python", cache=cache, wall_s=round(wall, 1), device=ctx.device_name,
+                     first_step_s=summary.get("first_step_s"),
+                     phases={k: phases.get(k) for k in gpu_report.STARTUP_PHASES})
+
+
+def report_section(ctx: Ctx, section: str, build: Callable[[gpu_report.Run], str]) -> None:
+    """One of gpu_report's sections, as the markdown it writes."""
+    ctx.emit("markdown", section=section, device=ctx.device_name, text=build(ctx.report_run(section, ["qwen_image"])))
+
+
+MEASUREMENTS: Dict[str, Callable[[Ctx], None]] = {
+    "machine": machine,
+    "qwen_step": lambda ctx: step(ctx, "qwen_image", "auto", profile=True),
+    "mem_24gb": lambda ctx: memory(ctx, "24gb", 5),
+    "mem_16gb": lambda ctx: memory(ctx, "16gb", 5),
+    "flux2_klein": lambda ctx: memory(ctx, "flux2_klein", 8),
+    "attention": attention,
+    "flux_step": lambda ctx: step(ctx, "flux", "auto"),
+    # FLUX.1-dev compiled with the cuDNN kernel hit an illegal memory access on an H200 (a8112a6): the
+    # same step with flash attention, and eager with cuDNN, say which of the two it needs.
+    "flux_step_flash": lambda ctx: step(ctx, "flux", "auto", attention="flash"),
+    "flux_eager": lambda ctx: step(ctx, "flux", "off"),
+    "qwen_eager": lambda ctx: step(ctx, "qwen_image", "off"),
+    "edit_step": lambda ctx: step(ctx, "qwen_image_edit", "auto"),
+    "startup": startup,
+    "loading": lambda ctx: report_section(ctx, "loading", gpu_report.loading_section),
+    "fp8": lambda ctx: report_section(ctx, "fp8", gpu_report.fp8_section),
+}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("name", choices=sorted(MEASUREMENTS) + ["quanto_build"])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--status", type=Path, help="quanto_build: the status file to write")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ctx = context(args.name, args.out, args.dry_run)
+    try:
+        if args.name == "quanto_build":
+            quanto_build(ctx, args.status)
+        else:
+            MEASUREMENTS[args.name](ctx)
+    except Exception as exc:  # recorded, so the pass's table shows the failure with its message
+        traceback.print_exc()
+        oom = isinstance(exc, torch.cuda.OutOfMemoryError)
+        ctx.emit("error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+                 out_of_memory=oom, where=traceback.format_exc().splitlines()[-3:][0].strip()[:200])
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The GPU pass (``benchmarks/gpu_pass.py``) on the CPU, so the one prepared device call keeps working:
+a dry run of three stages end to end, the time budget and the stage limits with stand-in stages, the
+parsing of pytest's output, and the docs' rows. Not marked ``gpu``: CI runs it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from benchmarks import gpu_pass, gpu_pass_docs
+
+ROOT = Path(__file__).resolve().parents[2]
+NAME = re.compile(r"^[A-Za-z0-9._-]+$")  # what the device tool brings back from $OUT
+
+
+def kinds(records: List[dict], kind: str) -> List[dict]:
+    return [r for r in records if r["kind"] == kind]
+
+
+def test_dry_run_of_two_stages_writes_results_docs_and_summary(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", "benchmarks/gpu_pass.sh", "--dry-run", "--budget", "400", "--out", str(out),
+                           "--stages", "qwen_step", "mem_16gb"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    files = sorted(f.name for f in out.iterdir())
+    assert all(f.is_file() for f in out.iterdir()) and len(files) <= 8 and all(NAME.match(f) for f in files), files
+    records = gpu_pass.read_records(out / gpu_pass.RESULTS)
+    stages = {r["stage"]: r for r in kinds(records, "stage")}
+    assert [s for s in stages if s != "quanto_build"] == ["qwen_step", "mem_16gb"]
+    assert all(stages[s]["status"] == "ok" and stages[s]["wall_s"] > 0 for s in ("qwen_step", "mem_16gb"))
+    assert "gpu_pass_measure.py qwen_step" in stages["qwen_step"]["command"]
+    assert stages["quanto_build"]["status"].startswith("ok"), "the background build ran and was recorded"
+    start = kinds(records, "pass")[0]
+    assert start["dry_run"] and start["commit"] and start["commit"] != "unknown"
+    step = kinds(records, "step")[0]
+    assert step["family"] == "qwen_image" and step["s_per_step"] > 0 and step["finite"] and len(step["losses"]) == 3
+    profile = kinds(records, "profile")[0]  # a dry run always profiles, to exercise the path
+    assert profile["top"] and abs(sum(profile["shares"].values()) - 1) < 1e-3 and profile["advice"]
+    memory = kinds(records, "memory")[0]
+    assert memory["profile"] == "16gb" and memory["blocks_to_swap"] == 1 and memory["finite"]
+    docs = (out / gpu_pass.DOCS_OUT["GPU_RESULTS"]).read_text()
+    assert "#### Step time and MFU at 64^2" in docs and "##### Where the time goes: Qwen-Image" in docs
+    assert "| 16gb | `train_configs/train_lora_16gb.yaml` | 1 |" in (out / gpu_pass.DOCS_OUT["LOW_MEMORY"]).read_text()
+    assert "Dry run on the CPU" in docs
+    tail = done.stdout.strip().splitlines()
+    assert tail[0].startswith("GPU pass (DRY RUN") and any(line.startswith("qwen_step    ok") for line in tail[-8:])
+
+
+def test_machine_record_and_file(tmp_path: Path) -> None:
+    from benchmarks import gpu_pass_measure
+
+    gpu_pass_measure.machine(gpu_pass_measure.context("machine", tmp_path, dry_run=True))
+    machine = kinds(gpu_pass.read_records(tmp_path / gpu_pass.RESULTS), "machine")[0]
+    assert machine["versions"]["torch"] and machine["torch"] and machine["cpus"] >= 1
+    text = (tmp_path / gpu_pass.MACHINE).read_text()
+    assert "$ nvidia-smi" in text and "torch==" in text
+
+
+@pytest.fixture
+def fake_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A pass whose stages are stand-ins: ``python -c CODE`` per stage name."""
+    scripts = {}
+
+    def command(p, name, *extra):
+        return [sys.executable, "-c", scripts[name]]
+
+    monkeypatch.setattr(gpu_pass, "measure_command", command)
+    out = tmp_path / "out"
+    out.mkdir()
+    p = gpu_pass.Pass(out, tmp_path / "work", budget_s=60.0, dry_run=True, t0=__import__("time").time())
+    p.work.mkdir()
+    p.log = open(out / gpu_pass.LOG, "a")
+    yield p, scripts
+    p.log.close()
+
+
+def test_a_stage_past_its_limit_is_stopped_and_keeps_what_it_wrote(fake_pass) -> None:
+    p, scripts = fake_pass
+    record = ("import json,time;open({!r},'a').write(json.dumps({{'kind':'step','stage':'slow'}})+'\\n');"
+              "print('RESULT step: written', flush=True);time.sleep(60)").format(str(p.results))
+    scripts["slow"] = record
+    gpu_pass.run_stage(p, gpu_pass.Stage("slow", 5, "slow", 1, 3, 1, 3))
+    records = gpu_pass.read_records(p.results)
+    assert kinds(records, "step") == [{"kind": "step", "stage": "slow"}], "the measurement before the limit is kept"
+    stage = kinds(records, "stage")[-1]
+    assert stage["status"].startswith("timed out after 3 s") and 3 <= stage["wall_s"] < 15
+    assert "RESULT step: written" in (p.out / gpu_pass.LOG).read_text()
+
+
+def test_a_stage_that_no_longer_fits_the_budget_is_skipped_and_the_next_one_runs(fake_pass) -> None:
+    p, scripts = fake_pass
+    scripts["small"] = "print('small ran')"
+    p.budget_s = gpu_pass.END_RESERVE_S + 20  # 20 s left
+    gpu_pass.run_stage(p, gpu_pass.Stage("big", 5, "big", 30, 60, 30, 60))
+    gpu_pass.run_stage(p, gpu_pass.Stage("small", 5, "small", 2, 10, 2, 10))
+    stages = kinds(gpu_pass.read_records(p.results), "stage")
+    assert stages[0]["stage"] == "big" and stages[0]["status"].startswith("skipped: no time left")
+    assert stages[1]["stage"] == "small" and stages[1]["status"] == "ok" and stages[1]["timeout_s"] <= 10
+
+
+def test_a_quanto_stage_is_skipped_when_the_extension_failed_to_build(fake_pass) -> None:
+    p, scripts = fake_pass
+    p.quanto_status.write_text("failed: nvcc not found\n")
+    gpu_pass.run_stage(p, gpu_pass.Stage("mem", 3, "mem", 1, 10, 1, 10, needs_quanto=True))
+    stage = kinds(gpu_pass.read_records(p.results), "stage")[-1]
+    assert stage["status"] == "skipped: quanto's CUDA extension did not build (failed: nvcc not found)"
+
+
+def test_pytest_results_are_read_from_verbose_lines_when_junit_is_missing() -> None:
+    text = "\n".join([
+        "tests/gpu/test_gpu_quick.py::test_a PASSED                                  [ 12%]",
+        "[gw1] [ 25%] FAILED tests/gpu/test_gpu_quick.py::test_b ",
+        "[gw0] [ 37%] SKIPPED tests/test_train_e2e.py::test_c ",
+        "tests/gpu/test_gpu_quick.py::test_d ",  # started, never finished (the stage was stopped)
+        "FAILED tests/gpu/test_gpu_quick.py::test_b - AssertionError: losses differ",
+    ])
+    found = {t["id"]: t["outcome"] for t in gpu_pass.parse_verbose(text)}
+    assert found == {"tests/gpu/test_gpu_quick.py::test_a": "passed", "tests/gpu/test_gpu_quick.py::test_b": "failed",
+                     "tests/test_train_e2e.py::test_c": "skipped"}
+
+
+def test_docs_rows_keep_a_missed_target_with_its_figure_and_the_profile(tmp_path: Path) -> None:
+    records = [
+        {"kind": "pass", "event": "start", "commit": "abc1234", "budget_s": 460, "dry_run": False, "when": "now"},
+        {"kind": "machine", "gpu": "NVIDIA H200", "driver": "580", "torch": "2.11.0+cu130", "versions": {}},
+        {"kind": "step", "stage": "qwen_step", "title": "Qwen-Image", "compile": "auto", "compiled": True,
+         "s_per_step": 0.61, "first_step_s": 30.2, "mfu": 0.26, "peak_gib": 40.1, "target_s": 0.45,
+         "device": "NVIDIA H200", "resolution": 1024, "tflop_per_step": 154.9},
+        {"kind": "profile", "stage": "qwen_step", "title": "Qwen-Image", "s_per_step": 0.61, "device_busy_s": 0.5,
+         "idle_of_step": 0.18, "profiled_steps": 2, "shares": {"gemm": 0.5, "other": 0.5},
+         "top": [{"name": "nvjet_gemm", "calls": 10, "self_ms": 5.0, "share": 0.5, "category": "gemm"}],
+         "advice": ["fuse things"]},
+        {"kind": "memory", "stage": "mem_24gb", "profile": "24gb", "yaml": "train_configs/train_lora_4090.yaml",
+         "budget_gib": 22, "device_peak_gib": 23.5, "within_budget": False, "s_per_step": 2.1, "device": "NVIDIA H200"},
+        {"kind": "stage", "stage": "qwen_step", "status": "ok", "wall_s": 80},
+        {"kind": "pass", "event": "end", "wall_s": 455},
+    ]
+    gpu = gpu_pass_docs.render(records, "GPU_RESULTS")
+    assert "| Qwen-Image | on | auto (compiled) | 0.610 |" in gpu and "**misses** 0.45 (H100 target) by +36%" in gpu
+    assert "| NVIDIA H200 | abc1234 |" in gpu and "this card is **NVIDIA H200**" in gpu
+    assert "idle 18% of the step" in gpu and "| `nvjet_gemm` | 10 | 5.0 | 50.0% | gemm |" in gpu
+    low = gpu_pass_docs.render(records, "LOW_MEMORY")
+    assert "| 24gb | `train_configs/train_lora_4090.yaml` |" in low and "| 23.50 | 22 | **no** |" in low
+    doc = tmp_path / "DOC.md"
+    doc.write_text("# Title\n\nintro\n")
+    gpu_pass_docs.apply(doc, "first")
+    gpu_pass_docs.apply(doc, "second")
+    text = doc.read_text()
+    assert text.count(gpu_pass_docs.BEGIN) == 1 and "second" in text and "first" not in text and "intro" in text
+    assert "qwen_step    ok" in gpu_pass_docs.summary(records)
+
+
+def test_results_survive_a_torn_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    gpu_pass.append_record(path, {"kind": "a", "x": float("nan")})
+    with open(path, "a") as fh:
+        fh.write('{"kind": "b", "tor')
+    assert [r["kind"] for r in gpu_pass.read_records(path)] == ["a"]
+    assert json.loads(path.read_text().splitlines()[0].replace("NaN", "null"))["x"] is None

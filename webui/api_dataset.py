@@ -1,0 +1,67 @@
+"""A run's dataset: its images with their captions, and saving an edited caption.
+
+    GET  /api/runs/{id}/dataset                         the run's image folders, each with its images
+                                                        and captions (``webui/dataset.py``)
+    GET  /api/runs/{id}/dataset/{n}/images/{path}       an image of folder n
+    POST /api/runs/{id}/dataset/{n}/captions            {"image": path, "caption": text}: write its caption
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, Field
+
+from webui import dataset, launch, runs
+from webui.deps import bad_request, folder_of
+from webui.paths import OutsideRoot
+
+router = APIRouter()
+
+
+class CaptionRequest(BaseModel):
+    image: str = Field(max_length=4096)
+    caption: str = Field(max_length=dataset.MAX_CAPTION_CHARS)
+
+
+def _folders(request: Request, run_id: str) -> list:
+    return dataset.folders(runs.read_config(folder_of(request, run_id)), launch.ROOT)
+
+
+def _folder(request: Request, run_id: str, index: int) -> Dict[str, Any]:
+    found = _folders(request, run_id)
+    if not 0 <= index < len(found):
+        raise HTTPException(404, f"run '{run_id}' has no dataset folder {index}")
+    return found[index]
+
+
+@router.get("/api/runs/{run_id}/dataset")
+def list_dataset(request: Request, run_id: str) -> Dict[str, Any]:
+    return {"folders": [dataset.listing(f) for f in _folders(request, run_id)],
+            "captioner": dataset.CAPTIONER is not None}
+
+
+@router.get("/api/runs/{run_id}/dataset/{index}/images/{path:path}")
+def dataset_image(request: Request, run_id: str, index: int, path: str) -> FileResponse:
+    try:
+        image: Path = dataset.image_path(_folder(request, run_id, index), path)
+    except OutsideRoot as exc:
+        raise HTTPException(404, str(exc)) from None
+    return FileResponse(image, headers={"Content-Security-Policy": "sandbox"})
+
+
+@router.post("/api/runs/{run_id}/dataset/{index}/captions")
+def save_caption(request: Request, run_id: str, index: int, body: CaptionRequest) -> Dict[str, str]:
+    folder = _folder(request, run_id, index)
+    try:
+        written = dataset.save_caption(folder, body.image, body.caption)
+    except OutsideRoot as exc:
+        raise HTTPException(404, str(exc)) from None
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    except OSError as exc:
+        raise bad_request(f"cannot write the caption of '{body.image}': {exc.strerror}", 409) from None
+    return {"image": body.image, "caption_file": written.name}

@@ -1,0 +1,105 @@
+"""What a config started from the page may do, on top of the CLI's own checks (``trainer.config``).
+
+The page is reachable by whoever can reach its port (with the token), so a config it runs is data
+from a stranger:
+
+- no ``${...}`` anywhere: OmegaConf would resolve ``${oc.env:HF_TOKEN}`` into the run's
+  ``config.yaml``, which the page serves. Refused with a 422 naming the key (the CLI's loader may
+  also refuse or keep them literal; both hold together);
+- every folder a run writes stays under ``--runs-dir`` (or a ``--cache-root`` given to the page):
+  ``output_dir`` is the run's own folder, ``logging_dir`` is inside it (the CLI checks that), and
+  ``cache_dir`` is checked here;
+- the run folder is the page's to choose: ``overwrite_output_dir`` from a profile never replaces
+  another run (the page replaces a run only when asked to by name, and then deletes it itself).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, List, Sequence
+
+from omegaconf import OmegaConf
+
+from trainer.config import TrainConfig
+from utils.errors import ConfigError
+
+INTERPOLATION = "${"
+SHOWN_CHARS = 60  # of a refused value, so that a huge one is not sent back
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
+def _refusal(key: str, value: str) -> str:
+    return (f"key '{key}': value '{_short(value)}' is an interpolation ('${{...}}'); the web page reads "
+            "configs as data only: write the value itself")
+
+
+def interpolation_problems(text: str, overrides: Sequence[str]) -> List[str]:
+    """Each key of the YAML text or of the ``key=value`` overrides whose value (or name) uses
+    ``${...}``. A YAML that does not parse is left to the CLI's check, which names the problem."""
+    problems: List[str] = []
+    if INTERPOLATION in text:
+        try:
+            data = OmegaConf.to_container(OmegaConf.create(text or "{}"), resolve=False)
+        except Exception:  # not YAML (the CLI's check says so), or a key OmegaConf cannot hold
+            data = None
+        if data is None:
+            problems.append(_refusal("(the YAML)", text[text.index(INTERPOLATION):]))
+        else:
+            _walk(data, "", problems)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if INTERPOLATION in item:
+            problems.append(_refusal(key, value) + " (given as an override)")
+    return problems
+
+
+def _walk(node: Any, prefix: str, problems: List[str]) -> None:
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        full = f"{prefix}{key}"
+        if INTERPOLATION in str(key):
+            problems.append(_refusal(full, str(key)))
+        if isinstance(value, (dict, list)):
+            _walk(value, f"{full}.", problems)
+        elif isinstance(value, str) and INTERPOLATION in value:
+            problems.append(_refusal(full, value))
+
+
+def refuse_interpolation(text: str, overrides: Sequence[str]) -> None:
+    """``ConfigError`` (the CLI's ``config.yaml: ...`` form) when ``interpolation_problems`` finds any."""
+    problems = interpolation_problems(text, overrides)
+    if problems:
+        raise ConfigError("config.yaml: " + "; ".join(problems))
+
+
+def forced_overrides(folder: Path) -> List[str]:
+    """What the page appends to every launch: the run's own folder, and no replacing of its outputs
+    by the trainer (a run the user asked to replace was removed by the page before)."""
+    return [f"output_dir={json.dumps(str(folder))}", "overwrite_output_dir=false"]  # quoted: any folder name is text
+
+
+def _under(path: Path, roots: Sequence[Path]) -> bool:
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(root.resolve()) for root in roots)
+
+
+def check_written_paths(cfg: TrainConfig, project_root: Path, roots: Sequence[Path]) -> None:
+    """``ConfigError`` when a folder the run writes is outside ``roots`` (the runs folder and the
+    cache root); relative paths are read from ``project_root``, where the runs start."""
+    problems = []
+    for key, value in (("output_dir", cfg.output_dir), ("cache_dir", cfg.cache_dir)):
+        if value is None:
+            continue
+        path = Path(value) if Path(value).is_absolute() else project_root / value
+        if not _under(path, roots):
+            where = " or ".join(f"'{root}'" for root in roots)
+            hint = ("leave it empty (the run's own cache, <run>/cache), or start the page with "
+                    "--cache-root FOLDER to share a cache") if key == "cache_dir" else "leave it to the page"
+            problems.append(f"key '{key}': value '{_short(str(value))}' is outside {where}, where the web page's "
+                            f"runs write; {hint}")
+    if problems:
+        raise ConfigError("config.yaml: " + "; ".join(problems))
