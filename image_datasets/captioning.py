@@ -289,7 +289,10 @@ def caption_folder(folder: Path, options: CaptionOptions, captioner: Optional[Ca
     bar = tqdm(total=len(plan.todo), desc=f"captioning {folder.name}", unit="image", disable=not progress)
     for batch in _batches(plan.todo, options.batch_size):
         for image, status, text in _caption_batch(captioner, batch, options):
-            if status == "captioned":
+            if not options.overwrite and caption_path(image, options.caption_ext).exists():
+                report.skipped.append(image)  # written meanwhile (the web page's editor): theirs stays
+                emit({"image": str(image), "status": "skipped"})
+            elif status == "captioned":
                 write_caption(image, text, options.caption_ext)
                 report.captioned.append(image)
                 emit({"image": str(image), "status": status, "caption": text})

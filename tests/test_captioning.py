@@ -91,6 +91,18 @@ def test_an_interrupted_run_resumes_where_it_stopped(tiny_vlm: Path, captioner: 
     assert all(read_caption(p) == text for p, text in written.items()), "done captions untouched"
 
 
+def test_a_caption_written_during_the_run_is_kept(tiny_vlm: Path, captioner: Captioner, tmp_path: Path) -> None:
+    paths = images(tmp_path, 3)
+
+    def edit_the_last(event: Dict) -> None:  # as the web page's editor would, while the run goes on
+        if not paths[2].with_suffix(".txt").exists():
+            paths[2].with_suffix(".txt").write_text("typed by the user")
+
+    report = caption_folder(tmp_path, options(tiny_vlm), captioner, on_event=edit_the_last, progress=False)
+    assert report.captioned == paths[:2] and report.skipped == [paths[2]]
+    assert read_caption(paths[2]) == "typed by the user"
+
+
 def test_an_interrupted_overwrite_resumes_and_then_starts_afresh(tiny_vlm: Path, captioner: Captioner,
                                                                  tmp_path: Path) -> None:
     paths = images(tmp_path, 4)
