@@ -32,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 from utils.errors import ConfigError
 from utils.folders import system_folder
 from trainer.families import SPECS
+from trainer.optimizer_specs import OPTIMIZERS
 
 # Weight formats of each quantization backend (their implementations: trainer/quantization.py).
 QUANTO_WEIGHTS = ("qfloat8", "qint8", "qint4")
@@ -301,12 +302,19 @@ class TrainConfig:
     lr_power: float = 1.0
 
     # Optimizer
-    optimizer: str = one_of("adamw", ("adamw", "adamw8bit", "adafactor"),
-                            "adamw8bit needs bitsandbytes (FlyMyAI's adam8bit: true)")
-    adam_beta1: float = 0.9
+    optimizer: str = one_of("adamw", tuple(OPTIMIZERS),
+                            "adamw8bit needs bitsandbytes (FlyMyAI's adam8bit: true); prodigy and "
+                            "prodigy_schedulefree find their own step size (learning_rate: 1.0); the "
+                            "schedule-free ones need lr_scheduler: constant; muon: Muon for the blocks' "
+                            "matrices, AdamW for the rest")
+    adam_beta1: float = 0.9  # also the betas and weight decay of the Prodigy and schedule-free optimizers
     adam_beta2: float = 0.999
     adam_weight_decay: float = 0.01
     adam_epsilon: float = 1e-8
+    # Prodigy (prodigy, prodigy_schedulefree): the usual knobs of its step-size estimate.
+    d_coef: float = 1.0  # scales the estimated step size (0.5 or 2.0 also work); the preferred tuning knob
+    safeguard_warmup: bool = False  # prodigy: keep warm-up from inflating the estimate (with lr_warmup_steps)
+    use_bias_correction: bool = False  # Adam's bias correction (prodigy) / the RAdam variant (schedule-free)
     max_grad_norm: float = 1.0
     max_nonfinite_steps: int = 5  # non-finite loss/gradient steps in a row before stopping
 
@@ -854,7 +862,18 @@ def _schedule_problems(cfg: TrainConfig) -> List[str]:
     )
 
 
+# Keys that only some optimizers read: (the optimizers, the default). Another value elsewhere is refused.
+OPTIMIZER_KEYS = {"d_coef": (("prodigy", "prodigy_schedulefree"), 1.0),
+                  "safeguard_warmup": (("prodigy",), False),
+                  "use_bias_correction": (("prodigy", "prodigy_schedulefree"), False)}
+PRODIGY_LR_RANGE = (0.1, 10.0)  # a learning_rate outside multiplies Prodigy's own step size far away
+
+
 def _optimizer_problems(cfg: TrainConfig) -> List[str]:
+    spec = OPTIMIZERS.get(cfg.optimizer)
+    if spec is None:
+        return []  # the choice check names it
+    missing = spec.missing()
     return _failed(
         (0 <= cfg.adam_beta1 < 1, f"key 'adam_beta1': value {cfg.adam_beta1} must be in [0, 1)"),
         (0 <= cfg.adam_beta2 < 1, f"key 'adam_beta2': value {cfg.adam_beta2} must be in [0, 1)"),
@@ -862,7 +881,35 @@ def _optimizer_problems(cfg: TrainConfig) -> List[str]:
         (cfg.adam_epsilon > 0, f"key 'adam_epsilon': value {cfg.adam_epsilon} must be > 0"),
         (cfg.max_nonfinite_steps >= 1, f"key 'max_nonfinite_steps': value {cfg.max_nonfinite_steps} must be >= 1"),
         (cfg.max_grad_norm >= 0, f"key 'max_grad_norm': value {cfg.max_grad_norm} must be >= 0 (0 disables)"),
+        (cfg.d_coef > 0, f"key 'd_coef': value {cfg.d_coef} must be > 0"),
+        (missing is None, f"key 'optimizer': {cfg.optimizer} needs {spec.requirement} ({spec.package} is not "
+         f"installed): {missing}"),
+        *[(cfg.optimizer in users or getattr(cfg, key) == default,
+           f"key '{key}': only {' and '.join(users)} read it (optimizer is {cfg.optimizer}); remove it")
+          for key, (users, default) in OPTIMIZER_KEYS.items()],
+        (not spec.schedule_free or cfg.lr_scheduler == "constant",
+         f"key 'lr_scheduler': {cfg.optimizer} is schedule-free (it averages the weights instead of decaying "
+         f"the learning rate); use lr_scheduler: constant, not {cfg.lr_scheduler}"
+         + (" (lr_warmup_steps still warms it up, inside the optimizer)" if cfg.optimizer == "adamw_schedulefree"
+            else "")),
+        (cfg.optimizer != "prodigy_schedulefree" or cfg.lr_warmup_steps == 0,
+         "key 'lr_warmup_steps': prodigy_schedulefree warms up by itself (its step size grows from a tiny "
+         "start); set 0"),
+        (not (cfg.fused_backward and spec.adaptive),
+         f"key 'fused_backward': {cfg.optimizer} estimates one step size from every weight's gradient, so it "
+         "cannot step each weight alone; use fused_backward: false (or adamw, adafactor, adamw_schedulefree)"),
     )
+
+
+def optimizer_warnings(cfg: TrainConfig) -> List[str]:
+    """What the optimizer settings allow but is likely a mistake (logged when the optimizer is built)."""
+    spec = OPTIMIZERS[cfg.optimizer]
+    low, high = PRODIGY_LR_RANGE
+    if spec.adaptive and not low <= cfg.learning_rate <= high:
+        return [f"key 'learning_rate': {cfg.learning_rate:g} with optimizer {cfg.optimizer}, which finds its own "
+                "step size and multiplies it by learning_rate: the usual value is 1.0 (0.5 if training is "
+                "unstable); tune d_coef instead"]
+    return []
 
 
 def _lora_problems(cfg: TrainConfig) -> List[str]:

@@ -35,6 +35,7 @@ from loguru import logger
 
 from trainer.adapters import adapter_parameters
 from trainer.config import TrainConfig
+from trainer.optimizer_specs import OPTIMIZERS
 from utils.errors import ConfigError
 
 SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED)
@@ -217,6 +218,9 @@ def refuse_unsupported(cfg: TrainConfig, kind: DistributedType) -> None:
         if value:
             raise ConfigError(f"key '{key}': value {value} is not supported with {kind.value} (sharded weights); "
                               "unset it, or train with DDP")
+    if not OPTIMIZERS[cfg.optimizer].shards:  # each reads whole weights (Muon's matrices, Prodigy's d, z)
+        raise ConfigError(f"key 'optimizer': {cfg.optimizer} is not supported with {kind.value} (sharded weights); "
+                          "use adamw, adamw8bit or adafactor, or train with DDP")
 
 
 def prepare_kwargs(accelerator: Accelerator) -> Dict[str, Any]:

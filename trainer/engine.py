@@ -43,7 +43,7 @@ from trainer.families import load_family
 from trainer.families.base import ModelFamily
 from trainer.features import FeatureStore, latent_shape
 from trainer.model_setup import prepare_transformer, transformer_load_device
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim import build_lr_scheduler, build_optimizer, evaluation_weights, step_size, training_weights
 from trainer.platform import RunPolicy, configure_device, prepare_environment
 from trainer.precision import choose_mixed_precision
 from trainer.position import RunState, micro_batches
@@ -251,7 +251,7 @@ class Trainer:
                                         attention_tokens=self._attention_tokens())
         self.attention, self.swapper, self.compiled = ready.attention, ready.swapper, ready.compiled
         self.params = [p for p in transformer.parameters() if p.requires_grad]
-        optimizer = build_optimizer(cfg, self.params)
+        optimizer = build_optimizer(cfg, self.params, blocks=self.family.blocks(transformer))
         lr_scheduler = build_lr_scheduler(cfg, optimizer, self.accelerator.num_processes)
         self.transformer, self.optimizer, self.lr_scheduler = self.accelerator.prepare(
             transformer, optimizer, lr_scheduler, **distributed.prepare_kwargs(self.accelerator))
@@ -273,6 +273,7 @@ class Trainer:
         self.accelerator.register_load_state_pre_hook(self._load_model_hook)
         if self.resume_from is not None:
             self._resume(self.resume_from)
+        training_weights(optimizer)  # schedule-free: train mode (a checkpoint holds the evaluation weights)
 
     def _attention_tokens(self) -> Optional[int]:
         """The run's longest joint sequence: the attention kernels are timed at it on a GPU. None elsewhere."""
@@ -412,7 +413,7 @@ class Trainer:
         if self.accelerator.num_processes > 1:
             loss = self.accelerator.gather(loss[None]).mean()
         values = step_values(loss, grad_norm)
-        known = dict(step=self.state.step + 1, epoch=self.state.epoch, lr=self.lr_scheduler.get_last_lr()[0])
+        known = dict(step=self.state.step + 1, epoch=self.state.epoch, lr=step_size(self.raw_optimizer))
         self.dataset_losses.end_step(known["step"])
         if self.skip_on_device:
             arm_device_skip(self.raw_optimizer, values)
@@ -487,6 +488,10 @@ class Trainer:
 
     def _validate(self) -> None:
         """Render the validation prompts with the current weights (main process; the others wait)."""
+        with evaluation_weights(self.raw_optimizer):
+            self._render_validation()
+
+    def _render_validation(self) -> None:
         if self.is_main:
             conds = self.features.conditions(self.validation.text_requests())
             paths = self.validation.render(self.accelerator.unwrap_model(self.transformer), self.state.step,
@@ -501,9 +506,10 @@ class Trainer:
         saved = {**self.state.saved(), "samples_seen": self.data.samples_seen(self.sampler, self.state,
                                                                               self.accelerator.num_processes)}
         record = resume_check.record(self.cfg, self.family.model_path, self.samples, saved)
-        path = ckpt.write_checkpoint(self.output_dir, self.state.step,
-                                     lambda folder: self.accelerator.save_state(str(folder)), record,
-                                     self.is_main, barrier=self.accelerator.wait_for_everyone)
+        with evaluation_weights(self.raw_optimizer):  # schedule-free: the weights worth keeping
+            path = ckpt.write_checkpoint(self.output_dir, self.state.step,
+                                         lambda folder: self.accelerator.save_state(str(folder)), record,
+                                         self.is_main, barrier=self.accelerator.wait_for_everyone)
         self.accelerator.wait_for_everyone()
         if self.is_main:
             self.folder.checkpointed(self.state.step, self.cfg.checkpoints_total_limit)
@@ -512,14 +518,8 @@ class Trainer:
     def finish(self) -> Path:
         """Write the final LoRA file (or full pipeline folder) into ``output_dir``; close the trackers."""
         self.accelerator.wait_for_everyone()
-        final = self.folder.final
-        model, trained = distributed.gathered(self.accelerator, self.transformer, self.is_main)  # every process
+        final = self._export()
         if self.is_main:
-            with distributed.unpartitioned_loading(self.accelerator):  # the base pipeline loads on one process
-                final = self.weights.export(model, self.output_dir, self.family.model_path, trained)
-            logger.info(f"saved {final}")
-            if self.ema is not None:
-                self._export_ema(model)
             sheet = self.validation.contact_sheet()
             self.folder.close()  # metrics.jsonl complete before it is read
             curve = plot_losses(self.folder.read_metrics(), self.output_dir / "loss_curve.png")
@@ -533,6 +533,20 @@ class Trainer:
                            "attention_backend": self.attention.name},
                           steps=self.state.step, final_loss=self.state.last_loss)
         self.accelerator.end_training()
+        return final
+
+    def _export(self) -> Path:
+        """The trained weights (schedule-free: the evaluation weights) and their EMA, written by the main
+        process; every process takes part in gathering sharded weights."""
+        final = self.folder.final
+        with evaluation_weights(self.raw_optimizer):
+            model, trained = distributed.gathered(self.accelerator, self.transformer, self.is_main)
+            if self.is_main:
+                with distributed.unpartitioned_loading(self.accelerator):  # the base pipeline loads on one process
+                    final = self.weights.export(model, self.output_dir, self.family.model_path, trained)
+                logger.info(f"saved {final}")
+                if self.ema is not None:
+                    self._export_ema(model)
         return final
 
     def _export_ema(self, model: torch.nn.Module) -> None:

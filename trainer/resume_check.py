@@ -6,8 +6,9 @@ and the dataset. A resume compares them with the new run:
 - a change that would silently corrupt the run (what the trained weights *are*: family, base model,
   training mode, adapter type, rank, alpha, targets, optimizer) is refused, naming key, old and new;
 - any other change (learning rate, scheduler, max steps, dataset, ...) is applied from the
-  checkpoint's step on and logged as such; a new learning rate or schedule really applies (the
-  optimizer state would otherwise bring the old one back);
+  checkpoint's step on and logged as such; a new learning rate, schedule or optimizer setting
+  (betas, weight decay, Prodigy's ``d_coef``) really applies (the optimizer state would otherwise
+  bring the old one back);
 - ``max_train_steps`` below the checkpoint's step is refused.
 """
 
@@ -25,6 +26,7 @@ from loguru import logger
 from image_datasets.dataset import Sample
 from trainer import checkpoint as ckpt
 from trainer.config import TrainConfig
+from trainer.optim import apply_settings
 from utils.errors import ConfigError, UserError
 
 # What the trained weights are: a resume with another value would train something else.
@@ -83,6 +85,7 @@ def load(checkpoint: Path, load_state: Callable[[str], Any], cfg: TrainConfig, s
         raise UserError(f"cannot resume from {checkpoint}: {type(exc).__name__}: {_first_line(exc)} (resume from "
                         "an earlier checkpoint with resume_from_checkpoint=<its folder>, or start a new run)") from None
     _apply_schedule(scheduler, fresh)
+    apply_settings(_inner(scheduler).optimizer, cfg)  # the other optimizer keys of the new config too
     for line in _changes(state, cfg, samples):
         logger.warning(f"resume from {checkpoint.name}: {line}")
 

@@ -32,6 +32,7 @@ from loguru import logger
 
 from trainer import checkpoint as ckpt, disk_full
 from trainer.config import TrainConfig, config_to_yaml
+from utils.files import write_text_atomic  # noqa: F401  (also imported from here by webui/launch.py)
 from trainer.run_lock import RunLock
 from trainer.signals import register_cleanup
 from utils.errors import ConfigError, TrainingInterrupted, UserError
@@ -312,15 +313,3 @@ def _rewrite_in_place(path: Path, text: str) -> None:
         os.write(fd, data.ljust(os.fstat(fd).st_size, b" "))
     finally:
         os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write beside and rename into place: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk keeps no half-written file
-        raise
-    return path

@@ -86,6 +86,56 @@ def load_qwen_vl_processor(
     )
 
 
+def load_vl_processor(model: str | Path, **kwargs: Any) -> Any:
+    """``AutoProcessor.from_pretrained(model)``; where torchvision is unusable and the processor has a
+    video part that needs it (the Qwen-VL processors), the same processor class without that part,
+    built from its image processor, tokenizer and chat template. ``kwargs`` go to ``from_pretrained``."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(model, **kwargs)
+    except ImportError:  # the video processor's import of torchvision
+        if torchvision_usable():
+            raise
+        cls = _processor_class(model, kwargs)
+        if cls is None or cls.get_attributes() != ["image_processor", "tokenizer", "video_processor"]:
+            raise
+    logger.info(f"torchvision unavailable: loading {cls.__name__} without its video processor")
+    from transformers import AutoImageProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(model, **kwargs)
+    local = _read_chat_template(Path(model)) if Path(model).is_dir() else None
+    return without_video(cls)(image_processor=AutoImageProcessor.from_pretrained(model, **kwargs), tokenizer=tokenizer,
+                              chat_template=local or getattr(tokenizer, "chat_template", None))
+
+
+def without_video(cls: type) -> type:
+    """A subclass of the processor class ``cls`` (image processor, tokenizer, video processor) that
+    takes no video processor: ``ProcessorMixin`` reads the parts from the ``__init__`` signature."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs: Any) -> None:
+        cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return type(f"{cls.__name__}WithoutVideo", (cls,), {"__init__": __init__})
+
+
+def _processor_class(model: str | Path, kwargs: dict) -> type | None:
+    """The processor class ``AutoProcessor`` would build for ``model``: the one its processor or
+    preprocessor config names, else the one of its model type."""
+    from transformers import AutoConfig
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
+    from transformers.utils import cached_file
+
+    hub = {k: v for k, v in kwargs.items() if k in ("revision", "local_files_only", "token", "cache_dir")}
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        path = cached_file(str(model), name, _raise_exceptions_for_missing_entries=False, **hub)
+        found = json.loads(Path(path).read_text()).get("processor_class") if path else None
+        if found:
+            return processor_class_from_name(found)
+    found = PROCESSOR_MAPPING_NAMES.get(AutoConfig.from_pretrained(model, **hub).model_type)
+    return processor_class_from_name(found) if found else None
+
+
 def save_qwen_vl_processor(processor: Qwen2VLProcessor, folder: str | Path) -> Path:
     """Write `processor` in the layout of Qwen/Qwen-Image-Edit's `processor/` folder, naming the standard
     `Qwen2VLProcessor`: tokenizer files + chat template, `preprocessor_config.json` and a

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
 from trainer.families.spec import BlockLayout
+from trainer.optimizer_specs import Matrix, TrainedShapes
 from trainer.planner.model import BlockKind, LinearInfo, TransformerSpec
 from trainer.planner.settings import INT8_SCRATCH_IN, INT8_SCRATCH_OUT, Settings
 
@@ -35,12 +36,17 @@ class LoraLayout:
                                          for li in self.per_block.get(kind.prefix, ())) for kind in spec.blocks)
         return per_block + sum(rank * (li.in_features + li.out_features) for li in self.outer)
 
-    def factored_state(self, spec: TransformerSpec, rank: int) -> int:
-        """Adafactor's factored second moment: a row and a column vector per matrix (A and B)."""
-        vectors = lambda li: 2 * rank + li.in_features + li.out_features  # noqa: E731
-        per_block = sum(kind.count * sum(vectors(li) for li in self.per_block.get(kind.prefix, ()))
-                        for kind in spec.blocks)
-        return per_block + sum(vectors(li) for li in self.outer)
+    def shapes(self, spec: TransformerSpec, rank: int) -> TrainedShapes:
+        """The LoRA matrices as the optimizer sees them (fp32): A (rank x in) and B (out x rank, zero at
+        the start) of each adapted linear, those of the blocks marked hidden."""
+        def pair(li: LinearInfo, count: int, hidden: bool) -> Tuple[Matrix, Matrix]:
+            return (Matrix(rank, li.in_features, count, hidden),
+                    Matrix(li.out_features, rank, count, hidden, starts_zero=True))
+
+        matrices = [m for kind in spec.blocks for li in self.per_block.get(kind.prefix, ())
+                    for m in pair(li, kind.count, True)]
+        matrices += [m for li in self.outer for m in pair(li, 1, False)]
+        return TrainedShapes(tuple(matrices))
 
 
 def lora_layout(spec: TransformerSpec, targets: Any) -> LoraLayout:

@@ -10,6 +10,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from utils.errors import UserError
 from trainer.families import SPECS
+from trainer.optimizer_specs import OPTIMIZERS
 from trainer.planner.activations import (LoraLayout, Tokens, block_input_bytes, estimate_activations, int8_scratch_bytes,
                                          lora_layout)
 from trainer.planner.model import EncoderSpec, ModelSpec, TransformerSpec, model_spec
@@ -219,17 +220,14 @@ def _training_items(spec: ModelSpec, s: Settings, lora: LoraLayout) -> List[Memo
     return items
 
 
-OPTIMIZER_NAMES = {"adamw": "AdamW", "adamw8bit": "8-bit AdamW", "adafactor": "Adafactor"}
-
-
 def _optimizer_item(t: TransformerSpec, lora: LoraLayout, s: Settings) -> MemoryItem:
-    """AdamW: two fp32 moments (8 B/param); 8-bit AdamW: two 8-bit moments (2 B/param); Adafactor:
-    a factored fp32 second moment (row + column vectors per matrix), no first moment."""
-    name = f"optimizer state ({OPTIMIZER_NAMES.get(s.optimizer, s.optimizer)})"
-    if s.optimizer == "adafactor":
-        return MemoryItem(name, _gib(4 * lora.factored_state(t, s.rank)), "factored second moment")
-    per_param = 2 if s.optimizer == "adamw8bit" else 8
-    return MemoryItem(name, _gib(lora.params(t, s.rank) * per_param), f"{per_param} bytes/param")
+    """The optimizer's state for the LoRA weights, by its own formula (``trainer/optimizer_specs.py``):
+    AdamW two fp32 moments (8 B/param), 8-bit AdamW 2 B/param, Adafactor a factored second moment,
+    Prodigy 16 B/param, schedule-free AdamW 8, Prodigy + schedule-free about 4, Muon 4 in the blocks."""
+    spec = OPTIMIZERS[s.optimizer]
+    state = spec.state_bytes(lora.shapes(t, s.rank))
+    params = lora.params(t, s.rank)
+    return MemoryItem(f"optimizer state ({spec.label})", _gib(state), f"{state / params:.2g} bytes/param")
 
 
 def _activation_items(spec: ModelSpec, s: Settings, lora: LoraLayout) -> List[MemoryItem]:
@@ -403,7 +401,7 @@ def _title(spec: ModelSpec, s: Settings) -> str:
             f"batch {s.batch}, {s.precision}, LoRA rank {s.rank}\n"
             f"tokens per sample: {s.image_tokens} image + {s.text_tokens} text; gradient checkpointing "
             f"{'on' if s.checkpointing else 'off'}; quantization {quant}; optimizer "
-            f"{OPTIMIZER_NAMES.get(s.optimizer, s.optimizer)}; blocks_to_swap {s.blocks_to_swap}; "
+            f"{OPTIMIZERS[s.optimizer].label}; blocks_to_swap {s.blocks_to_swap}; "
             f"device {s.device}")
 
 

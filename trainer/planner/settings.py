@@ -95,7 +95,7 @@ class Settings:
     checkpointing: bool
     quantization: Optional[str]  # None, or a QUANT_BYTES key
     text_encoder_quantization: Optional[str]
-    optimizer: str  # adamw | adamw8bit | adafactor
+    optimizer: str  # a key of trainer.optimizer_specs.OPTIMIZERS
     blocks_to_swap: int
     precompute_text: bool
     precompute_image: bool

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from trainer.optimizer_specs import OPTIMIZERS, Matrix, TrainedShapes
 from trainer.planner.model import TransformerSpec, model_spec
 
 GIB = 1024 ** 3
@@ -50,15 +51,19 @@ class ShardedMemory:
         return self.weights + self.gradients + self.optimizer + self.gathered_block
 
 
+def full_shapes(spec: TransformerSpec) -> TrainedShapes:
+    """Every transformer weight as the optimizer sees it (fp32 masters): the linears' matrices (those
+    of the blocks hidden) and the elements of everything else."""
+    matrices = [Matrix(li.out_features, li.in_features, kind.count) for kind in spec.blocks for li in kind.linears]
+    matrices += [Matrix(li.out_features, li.in_features, hidden=False) for li in spec.outer_linears]
+    return TrainedShapes(tuple(matrices), other=spec.params - sum(m.numel for m in matrices), element_bytes=4)
+
+
 def optimizer_bytes(spec: TransformerSpec, optimizer: str) -> float:
-    """Optimizer state of every transformer weight: AdamW two fp32 moments, 8-bit AdamW two 8-bit
-    moments, Adafactor a factored fp32 second moment (rows + columns of each matrix, whole vectors)."""
-    if optimizer == "adafactor":
-        matrices = [li for kind in spec.blocks for li in kind.linears for _ in range(kind.count)]
-        matrices += list(spec.outer_linears)
-        matrix_params = sum(li.in_features * li.out_features for li in matrices)
-        return 4.0 * (sum(li.in_features + li.out_features for li in matrices) + spec.params - matrix_params)
-    return spec.params * {"adamw": 8, "adamw8bit": 2}[optimizer]
+    """Optimizer state of every transformer weight, by the optimizer's own formula
+    (``trainer/optimizer_specs.py``): AdamW two fp32 moments, 8-bit AdamW two 8-bit moments,
+    Adafactor a factored fp32 second moment (rows + columns of each matrix, whole vectors), ..."""
+    return OPTIMIZERS[optimizer].state_bytes(full_shapes(spec))
 
 
 def sharded_memory(spec: TransformerSpec, optimizer: str, mode: str, processes: int) -> ShardedMemory:
@@ -76,7 +81,8 @@ def table(spec: TransformerSpec, optimizer: str, gpus: Sequence[int]) -> str:
     """A markdown table: total GiB per GPU (weights + gradients + optimizer state) per mode and count."""
     lines = ["| GPUs | " + " | ".join(MODES) + " |", "|---|" + "---|" * len(MODES)]
     for n in gpus:
-        cells = [f"{sharded_memory(spec, optimizer, mode, n).total:.1f}" for mode in MODES]
+        cells = [f"{sharded_memory(spec, optimizer, mode, n).total:.1f}"
+                 if mode == "ddp" or OPTIMIZERS[optimizer].shards else "n/a" for mode in MODES]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -85,7 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.planner.sharding", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="Qwen/Qwen-Image", help="hub id or local diffusers folder")
     parser.add_argument("--family", default="qwen_image")
-    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw8bit", "adafactor"))
+    parser.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS))
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = parser.parse_args(argv)
     spec = model_spec(args.model, None, args.family).transformer

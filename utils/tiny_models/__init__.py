@@ -19,6 +19,7 @@ from .flux2 import build_tiny_flux2
 from .kandinsky5 import build_tiny_kandinsky5
 from .qwen_image import build_tiny_qwen_image
 from .qwen_image_edit import build_tiny_qwen_image_edit
+from .vlm import build_tiny_vlm
 from .z_image import build_tiny_z_image
 from utils.qwen_processor import load_qwen_vl_processor, record_standard_processor, save_qwen_vl_processor
 
@@ -49,6 +50,7 @@ __all__ = [
     "build_tiny_pipeline",
     "build_tiny_qwen_image",
     "build_tiny_qwen_image_edit",
+    "build_tiny_vlm",
     "build_tiny_z_image",
     "load_qwen_vl_processor",
     "record_standard_processor",
