@@ -52,6 +52,9 @@ from utils.attention import AttentionChoice, BackendTiming, available_backends, 
 from utils.cuda_utils import read_device_facts, supports_feature
 
 ROOT = Path(__file__).resolve().parents[2]
+# An existing folder to stand for data_config.img_dir where a profile is only read (its blocks_to_swap):
+# not ROOT, which holds the profiles' relative output_dir (an output inside the images is refused).
+NO_IMAGES = ROOT / "train_configs"
 GIB = 2**30
 # Every family the memory planner models: the harness reads the same block layouts (its FLOPs count
 # the tokens each linear sees), and compares its measured peaks with the planner's.
@@ -655,7 +658,7 @@ def convergence(family: str, steps: int = 100, resolution: int = 1024, dtype: to
     yaml = None
     if profile is not None:
         yaml = PROFILES[profile][0]
-        swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={ROOT}"], default_family=family).blocks_to_swap
+        swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={NO_IMAGES}"], default_family=family).blocks_to_swap
         overrides.append(f"blocks_to_swap={scaled_swap(swap, family, scale)}")
     with rig_session(family, device, dtype, scale=scale, model_dir=model_dir, overrides=overrides,
                      seed=seed, resolution=resolution, profile=yaml) as rig:
@@ -831,7 +834,7 @@ def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: 
     yaml, budget = PROFILES[profile]
     family = PROFILE_FAMILIES.get(profile, family)
     device = torch.device(device)
-    swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={ROOT}", *overrides],
+    swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={NO_IMAGES}", *overrides],
                        default_family=family).blocks_to_swap
     swap = scaled_swap(swap, family, scale)
     overrides = [*overrides, f"blocks_to_swap={swap}", f"data_config.img_size={resolution}"]
