@@ -2,7 +2,8 @@
 
     python caption.py --data DIR [--model PATH_OR_ID] [--prompt TEXT] [--trigger-word WORD]
                       [--max-new-tokens N] [--batch-size N] [--overwrite | --skip-existing]
-                      [--quantize 4bit|8bit] [--dtype auto|bf16|fp16|fp32] [--dry-run] [--json]
+                      [--quantize 4bit|8bit] [--dtype auto|bf16|fp16|fp32] [--caption-ext txt]
+                      [--dry-run] [--json]
     python caption.py --config train_configs/train_lora.yaml [...]   # each dataset of a training profile
 
 Existing captions are kept (``--skip-existing``, the default) unless ``--overwrite``; an interrupted
@@ -47,6 +48,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when there is a GPU)")
     parser.add_argument("--max-image-side", type=int, default=1024, help="scale larger images down first")
     parser.add_argument("--revision", help="hub revision of --model")
+    parser.add_argument("--caption-ext", default="txt",
+                        help="caption file extension with --data (default txt; --config: each dataset's caption_type)")
     parser.add_argument("--dry-run", action="store_true", help="say what would be captioned; load no model")
     parser.add_argument("--json", action="store_true", help="one JSON line per image, then the summary")
     return parser.parse_args(argv)
@@ -59,7 +62,8 @@ def jobs(args: argparse.Namespace) -> List[Tuple[Path, CaptionOptions]]:
                   batch_size=args.batch_size, overwrite=args.overwrite, quantization=args.quantize,
                   dtype=args.dtype, device=args.device, max_image_side=args.max_image_side, revision=args.revision)
     if args.data:
-        return [(Path(args.data), CaptionOptions(**common, trigger_word=args.trigger_word))]
+        return [(Path(args.data), CaptionOptions(**common, caption_ext=args.caption_ext,
+                                                 trigger_word=args.trigger_word))]
     from trainer.config import dataset_entries, load_config
 
     cfg = load_config(args.config)

@@ -653,7 +653,7 @@ def test_a_runs_dataset_shows_and_saves_captions(client: TestClient, runs_dir: P
     shutil.copytree(sample_data, data)
     (runs_dir / "done" / "config.yaml").write_text(f"data_config:\n  img_dir: {data}\n  caption_type: txt\n")
     listed = client.get("/api/runs/done/dataset").json()
-    assert listed["captioner"] is False  # "caption this folder" comes with caption.py
+    assert listed["caption_model"] == "Qwen/Qwen3-VL-2B-Instruct"  # "Caption this folder": tests/test_webui_captioning.py
     folder = listed["folders"][0]
     images = sorted(p for p in data.iterdir() if p.suffix in (".png", ".jpg", ".jpeg", ".webp"))
     assert folder["total"] == len(images) == len(folder["items"])

@@ -298,7 +298,8 @@ def test_manage_runs_in_the_page(serve: Callable[..., str], browser: Any, tmp_pa
     image = item.get_attribute("data-image")
     assert item.find_element(page.by.CSS_SELECTOR, "textarea").get_attribute("value") == \
         (data / image).with_suffix(".txt").read_text().strip()
-    assert not page.find("#caption-folder").is_enabled()  # "caption this folder": caption.py's, not yet here
+    assert page.find(".caption-folder .caption-start").is_enabled()  # run: tests/test_webui_captioning.py
+    assert page.find(".caption-folder .caption-model").get_attribute("value") == "Qwen/Qwen3-VL-2B-Instruct"
     caption = item.find_element(page.by.CSS_SELECTOR, "textarea")
     caption.clear()
     caption.send_keys("ohwx, a hand-edited caption")

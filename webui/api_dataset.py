@@ -4,19 +4,24 @@
                                                         and captions (``webui/dataset.py``)
     GET  /api/runs/{id}/dataset/{n}/images/{path}       an image of folder n
     POST /api/runs/{id}/dataset/{n}/captions            {"image": path, "caption": text}: write its caption
+    POST /api/runs/{id}/dataset/{n}/caption-folder      {"model", "trigger_word", "overwrite"}: caption the
+                                                        folder with a vision-language model (caption.py)
+    GET  /api/runs/{id}/dataset/{n}/caption-folder      that job's state (``webui/captioning.py``)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
+from image_datasets.captioning import DEFAULT_MODEL
 from webui import dataset, launch, runs
-from webui.deps import bad_request, folder_of
+from webui.captioning import CaptionSettings, job_state
+from webui.deps import bad_request, folder_of, page
 from webui.paths import OutsideRoot
 
 router = APIRouter()
@@ -25,6 +30,12 @@ router = APIRouter()
 class CaptionRequest(BaseModel):
     image: str = Field(max_length=4096)
     caption: str = Field(max_length=dataset.MAX_CAPTION_CHARS)
+
+
+class CaptionFolderRequest(BaseModel):
+    model: str = Field(DEFAULT_MODEL, min_length=1, max_length=4096)
+    trigger_word: Optional[str] = Field(None, max_length=200)
+    overwrite: bool = False
 
 
 def _folders(request: Request, run_id: str) -> list:
@@ -41,7 +52,7 @@ def _folder(request: Request, run_id: str, index: int) -> Dict[str, Any]:
 @router.get("/api/runs/{run_id}/dataset")
 def list_dataset(request: Request, run_id: str) -> Dict[str, Any]:
     return {"folders": [dataset.listing(f) for f in _folders(request, run_id)],
-            "captioner": dataset.CAPTIONER is not None}
+            "caption_model": DEFAULT_MODEL}
 
 
 @router.get("/api/runs/{run_id}/dataset/{index}/images/{path:path}")
@@ -65,3 +76,29 @@ def save_caption(request: Request, run_id: str, index: int, body: CaptionRequest
     except OSError as exc:
         raise bad_request(f"cannot write the caption of '{body.image}': {exc.strerror}", 409) from None
     return {"image": body.image, "caption_file": written.name}
+
+
+def _job_files(request: Request, run_id: str, index: int) -> Path:
+    return folder_of(request, run_id) / "captioning" / f"folder-{index}"
+
+
+@router.post("/api/runs/{run_id}/dataset/{index}/caption-folder")
+def caption_folder(request: Request, run_id: str, index: int, body: CaptionFolderRequest) -> Dict[str, Any]:
+    folder = _folder(request, run_id, index)
+    if not Path(folder["path"]).is_dir():
+        raise bad_request(f"folder '{folder['path']}' does not exist", 404)
+    jobs = page(request).captions
+    try:
+        jobs.start(folder, _job_files(request, run_id, index),
+                   CaptionSettings(model=body.model.strip(), trigger_word=(body.trigger_word or "").strip() or None,
+                              overwrite=body.overwrite))
+    except RuntimeError as exc:
+        raise bad_request(str(exc), 409) from None
+    return caption_folder_state(request, run_id, index)
+
+
+@router.get("/api/runs/{run_id}/dataset/{index}/caption-folder")
+def caption_folder_state(request: Request, run_id: str, index: int) -> Dict[str, Any]:
+    folder = _folder(request, run_id, index)
+    jobs = page(request).captions
+    return job_state(_job_files(request, run_id, index), jobs.running(folder), jobs.returncode(folder))

@@ -6,15 +6,14 @@ as the loader reads them (``image_datasets/dataset.py``: images with ``IMAGE_EXT
 under the folder, the caption beside each with the folder's ``caption_type`` extension). A caption is
 written only beside an image that is there, as ``<image stem>.<caption_type>``, whole (atomically).
 
-Captioning a whole folder with a model is ``caption.py``'s (issue 33): ``CAPTIONER`` is where the
-page will call it; until it exists the page shows the action as not yet available.
+Captioning a whole folder with a model is ``caption.py``'s, started by ``webui/captioning.py``.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from image_datasets.dataset import IMAGE_EXTENSIONS
 from trainer.config import FOLDER_KEYS
@@ -23,7 +22,6 @@ from webui.paths import OutsideRoot, safe_join
 
 MAX_ITEMS = 500  # images listed per folder (a page of thumbnails, not a browser for 100k images)
 MAX_CAPTION_CHARS = 20_000
-CAPTIONER: Optional[Callable[[Path], Any]] = None  # "caption this folder" (caption.py, issue 33)
 
 
 def folders(cfg: Dict[str, Any], project_root: Path) -> List[Dict[str, Any]]:

@@ -11,6 +11,7 @@ from fastapi import HTTPException, Request
 
 from utils.errors import ConfigError
 from webui import launch, runs
+from webui.captioning import CaptionJobs
 from webui.paths import OutsideRoot, run_folder
 from webui.scheduler import Scheduler
 
@@ -28,6 +29,7 @@ class PageState:
     write_roots: List[Path]  # where a run's config may write: the runs folder, and --cache-root
     metrics: runs.MetricsReader = field(default_factory=runs.MetricsReader)
     plans: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    captions: CaptionJobs = field(default_factory=CaptionJobs)  # "Caption this folder" children
 
 
 def page(request: Request) -> PageState:

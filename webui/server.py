@@ -59,6 +59,7 @@ def create_app(runs_dir: Path, token: Optional[str] = None, allowed_hosts: Optio
         thread.start()
         yield
         closing.set()
+        app.state.page.captions.stop_all()  # a captioning child ends with the server (started again, it resumes)
 
     app = FastAPI(title="trainer web UI", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     roots = [runs_dir.resolve(), *([Path(cache_root).resolve()] if cache_root else [])]

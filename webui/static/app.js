@@ -359,16 +359,57 @@ async function showDataset() {
   box.replaceChildren(el("p", {class: "hint"}, "loading ..."));
   let data;
   try { data = await api(`/api/runs/${enc(id)}/dataset`); } catch (error) { box.replaceChildren(el("p", {class: "errors"}, error.message)); return; }
-  $("#caption-folder").disabled = !data.captioner;
   box.replaceChildren();
   data.folders.forEach((folder, n) => {
     box.appendChild(el("h3", {}, `${folder.name}: ${folder.path} (${folder.total} images, .${folder.caption_type} captions)`));
     if (folder.error) { box.appendChild(el("p", {class: "errors"}, folder.error)); return; }
+    box.appendChild(captionFolderControls(id, n, data.caption_model));
     if (folder.total > folder.items.length) box.appendChild(el("p", {class: "hint"}, `the first ${folder.items.length} are shown`));
     const grid = el("div", {class: "dataset-grid"});
     for (const item of folder.items) grid.appendChild(datasetItem(id, n, item));
     box.appendChild(grid);
   });
+}
+
+// "Caption this folder": caption.py in a child process; its state is polled until it ends.
+let captionTimers = {};
+function captionFolderControls(id, n, defaultModel) {
+  const row = el("div", {class: "row caption-folder", "data-folder": n});
+  const model = el("input", {class: "caption-model", size: 36, value: defaultModel, title: "hub id or local folder of a vision-language model"});
+  const trigger = el("input", {class: "caption-trigger", size: 12, placeholder: "trigger word", title: "put first in every caption"});
+  const overwrite = el("input", {type: "checkbox", class: "caption-overwrite"});
+  const start = el("button", {class: "caption-start"}, "Caption this folder");
+  const status = el("span", {class: "caption-status hint"});
+  const replace = el("label", {}, " replace existing captions");
+  replace.prepend(overwrite);
+  for (const node of [model, trigger, replace, start, status]) row.appendChild(node);
+  const url = `/api/runs/${enc(id)}/dataset/${n}/caption-folder`;
+  const show = job => {
+    const counts = job.state === "none" ? "" : `captioned ${job.captioned}, kept ${job.skipped}, failed ${job.failed}`;
+    status.textContent = {none: "", running: `captioning ... ${counts}`, done: `done: ${counts}`,
+                          interrupted: `interrupted (${counts}); start again to go on`, failed: `failed: ${job.error}`}[job.state] ?? job.state;
+    if (job.failures && job.failures.length) status.title = job.failures.map(f => `${f.image}: ${f.reason}`).join("\n");
+    start.disabled = job.state === "running";
+  };
+  const poll = async () => {
+    clearTimeout(captionTimers[n]);
+    let job;
+    try { job = await api(url); } catch (error) { status.textContent = error.message; return; }
+    show(job);
+    if (job.state === "running") captionTimers[n] = setTimeout(poll, 2000);
+    else if (start.dataset.started) { delete start.dataset.started; showDataset(); }  // the new captions
+  };
+  start.addEventListener("click", async () => {
+    if (overwrite.checked && !confirm("Replace every existing caption of this folder?")) return;
+    start.disabled = true;
+    try {
+      show(await api(url, {model: model.value, trigger_word: trigger.value || null, overwrite: overwrite.checked}));
+      start.dataset.started = "1";
+      captionTimers[n] = setTimeout(poll, 2000);
+    } catch (error) { status.textContent = error.message; start.disabled = false; }
+  });
+  poll();
+  return row;
 }
 
 function datasetItem(id, n, item) {
@@ -396,6 +437,7 @@ function datasetItem(id, n, item) {
 async function route() {
   if (source) { source.close(); source = null; }
   clearInterval(listTimer);
+  Object.values(captionTimers).forEach(clearTimeout);
   $("#lightbox").hidden = true;
   const hash = location.hash || "#/";
   const [path, query] = hash.split("?");
