@@ -1,4 +1,5 @@
-"""The model families: one package each (``<name>/spec.py`` facts, ``<name>/model.py`` runtime).
+"""The model families: one package each (``<name>/spec.py`` facts, ``<name>/model.py`` runtime,
+``<name>/tiny.py`` its tiny test model: the spec's published configs with shrink overrides).
 
 ``SPECS`` is the one registry. It imports only the light spec modules, so config checks, the memory
 planner, the dataset checker and inference can ask it without loading diffusers; ``load_family``
