@@ -736,3 +736,17 @@ def test_kandinsky5_and_z_image_are_built_but_refused_in_one_line(
     assert main("qwen_image", "plan", ["--config", str(ROOT / profile), "--plan", "--gpu-memory", "24GiB"]) == 2
     err = capsys.readouterr().err.strip()
     assert re.match(line, err.removeprefix("error: ")) and "\n" not in err
+
+
+def test_every_published_vae_has_its_own_activation_factors() -> None:
+    """No VAE is planned with another's numbers: each published checkpoint's VAE class is traced, and an
+    unknown class is refused, naming it."""
+    from trainer.families.components import VAE_ACTIVATION_FACTORS
+    from trainer.planner.plan import vae_factors
+
+    classes = {configs["vae/config.json"]["_class_name"] for spec in SPECS.values()
+               for configs in spec.hub_configs.values()}
+    assert classes <= set(VAE_ACTIVATION_FACTORS), classes - set(VAE_ACTIVATION_FACTORS)
+    assert vae_factors("AutoencoderKLFlux2") == vae_factors("AutoencoderKL")  # diffusers' same Encoder/Decoder
+    with pytest.raises(ValueError, match="AutoencoderKLWan"):
+        vae_factors("AutoencoderKLWan")

@@ -10,6 +10,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from utils.errors import UserError
 from trainer.families import SPECS
+from trainer.families.components import VAE_ACTIVATION_FACTORS
 from trainer.optimizer_specs import OPTIMIZERS
 from trainer.planner.activations import (LoraLayout, Tokens, block_input_bytes, estimate_activations, int8_scratch_bytes,
                                          lora_layout)
@@ -25,8 +26,6 @@ from trainer.planner.settings import (
     HOST_BASELINE_CUDA_GIB,
     QUANT_BYTES,
     SCALE_BYTES,
-    VAE_DECODE_FACTOR,
-    VAE_ENCODE_FACTOR,
     WORKSPACE_GIB,
     Settings,
     _side_tokens,
@@ -34,6 +33,15 @@ from trainer.planner.settings import (
     planned_family,
     resolve_settings,
 )
+
+def vae_factors(class_name: str) -> Tuple[float, float]:
+    """(encode, decode) activation factors of a VAE class (``components.VAE_ACTIVATION_FACTORS``); a class
+    not traced yet is refused rather than planned with another VAE's numbers."""
+    if class_name not in VAE_ACTIVATION_FACTORS:
+        raise ValueError(f"the memory planner has no activation factors for VAE class {class_name} yet "
+                         "(trainer/families/components.py VAE_ACTIVATION_FACTORS)")
+    return VAE_ACTIVATION_FACTORS[class_name]
+
 
 # --------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
@@ -269,7 +277,7 @@ def _validation_items(spec: ModelSpec, s: Settings, train_items: Sequence[Memory
     denoise = tokens * (4 * t.hidden + t.mlp_hidden) * a  # one block's q/k/v/out and MLP hidden, no grad
     decode = 0.0
     if spec.vae is not None:
-        decode = VAE_DECODE_FACTOR.get(spec.vae.class_name, 18.0) * spec.vae.base_channels * a * s.validation_pixels
+        decode = vae_factors(spec.vae.class_name)[1] * spec.vae.base_channels * a * s.validation_pixels
     items = [MemoryItem("resident (weights, LoRA, optimizer, VAE, context)", resident, "as in training"),
              MemoryItem("denoising activations", _gib(denoise), f"{tokens} tokens, inference",
                         counted=denoise >= decode),
@@ -320,7 +328,7 @@ def _cache_pass_items(spec: ModelSpec, s: Settings) -> List[MemoryItem]:
                         f"{s.encode_batch} prompt(s) x {s.encode_tokens} tokens") for e in spec.text_encoders]
     vae: List[MemoryItem] = []
     if spec.vae is not None:
-        factor = VAE_ENCODE_FACTOR.get(spec.vae.class_name, 10.0)
+        factor = vae_factors(spec.vae.class_name)[0]
         encode = factor * spec.vae.base_channels * s.act_bytes * s.img_size ** 2
         vae = [MemoryItem("VAE weights", _gib(spec.vae.params * s.act_bytes), f"{spec.vae.class_name}"),
                MemoryItem("VAE encode activations", _gib(encode),

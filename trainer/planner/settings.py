@@ -53,12 +53,6 @@ SCALE_BYTES: Dict[str, int] = {"int8_w8a8": 4}
 # its int8 values, 5 B per input feature) and the product (int32, then fp32: 8 B per output feature).
 INT8_SCRATCH_IN, INT8_SCRATCH_OUT = 5, 8
 
-# VAE encode peak (inference, no grad) per input pixel, in units of (first-level channels x bytes):
-# traced on fake tensors at 512^2 and 1024^2 (the ratio is constant); see the docs.
-VAE_ENCODE_FACTOR: Dict[str, float] = {"AutoencoderKLQwenImage": 10.1, "AutoencoderKL": 5.0}
-VAE_DECODE_FACTOR: Dict[str, float] = {"AutoencoderKLQwenImage": 18.0, "AutoencoderKL": 6.0}  # same, decoding
-
-
 # --------------------------------------------------------------------------- sizes
 _UNITS = {"": GIB, "g": GIB, "gi": GIB, "gib": GIB, "gb": 1e9, "m": 2**20, "mi": 2**20, "mib": 2**20,
           "mb": 1e6, "t": 2**40, "ti": 2**40, "tib": 2**40, "tb": 1e12}
