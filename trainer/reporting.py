@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from PIL import Image, ImageDraw
 
 from trainer.config import TrainConfig, config_to_yaml
+from trainer.metric_logging import read_metrics
 from trainer.run_dir import RunFolder
 
 
@@ -76,7 +77,7 @@ def write_summary(folder: RunFolder, cfg: TrainConfig, seconds: float, memory: D
     may have been cleaned up or rotated meanwhile), time (and ``timing``: start-up phases, first step,
     compile and attention choices, the datasets and what the run drew of each), the smoothed final
     loss of the logged curve, peak memory, output paths."""
-    losses = [r["loss"] for r in folder.read_metrics()]
+    losses = [r["loss"] for r in read_metrics(folder.metrics)]
     summary = {
         "config_sha256": hashlib.sha256(config_to_yaml(cfg).encode()).hexdigest(),
         "family": cfg.family,
