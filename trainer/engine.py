@@ -10,7 +10,6 @@ step's maths ``trainer/training_step.py``.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import sys
 import time
@@ -49,7 +48,7 @@ from trainer.precision import choose_mixed_precision
 from trainer.position import RunState, micro_batches
 from trainer.quantization import check_available, quantization_spec
 from trainer.memory_check import warn_if_it_does_not_fit
-from trainer.reporting import plot_histogram, plot_losses, write_summary
+from trainer.reporting import log_wall_time, plot_histogram, plot_losses, process_age_s, write_summary
 from trainer.run_dir import METRICS_NAME, RunFolder
 from trainer.metric_logging import JsonlLogger, MetricLoggers, TrackerLogger, read_metrics
 from trainer.signals import GracefulStop
@@ -523,7 +522,7 @@ class Trainer:
             sheet = self.validation.contact_sheet()
             self.metrics.close()  # metrics.jsonl complete before it is read
             curve = plot_losses(read_metrics(self.folder.metrics), self.output_dir / "loss_curve.png")
-            self._log_wall_time()
+            log_wall_time(self.wall)
             write_summary(self.folder, self.cfg, self.train_seconds, self.monitor.log_summary(),
                           {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME,
                            **({"contact_sheet": str(sheet)} if sheet else {})},
@@ -556,18 +555,3 @@ class Trainer:
         path = self.weights.export(model, self.output_dir / "ema", self.family.model_path)
         self.ema.restore(self.params)
         logger.info(f"saved EMA weights to {path}")
-
-    def _log_wall_time(self) -> None:
-        """Where the run's seconds went, start-up included (imports, set-up, cache pass, loading)."""
-        shown = ", ".join(f"{name} {secs:.1f} s" for name, secs in self.wall.items() if secs is not None)
-        logger.info(f"wall time: {shown}")
-
-
-def process_age_s() -> Optional[float]:
-    """Seconds since this process started (Linux ``/proc``; None elsewhere)."""
-    try:
-        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
