@@ -12,7 +12,7 @@ launch (``webui/runs.py`` lists its keys). Which run starts when is ``webui/sche
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import json
 import os
 import re
@@ -50,27 +50,22 @@ class Entry:
 
 
 def read_entry(path: Path) -> Optional[Entry]:
-    """The ``main(default_family=..., profile_defaults=...)`` call of an entry script, read from its
-    source (not run): None when the file is no such script."""
-    tree = ast.parse(path.read_text())
-    constants = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
-                 for t in node.targets if isinstance(t, ast.Name)}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "main":
-            kwargs = {k.arg: k.value for k in node.keywords}
-            if not isinstance(kwargs.get("default_family"), ast.Constant):
-                continue
-            defaults = kwargs.get("profile_defaults")
-            if isinstance(defaults, ast.Name):
-                defaults = constants.get(defaults.id)
-            doc = (ast.get_docstring(tree) or "").split("\n", 1)[0]
-            return Entry(path.name, kwargs["default_family"].value,
-                         ast.literal_eval(defaults) if defaults is not None else {}, doc)
-    return None
+    """The entry script at ``path``, imported (its ``main`` runs only as ``__main__``): the family it
+    trains (``FAMILY``), the policy beneath the YAML (``PROFILE_DEFAULTS``) and its docstring's first
+    line. None when the file declares no ``FAMILY`` (not an entry script)."""
+    spec = importlib.util.spec_from_file_location(f"_entry_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    family = getattr(module, "FAMILY", None)
+    if not isinstance(family, str):
+        return None
+    return Entry(path.name, family, dict(getattr(module, "PROFILE_DEFAULTS", None) or {}),
+                 (module.__doc__ or "").strip().split("\n", 1)[0])
 
 
 def entries() -> Dict[str, Entry]:
-    """The project's training entry scripts by file name."""
+    """The project's training entry scripts by file name: the ``train*.py`` modules at the root, each
+    declaring its row (``FAMILY``, ``PROFILE_DEFAULTS``)."""
     found = {}
     for path in sorted(ROOT.glob("train*.py")):
         entry = read_entry(path)
