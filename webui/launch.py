@@ -28,9 +28,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from trainer.config import TrainConfig, load_config
 from trainer.run_dir import write_text_atomic
-from trainer.run_lock import LOCK_NAME, read_lock
+from trainer.run_lock import live_owner
 from utils.errors import ConfigError
-from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, launched_alive, lock_alive, read_json, stop_pending
+from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, launched_alive, read_json, stop_pending
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -196,17 +196,17 @@ class Launcher:
         Returns the pids signalled. ``LookupError`` when nothing of the run runs, or a stop was sent
         already (a second signal would make the trainer exit without its checkpoint)."""
         record = read_json(folder / LAUNCH_NAME) or {}
-        lock = read_lock(folder / LOCK_NAME)
+        owner = live_owner(folder)
         mine = bool(self.alive(run_id)) or launched_alive(record)
         if record.get("queued"):
             raise LookupError(f"run '{run_id}' is queued, not running: cancel it instead")
-        if stop_pending(folder, record) and (mine or lock_alive(lock)):
+        if stop_pending(folder, record) and (mine or owner):
             raise LookupError(f"run '{run_id}' was asked to stop and is writing its checkpoint")
         if mine:
             child = self.children.get(run_id)
             pid = child.pid if child is not None and self.alive(run_id) else record["pid"]
-        elif lock_alive(lock):
-            pid = lock["pid"]  # type: ignore[index]
+        elif owner:
+            pid = owner["pid"]
         else:
             raise LookupError(f"run '{run_id}' is not running")
         try:
