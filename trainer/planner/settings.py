@@ -25,9 +25,9 @@ from utils.errors import ConfigError
 from trainer.families import family_spec
 from trainer.families.spec import IMAGE_PIXELS_PER_TOKEN, FamilySpec, ReferenceTokens
 from trainer.features import ENCODE_BATCH  # the cache pass's prompts per encoder call
-from trainer.planner.model import ModelSpec
+from trainer.planner.model import ModelSizes
 from trainer.platform import keeps_encoders
-from trainer.quantization import QuantizationSpec, quantization_spec, text_encoder_spec
+from trainer.quantization import QuantizationChoice, quantization_spec, text_encoder_spec
 
 GIB = 2**30
 
@@ -122,7 +122,7 @@ def planned_family(cfg: TrainConfig) -> FamilySpec:
     return family
 
 
-def resolve_settings(cfg: TrainConfig, spec: ModelSpec, *, blocks_to_swap: Optional[int] = None,
+def resolve_settings(cfg: TrainConfig, spec: ModelSizes, *, blocks_to_swap: Optional[int] = None,
                      quantization: Optional[str] = None, text_tokens: Optional[int] = None,
                      device: str = "cuda", streamed_loading: bool = True,
                      text_encoder_quantization: Optional[str] = None) -> Settings:
@@ -160,7 +160,7 @@ def resolve_settings(cfg: TrainConfig, spec: ModelSpec, *, blocks_to_swap: Optio
         offload_checkpoints=checkpointing and device == "cuda" and offloads_block_inputs(cfg, unified))
 
 
-def _weights(spec: Optional[QuantizationSpec]) -> Optional[str]:
+def _weights(spec: Optional[QuantizationChoice]) -> Optional[str]:
     return spec.weights if spec is not None else None
 
 
@@ -204,7 +204,7 @@ class _TokenCounts:
     vision_patches: int
 
 
-def _token_counts(cfg: TrainConfig, spec: ModelSpec, family: FamilySpec, side: int,
+def _token_counts(cfg: TrainConfig, spec: ModelSizes, family: FamilySpec, side: int,
                   text_tokens: Optional[int]) -> _TokenCounts:
     """Tokens per sample: image (latent / 8, packed 2x2 -> (side/16)^2) and text, from the family's facts."""
     text = family.text
