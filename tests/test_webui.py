@@ -33,7 +33,7 @@ import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from trainer import cli, run_lock  # noqa: E402
-from webui import launch  # noqa: E402
+from webui import runner  # noqa: E402
 from webui.guard import SESSION_COOKIE  # noqa: E402
 from webui.schema import schema_fields, yaml_values  # noqa: E402
 from webui.server import create_app  # noqa: E402
@@ -120,7 +120,7 @@ def fake_app(runs_dir: Path) -> Iterator[Callable[..., Any]]:
     made: List[Any] = []
 
     def make(**options: Any) -> Any:
-        app = create_app(options.pop("runs", runs_dir), launcher=launch.Launcher(command=[sys.executable, str(FAKE)]),
+        app = create_app(options.pop("runs", runs_dir), launcher=runner.Launcher(command=[sys.executable, str(FAKE)]),
                          **options)
         made.append(app)
         return app
@@ -240,7 +240,7 @@ def test_the_form_comes_from_the_schema_with_help_and_the_common_keys_first() ->
                                             "label": "sample prompts", "order": 7}]
     text = "validation:\n  prompts: [a cat, {prompt: a dog, width: 64}]\n"
     assert json.loads(yaml_values(text)["validation.prompts"]) == ["a cat", {"prompt": "a dog", "width": 64}]
-    assert launch.form_overrides({"validation.prompts": '["a: b"]', "output_dir": "x: y", "seed": ""},
+    assert runner.form_overrides({"validation.prompts": '["a: b"]', "output_dir": "x: y", "seed": ""},
                                  {"validation.prompts": "yaml", "output_dir": "text", "seed": "integer"}) == [
         'validation.prompts=["a: b"]', 'output_dir="x: y"', "seed=null"]
 
@@ -248,7 +248,7 @@ def test_the_form_comes_from_the_schema_with_help_and_the_common_keys_first() ->
 def test_entry_scripts_are_read_with_their_policy() -> None:
     import importlib
 
-    found = launch.entries()
+    found = runner.entries()
     assert {"train.py", "train_4090.py", "train_flux_lora.py"} <= set(found)
     assert found["train_4090.py"].defaults == importlib.import_module("train_4090").LOW_MEMORY
     assert (found["train_flux_lora.py"].family, found["train.py"].defaults) == ("flux", {})
@@ -685,11 +685,11 @@ SERVE = r'''
 import runpy, sys
 root, fake = sys.argv[1], sys.argv[2]
 sys.path.insert(0, root)
-from webui import launch
-class FakeLauncher(launch.Launcher):  # the stand-in for trainer.launch, as in the API tests
+from webui import runner
+class FakeLauncher(runner.Launcher):  # the stand-in for trainer.launch, as in the API tests
     def __init__(self, launcher_args=None, command=None):
         super().__init__(command=[sys.executable, fake])
-launch.Launcher = FakeLauncher
+runner.Launcher = FakeLauncher
 sys.argv = [root + "/webui.py", *sys.argv[3:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''

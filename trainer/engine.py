@@ -36,7 +36,7 @@ from trainer.async_step import StepReadout, StepRecord, arm_device_skip, skips_o
 from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from trainer.dataset_losses import DatasetLosses
-from trainer.datasets import TrainingData
+from trainer.data_mix import TrainingData
 from utils.errors import ProcessLost, TrainingDiverged, TrainingInterrupted, from_loader_worker
 from trainer.families import load_family
 from trainer.families.base import ModelFamily
@@ -87,7 +87,7 @@ class Trainer:
         self.metrics = MetricLoggers()  # metrics.jsonl (main process) and the trackers: one record per step
         self.family: Optional[ModelFamily] = None
         # prepare_data
-        self.data: Optional[TrainingData] = None  # every dataset's samples (trainer/datasets.py)
+        self.data: Optional[TrainingData] = None  # every dataset's samples (trainer/data_mix.py)
         self.samples: List[Sample] = []
         self.dataset_losses: Optional[DatasetLosses] = None
         self.validation: Optional[ValidationRenderer] = None

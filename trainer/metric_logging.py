@@ -23,6 +23,7 @@ from trainer.config import TrainConfig
 from utils.files import write_text_atomic
 
 METRICS_FLUSH_S = 1.0  # metrics.jsonl lines reach the file within this, and at every checkpoint
+WALL_CLOCK = ("time", "step_time_s", "samples_per_s")  # the fields of a record that differ run to run
 
 
 class MetricLogger(Protocol):

@@ -32,7 +32,7 @@ from loguru import logger
 
 from trainer import checkpoint as ckpt, disk_full
 from trainer.config import TrainConfig, config_to_yaml
-from utils.files import write_text_atomic  # noqa: F401  (also imported from here by webui/launch.py)
+from utils.files import write_text_atomic  # noqa: F401  (also imported from here by webui/runner.py)
 from trainer.run_lock import RunLock
 from trainer.signals import register_cleanup
 from utils.errors import ConfigError, TrainingInterrupted, UserError

@@ -15,7 +15,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
-from webui import dataset, launch, runs
+from webui import dataset, runner, runs
 from webui.deps import bad_request, folder_of
 from webui.paths import OutsideRoot
 
@@ -28,7 +28,7 @@ class CaptionRequest(BaseModel):
 
 
 def _folders(request: Request, run_id: str) -> list:
-    return dataset.folders(runs.read_config(folder_of(request, run_id)), launch.ROOT)
+    return dataset.folders(runs.read_config(folder_of(request, run_id)), runner.ROOT)
 
 
 def _folder(request: Request, run_id: str, index: int) -> Dict[str, Any]:

@@ -7,7 +7,7 @@ and tolerates their absence, since older run folders lack the newer ones:
     run_status.json    {"state": running|finished|failed|stopped, "step", "max_steps", "message", "time"}
     metrics.jsonl      {"step", "loss", "lr", "time", "loss/<dataset>", ...} per line; the last may be torn
     summary.json       at the end (``trainer/reporting.py``)
-    webui_launch.json  written by this page for the runs it starts or queues (``webui/launch.py``):
+    webui_launch.json  written by this page for the runs it starts or queues (``webui/runner.py``):
                        {"entry", "overrides", "created", "max_steps", "plan", "queued", "queued_at",
                         "cancelled", "argv", "pid", "started", "device", "returncode", "ended",
                         "stop_requested", "launch_error"}

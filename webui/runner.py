@@ -1,5 +1,5 @@
-"""Starting and stopping runs: the entry scripts, the CLI's own config check, ``--plan``, the launch
-record, and the child processes.
+"""Starting and stopping runs from the page (the trainer's own launcher is ``trainer/launch.py``): the
+entry scripts, the CLI's own config check, ``--plan``, the launch record, and the child processes.
 
 A run started here is ``python -m trainer.launch [--cpu ...] <entry> --config <run>/webui_config.yaml
 key=value ... output_dir=<run> overwrite_output_dir=false``: an argument list, never a shell string.
