@@ -186,6 +186,18 @@ class FamilyBase:
     def unused_modules(self, transformer: torch.nn.Module) -> List[str]:
         return []
 
+    def predict(self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
+                references: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """``ModelFamily.predict``: reference latents reach only a family that takes them; the family's
+        ``velocity`` is the transformer call in the pipeline's own layout."""
+        self.refuse_references(references)
+        return self.velocity(transformer, noisy_latents, sigmas, text, references)
+
+    def velocity(self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
+                 references: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The transformer's velocity prediction in the latents' ``(B, C, H, W)`` layout (each family's own)."""
+        raise NotImplementedError
+
     def refuse_references(self, references: Sequence[torch.Tensor]) -> None:
         """``predict``'s guard: reference latents reach only a family that takes them."""
         if len(references) and not self.uses_references:

@@ -147,15 +147,8 @@ class Flux2Family(FamilyBase):
         return self.vae.decode(_unpatchify(patches * std + mean)).sample
 
     # -- transformer ------------------------------------------------------------------------------
-    def predict(
-        self,
-        transformer: torch.nn.Module,
-        noisy_latents: torch.Tensor,
-        sigmas: torch.Tensor,
-        text: Tensors,
-        references: Sequence[torch.Tensor] = (),
-    ) -> torch.Tensor:
-        self.refuse_references(references)
+    def velocity(self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
+                 references: Sequence[torch.Tensor]) -> torch.Tensor:
         device, dtype = noisy_latents.device, noisy_latents.dtype
         patches = _patchify(noisy_latents)
         b, c, h, w = patches.shape
