@@ -89,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     import uvicorn
 
-    from webui.launch import Launcher
+    from webui.runner import Launcher
     from webui.scheduler import visible_gpus
     from webui.server import create_app
 

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+import utils.quiet  # noqa: E402,F401  (before torch, diffusers and peft: their known-harmless import warnings)
 import torch  # noqa: E402
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel  # noqa: E402
 from peft import LoraConfig  # noqa: E402

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, train_in_process
 from image_datasets.dataset import SizeGroupedBatchSampler
 from image_datasets.sample_data import make_sample_dataset
+from trainer.metric_logging import WALL_CLOCK
 from trainer.config import ValidationPrompt, load_config, same_folder_warnings
 from trainer.reporting import loss_series
 from utils.errors import ConfigError, DataError
@@ -91,7 +92,7 @@ def test_an_entry_without_a_folder_is_named(datasets: str, message: str) -> None
 
 def test_an_empty_dataset_is_named_in_the_error(folders: Dict[str, Path], tmp_path: Path,
                                                 tiny_qwen_image: Path) -> None:
-    from trainer.datasets import TrainingData
+    from trainer.data_mix import TrainingData
     from trainer.families import load_family
 
     (tmp_path / "empty").mkdir()
@@ -194,7 +195,7 @@ def test_multi_dataset_resume_is_bit_identical(multi_run: Path, folders: Dict[st
     want, got = (load_file(str(p / "pytorch_lora_weights.safetensors")) for p in (multi_run, out))
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     def logged(lines: List[Dict]) -> List[Dict]:
-        return [{k: v for k, v in m.items() if k != "time"} for m in lines]  # the wall clock differs
+        return [{k: v for k, v in m.items() if k not in WALL_CLOCK} for m in lines]  # the wall clock differs
 
     assert logged(metrics(out)) == logged(metrics(multi_run)[10:])
     summary = json.loads((out / "summary.json").read_text())
@@ -312,7 +313,7 @@ def test_two_dataset_run_killed_inside_accumulation_resumes_bit_identical(folder
     assert resumed.returncode == 0 and "checkpoint-7 at step 7" in resumed.stderr, resumed.stderr[-3000:]
     want, got = (load_file(str(tmp_path / p / "pytorch_lora_weights.safetensors")) for p in ("reference", "run"))
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    strip = lambda lines: [{k: v for k, v in m.items() if k != "time"} for m in lines]  # noqa: E731
+    strip = lambda lines: [{k: v for k, v in m.items() if k not in WALL_CLOCK} for m in lines]  # noqa: E731
     logged = strip(metrics(tmp_path / "run"))
     assert logged == strip(metrics(tmp_path / "reference")) and any(len([k for k in m if "/" in k]) > 1 for m in logged)
 

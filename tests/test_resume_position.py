@@ -18,7 +18,7 @@ from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader
 
 from image_datasets.dataset import SizeGroupedBatchSampler
-from trainer.datasets import TrainingData
+from trainer.data_mix import TrainingData
 from trainer.position import RunState, micro_batches
 
 Event = Tuple[int, int, int, Tuple[int, ...], bool]  # steps done before it, epoch, micro, batch, sync

@@ -60,14 +60,14 @@ def serve(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., str]]:
     through the stand-in launcher with ``fake``); returns its address."""
     import uvicorn
 
-    from webui import launch
+    from webui import runner
     from webui.server import create_app
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # inherited by the runs: the tiny model is local
     started: List[Any] = []
 
     def start(runs_dir: Path, fake: bool = False) -> str:
-        launcher = launch.Launcher(command=[sys.executable, str(ROOT / "tests" / "webui_fake_launcher.py")]) if fake else None
+        launcher = runner.Launcher(command=[sys.executable, str(ROOT / "tests" / "webui_fake_launcher.py")]) if fake else None
         app = create_app(runs_dir, allowed_hosts=["127.0.0.1", "localhost"], launcher=launcher)
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

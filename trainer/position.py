@@ -40,13 +40,16 @@ class RunState:
         self.step += 1
         self.micro_batches_done = micro + 1
 
-    def saved(self) -> Dict[str, int]:
-        return {"global_step": self.step, "epoch": self.epoch, "micro_batches_done_in_epoch": self.micro_batches_done}
+    def saved(self) -> Dict[str, Any]:
+        """The position a checkpoint records, and the smoothed loss (so a resumed run's curve goes on)."""
+        return {"global_step": self.step, "epoch": self.epoch, "micro_batches_done_in_epoch": self.micro_batches_done,
+                **({"loss_smoothed": self.loss_avg} if self.loss_avg is not None else {})}
 
     def restore(self, saved: Dict[str, Any], accumulation: int) -> None:
         """The position of a checkpoint (``accumulation``: its micro-batches per optimizer step, to
         read a checkpoint that counted optimizer steps), and what it had drawn per dataset."""
         self.step, self.epoch = saved["global_step"], saved["epoch"]
+        self.loss_avg = saved.get("loss_smoothed")
         if "micro_batches_done_in_epoch" in saved:
             self.micro_batches_done = saved["micro_batches_done_in_epoch"]
         else:

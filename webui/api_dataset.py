@@ -19,7 +19,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
 from image_datasets.captioning import DEFAULT_MODEL
-from webui import dataset, launch, runs
+from webui import dataset, runner, runs
 from webui.captioning import CaptionSettings, job_state
 from webui.deps import bad_request, folder_of, page
 from webui.paths import OutsideRoot
@@ -39,7 +39,7 @@ class CaptionFolderRequest(BaseModel):
 
 
 def _folders(request: Request, run_id: str) -> list:
-    return dataset.folders(runs.read_config(folder_of(request, run_id)), launch.ROOT)
+    return dataset.folders(runs.read_config(folder_of(request, run_id)), runner.ROOT)
 
 
 def _folder(request: Request, run_id: str, index: int) -> Dict[str, Any]:

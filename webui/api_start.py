@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from trainer.config import TrainConfig
 from utils.errors import ConfigError
-from webui import launch, rules
+from webui import rules, runner
 from webui.deps import bad_request, config_error, page
 from webui.paths import OutsideRoot, check_name
 from webui.scheduler import NameTaken
@@ -48,7 +48,7 @@ class StartRequest(BaseModel):
 @router.post("/api/plan")
 def make_plan(request: Request, body: StartRequest) -> Dict[str, Any]:
     entry, overrides, _ = checked(request, body)
-    result = launch.plan(body.config, entry, overrides, body.gpu_memory)
+    result = runner.plan(body.config, entry, overrides, body.gpu_memory)
     plans = page(request).plans
     if len(plans) > 32:
         plans.clear()
@@ -74,7 +74,7 @@ def _plan_key(body: StartRequest, overrides: List[str]) -> str:
     return json.dumps([body.config, body.entry, overrides, body.gpu_memory])
 
 
-def checked(request: Request, body: StartRequest) -> Tuple[launch.Entry, List[str], TrainConfig]:
+def checked(request: Request, body: StartRequest) -> Tuple[runner.Entry, List[str], TrainConfig]:
     """The entry, overrides and config of a start request, after the page's rules and the CLI's
     config check (422 with their message otherwise)."""
     if body.name:
@@ -85,14 +85,14 @@ def checked(request: Request, body: StartRequest) -> Tuple[launch.Entry, List[st
     if body.gpu_memory and not GPU_MEMORY.fullmatch(body.gpu_memory.strip()):
         raise bad_request(f"GPU memory '{body.gpu_memory[:40]}' is not a size such as 24GiB")
     kinds = {f["key"]: f["kind"] for f in schema_fields()}
-    overrides = [*body.overrides, *launch.form_overrides(body.form, kinds)]
+    overrides = [*body.overrides, *runner.form_overrides(body.form, kinds)]
     state = page(request)
     try:
         rules.refuse_interpolation(body.config, overrides)
-        entry = launch.entry_named(body.entry)
-        cfg = launch.check_config(body.config, entry, overrides)
+        entry = runner.entry_named(body.entry)
+        cfg = runner.check_config(body.config, entry, overrides)
         written = dataclasses.replace(cfg, output_dir=str(state.runs_dir / (body.name or "new-run")))
-        rules.check_written_paths(written, launch.ROOT, state.write_roots)
+        rules.check_written_paths(written, runner.ROOT, state.write_roots)
     except ConfigError as exc:
         raise config_error(exc) from None
     return entry, overrides, cfg
@@ -102,9 +102,9 @@ def check_relaunch(request: Request, folder: Path, text: str, entry_name: str, o
     """A resume's config, after the same rules and check as a start (422 otherwise)."""
     try:
         rules.refuse_interpolation(text, overrides)
-        entry = launch.entry_named(entry_name)
-        cfg = launch.check_config(text, entry, [*overrides, *rules.forced_overrides(folder)])
-        rules.check_written_paths(cfg, launch.ROOT, page(request).write_roots)
+        entry = runner.entry_named(entry_name)
+        cfg = runner.check_config(text, entry, [*overrides, *rules.forced_overrides(folder)])
+        rules.check_written_paths(cfg, runner.ROOT, page(request).write_roots)
     except ConfigError as exc:
         raise config_error(exc) from None
     return cfg

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 from fastapi import HTTPException, Request
 
 from utils.errors import ConfigError
-from webui import launch, runs
+from webui import runner, runs
 from webui.captioning import CaptionJobs
 from webui.paths import OutsideRoot, run_folder
 from webui.scheduler import Scheduler
@@ -23,7 +23,7 @@ class PageState:
     """Everything the routes need, kept on ``app.state.page``."""
 
     runs_dir: Path
-    launcher: launch.Launcher
+    launcher: runner.Launcher
     scheduler: Scheduler
     profiles: Path
     write_roots: List[Path]  # where a run's config may write: the runs folder, and --cache-root

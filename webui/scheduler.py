@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 
 from trainer.run_dir import write_text_atomic
 from webui import runs
-from webui.launch import RELAUNCH_KEYS, Launcher, entry_named, update_record
+from webui.runner import RELAUNCH_KEYS, Launcher, entry_named, update_record
 from webui.paths import NAME, check_name
 from webui.rules import forced_overrides
 

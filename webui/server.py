@@ -25,7 +25,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from webui import api_dataset, api_runs, api_start, launch
+from webui import api_dataset, api_runs, api_start, runner
 from webui.deps import PageState, page
 from webui.guard import Guard
 from webui.paths import OutsideRoot, check_name, safe_join
@@ -33,7 +33,7 @@ from webui.scheduler import Scheduler
 from webui.schema import schema_fields, yaml_values
 
 STATIC = Path(__file__).parent / "static"
-PROFILES = launch.ROOT / "train_configs"
+PROFILES = runner.ROOT / "train_configs"
 
 
 class FormRequest(BaseModel):
@@ -41,13 +41,13 @@ class FormRequest(BaseModel):
 
 
 def create_app(runs_dir: Path, token: Optional[str] = None, allowed_hosts: Optional[List[str]] = None,
-               launcher: Optional[launch.Launcher] = None, profiles_dir: Path = PROFILES,
+               launcher: Optional[runner.Launcher] = None, profiles_dir: Path = PROFILES,
                max_concurrent: int = 1, devices: Optional[List[str]] = None,
                cache_root: Optional[Path] = None) -> FastAPI:
     """The app serving ``runs_dir`` and the profiles in ``profiles_dir``. ``allowed_hosts`` guards a
     localhost server against DNS rebinding; at most ``max_concurrent`` runs it starts run at once
     (pinned to ``devices``, GPU ids); a run's config may write under ``runs_dir`` and ``cache_root``."""
-    launcher = launcher or launch.Launcher()
+    launcher = launcher or runner.Launcher()
     runs_dir = Path(runs_dir)
     scheduler = Scheduler(runs_dir, launcher, max_concurrent, devices)
     closing = threading.Event()
@@ -94,7 +94,7 @@ def _add_page_routes(app: FastAPI) -> None:
     def schema() -> Dict[str, Any]:
         return {"fields": schema_fields(),
                 "entries": [{"name": e.name, "family": e.family, "description": e.description}
-                            for e in launch.entries().values()]}
+                            for e in runner.entries().values()]}
 
     @app.get("/api/profiles")
     def profiles(request: Request) -> List[str]:

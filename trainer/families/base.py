@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import gc
 import os
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from utils.errors import ModelNotFoundError
+from trainer.families.model_index import read_model_index
 from trainer.families.spec import FamilySpec, TargetSpec
 
 Tensors = Dict[str, torch.Tensor]
@@ -73,9 +74,24 @@ class ModelFamily(Protocol):
         """A cached condition as the pipeline's prompt-embedding arguments; each name with
         ``negative_`` in front is the argument for the negative prompt."""
 
-    # Families with ``uses_references`` also provide:
-    #   reference_size(width, height) -> (w, h)   the VAE size of a reference image
-    #   check_references(count) -> None           raise ConfigError when the pipeline takes fewer
+
+class ReferenceFamily(ModelFamily, Protocol):
+    """What a family with ``uses_references`` (Edit) provides besides ``ModelFamily``; the engine asks
+    it only of such a family (``as_reference_family``)."""
+
+    max_references: int  # reference images per sample its pipeline takes
+
+    def reference_size(self, width: int, height: int) -> Tuple[int, int]:
+        """The VAE size of a ``width`` x ``height`` reference image (the pipeline's resize)."""
+    def check_references(self, count: int) -> None:
+        """Raise ``ConfigError`` when ``count`` reference folders are more than the pipeline takes."""
+
+
+def as_reference_family(family: ModelFamily) -> ReferenceFamily:
+    """``family`` as a ``ReferenceFamily``: a family without ``uses_references`` is a programming error."""
+    if not family.uses_references:
+        raise TypeError(f"{family.name} takes no reference images")
+    return family  # type: ignore[return-value]  (its class implements the protocol's methods)
 
 
 class FamilyBase:
@@ -109,6 +125,21 @@ class FamilyBase:
             self.vae_class.load_config, self.model_path, "vae", revision=self.revision)
         self.scheduler_config: Mapping[str, Any] = from_pretrained(
             FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=self.revision)
+
+    @cached_property
+    def model_index(self) -> Mapping[str, Any]:
+        """The checkpoint's ``model_index.json`` (local folder, HF cache, else downloaded): which
+        pipeline, and which components, the checkpoint has."""
+        from diffusers import DiffusionPipeline
+
+        return read_model_index(self.model_path, self.revision) or dict(
+            from_pretrained(DiffusionPipeline.load_config, self.model_path, None, revision=self.revision))
+
+    def pipeline_named_by_checkpoint(self, *choices: type) -> type:
+        """The one of ``choices`` (the spec's pipelines) that the checkpoint's model_index.json names
+        (the first when it names none of them: check_pipeline has refused other families' already)."""
+        named = self.model_index.get("_class_name")
+        return next((cls for cls in choices if cls.__name__ == named), choices[0])
 
     def _load(self, load: Callable[..., Any], subfolder: str, **kwargs: Any) -> Any:
         """A component of this checkpoint (``load`` is its class's ``from_pretrained``)."""
@@ -154,6 +185,18 @@ class FamilyBase:
 
     def unused_modules(self, transformer: torch.nn.Module) -> List[str]:
         return []
+
+    def predict(self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
+                references: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """``ModelFamily.predict``: reference latents reach only a family that takes them; the family's
+        ``velocity`` is the transformer call in the pipeline's own layout."""
+        self.refuse_references(references)
+        return self.velocity(transformer, noisy_latents, sigmas, text, references)
+
+    def velocity(self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
+                 references: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The transformer's velocity prediction in the latents' ``(B, C, H, W)`` layout (each family's own)."""
+        raise NotImplementedError
 
     def refuse_references(self, references: Sequence[torch.Tensor]) -> None:
         """``predict``'s guard: reference latents reach only a family that takes them."""

@@ -91,15 +91,8 @@ class FluxFamily(ShiftScaleLatents, FamilyBase):
 
     # -- images -----------------------------------------------------------------------------------
     # -- transformer ------------------------------------------------------------------------------
-    def predict(
-        self,
-        transformer: torch.nn.Module,
-        noisy_latents: torch.Tensor,
-        sigmas: torch.Tensor,
-        text: Tensors,
-        references: Sequence[torch.Tensor] = (),
-    ) -> torch.Tensor:
-        self.refuse_references(references)
+    def velocity(self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
+                 references: Sequence[torch.Tensor]) -> torch.Tensor:
         b, c, h, w = noisy_latents.shape
         device, dtype = noisy_latents.device, noisy_latents.dtype
         packed = FluxPipeline._pack_latents(noisy_latents, b, c, h, w)

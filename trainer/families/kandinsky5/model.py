@@ -95,15 +95,8 @@ class Kandinsky5Family(FamilyBase):
         return self.vae.decode(latents.to(self.vae.device, self.vae.dtype) / self.vae_config["scaling_factor"]).sample
 
     # -- transformer ------------------------------------------------------------------------------
-    def predict(
-        self,
-        transformer: torch.nn.Module,
-        noisy_latents: torch.Tensor,
-        sigmas: torch.Tensor,
-        text: Tensors,
-        references: Sequence[torch.Tensor] = (),
-    ) -> torch.Tensor:
-        self.refuse_references(references)
+    def velocity(self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
+                 references: Sequence[torch.Tensor]) -> torch.Tensor:
         _, _, h, w = noisy_latents.shape
         device, dtype = noisy_latents.device, noisy_latents.dtype
         latents = noisy_latents.permute(0, 2, 3, 1).unsqueeze(1)  # (B, 1, h, w, C): one frame, channels last

@@ -112,15 +112,8 @@ class QwenImageFamily(FamilyBase):
         last = f"transformer_blocks.{len(transformer.transformer_blocks) - 1}"
         return [f"{last}.attn.to_add_out", f"{last}.txt_mlp"]
 
-    def predict(
-        self,
-        transformer: torch.nn.Module,
-        noisy_latents: torch.Tensor,
-        sigmas: torch.Tensor,
-        text: Tensors,
-        references: Sequence[torch.Tensor] = (),
-    ) -> torch.Tensor:
-        self.refuse_references(references)
+    def velocity(self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
+                 references: Sequence[torch.Tensor]) -> torch.Tensor:
         b, c, h, w = noisy_latents.shape
         # Edit: reference latents follow the noisy target in the image sequence, each listed in
         # img_shapes; only the target's tokens are the prediction.

@@ -69,15 +69,8 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
 
     # -- images -----------------------------------------------------------------------------------
     # -- transformer ------------------------------------------------------------------------------
-    def predict(
-        self,
-        transformer: torch.nn.Module,
-        noisy_latents: torch.Tensor,
-        sigmas: torch.Tensor,
-        text: Tensors,
-        references: Sequence[torch.Tensor] = (),
-    ) -> torch.Tensor:
-        self.refuse_references(references)
+    def velocity(self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
+                 references: Sequence[torch.Tensor]) -> torch.Tensor:
         captions = [e[:n] for e, n in zip(text["prompt_embeds"], text["lengths"].tolist())]
         out = transformer(
             list(noisy_latents.unsqueeze(2).unbind(0)),  # one (C, 1, h, w) per sample
