@@ -1,5 +1,5 @@
-"""Tiny, randomly initialised Qwen-Image / Qwen-Image-Edit(-Plus) / FLUX.1-dev / FLUX.2 [klein] / Kandinsky 5 / Z-Image
-pipelines for tests.
+"""Tiny, randomly initialised Qwen-Image / Qwen-Image-Edit(-Plus) / FLUX.1-dev / FLUX.2 [klein] / Kandinsky 5 / Z-Image /
+Krea 2 pipelines for tests.
 
 Each builder uses the real diffusers/transformers classes, builds offline (tokenizers included), is
 deterministic in `seed` (same seed -> byte-identical weights) and saves the normal diffusers folder
@@ -17,6 +17,7 @@ import utils.quiet  # noqa: F401  (before diffusers and transformers load: their
 from .flux import build_tiny_flux
 from .flux2 import build_tiny_flux2
 from .kandinsky5 import build_tiny_kandinsky5
+from .krea2 import build_tiny_krea2
 from .qwen_image import build_tiny_qwen_image
 from .qwen_image_edit import build_tiny_qwen_image_edit
 from .vlm import build_tiny_vlm
@@ -31,6 +32,7 @@ _BUILDERS: dict[str, Callable[[Path, int], Path]] = {
     "flux2": build_tiny_flux2,
     "kandinsky5": build_tiny_kandinsky5,
     "z_image": build_tiny_z_image,
+    "krea2": build_tiny_krea2,
 }
 FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
 
@@ -47,6 +49,7 @@ __all__ = [
     "build_tiny_flux",
     "build_tiny_flux2",
     "build_tiny_kandinsky5",
+    "build_tiny_krea2",
     "build_tiny_pipeline",
     "build_tiny_qwen_image",
     "build_tiny_qwen_image_edit",
