@@ -83,12 +83,25 @@ def _area_side(area: int, multiple: int) -> int:
 
 
 @dataclass(frozen=True)
+class SavedActivations:
+    """What one block keeps for backward, per token, where the planner's built-in double/single formulas do
+    not describe it: counts of token-sized tensors (measured on the real block, see docs/MEMORY_PLANNER.md)."""
+
+    half_hidden: int  # tensors of the hidden width in the activation dtype (linear inputs, attention q/k/v/out)
+    fp32_hidden: int  # float32 copies of the hidden width (norms that upcast)
+    half_mlp: int  # tensors of the MLP's hidden width in the activation dtype
+    fp32_outputs: Tuple[str, ...] = ()  # linears whose output gets a float32 copy (a q/k norm), any width
+    modulated_hidden: int = 2  # more tensors of the hidden width when the modulation needs a gradient
+
+
+@dataclass(frozen=True)
 class BlockGroup:
     """One list of repeated blocks: the transformer's attribute and, for the planner, its layout."""
 
     attribute: str  # e.g. "transformer_blocks": a ModuleList of the transformer
     kind: str  # "double" (image and text streams), "single" (one joint stream), "visual", ...
     layout: Optional[BlockLayout] = None  # None: the planner does not model this block's activations
+    saved: Optional[SavedActivations] = None  # None: the built-in formula of its kind
 
 
 @dataclass(frozen=True)

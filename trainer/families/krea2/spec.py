@@ -14,7 +14,7 @@ from typing import Any, Dict, Tuple
 
 from trainer.families.components import model_index
 from trainer.families.qwen_image.spec import qwen_checkpoint
-from trainer.families.spec import BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens
+from trainer.families.spec import BlockGroup, BlockLayout, FamilySpec, SavedActivations, TargetSpec, TextTokens
 
 # Krea2Pipeline's default taps (its __init__, for a model_index.json without the key): 12 of Qwen3-VL-4B's 37
 # hidden states. The checkpoint's own model_index.json wins.
@@ -27,15 +27,16 @@ DISTILLED_MU = 1.15
 
 _ATTN = r"attn\.(to_q|to_k|to_v|to_gate|to_out\.0)"
 _FF = r"ff\.(gate|up|down)"
-# Outside the blocks: the embedders, the text fusion's projector and text MLP, the output layer. time_mod_proj
-# (the shared modulation, 227M parameters) is never a target: presets leave modulation alone (the Krea
-# authors' example list includes it; add it with a custom lora_target when a style needs it).
-_OUTER = r"img_in|final_layer\.linear|time_embed\.linear_[12]|txt_in\.linear_[12]|text_fusion\.projector"
+# Outside the blocks: the embedders, the text MLP, the output layer. Never a preset's target: time_mod_proj (the
+# shared modulation, 227M parameters; presets leave modulation alone) and the text fusion blocks (the memory
+# planner does not model their activations: each of the 12 taps of every caption token runs through them).
+# The Krea authors' example list has both: add them with a custom lora_target regex when a style needs them.
+_OUTER = r"img_in|final_layer\.linear|time_embed\.linear_[12]|txt_in\.linear_[12]"
 KREA2_LORA_PRESETS: Dict[str, TargetSpec] = {
     # Anchored to the main blocks: the bare names would also hit the text fusion blocks.
     "attention": rf"transformer_blocks\.\d+\.{_ATTN}",
     "attention_mlp": rf"transformer_blocks\.\d+\.({_ATTN}|{_FF})",
-    "all_linear": rf"(transformer_blocks|text_fusion\.(layerwise|refiner)_blocks)\.\d+\.({_ATTN}|{_FF})|{_OUTER}",
+    "all_linear": rf"transformer_blocks\.\d+\.({_ATTN}|{_FF})|{_OUTER}",
 }
 
 # The planner's map of a Krea2TransformerBlock: one joint stream (text and image tokens together).
@@ -44,6 +45,13 @@ _BLOCK_LAYOUT: BlockLayout = {
     "attn.to_out.0": ("joint", "attn_out"),
     "ff.gate": ("joint", "mlp_in"), "ff.up": ("joint", "mlp_in"), "ff.down": ("joint", "mlp_hidden"),
 }
+# What a Krea2TransformerBlock saves per token, counted on the real block (bf16, saved-tensor hooks; the
+# planner test traces it): 5 tensors of the hidden width in bf16 (linear inputs, attention), norm1 and norm2's
+# fp32 upcasts, SwiGLU's 3 of the MLP width, norm_q / norm_k's fp32 copies of q and k (k at the key-value
+# width under GQA); with a gradient into the modulation (LoRA on time_embed) its four multiplies keep their
+# token-sized operands.
+_BLOCK_SAVED = SavedActivations(half_hidden=5, fp32_hidden=2, half_mlp=3, fp32_outputs=("attn.to_q", "attn.to_k"),
+                                modulated_hidden=4)
 _OUTER_LAYOUT: BlockLayout = {"txt_in": ("txt", "in"), "text_fusion": ("txt", "in"),
                               "time_embed": ("img", "temb"), "time_mod_proj": ("joint", "mod")}
 
@@ -103,7 +111,7 @@ SPEC = FamilySpec(
     transformer="Krea2Transformer2DModel",
     lora_presets=KREA2_LORA_PRESETS,
     # text_fusion's blocks are not a direct attribute: they stay unquantized and resident (343M parameters).
-    blocks=(BlockGroup("transformer_blocks", "single", _BLOCK_LAYOUT),),
+    blocks=(BlockGroup("transformer_blocks", "single", _BLOCK_LAYOUT, _BLOCK_SAVED),),
     runtime="trainer.families.krea2.model:Krea2Family",
     # [34-token system prefix | caption | PAD | 5-token suffix]; the prefix is dropped, the suffix kept. The
     # cache holds the unpadded rows (exact: text positions are all zero); each token holds every tap.
