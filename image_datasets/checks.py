@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set
 from loguru import logger
 from PIL import Image, UnidentifiedImageError
 
-from image_datasets.dataset import IMAGE_EXTENSIONS, file_hash, target_size
+from image_datasets.dataset import IMAGE_EXTENSIONS, file_hash, find_reference, target_size
 from utils.errors import DataError
 
 ERROR, WARNING = "error", "warning"
@@ -521,7 +521,7 @@ def _reference_problems(target: Path, key: str, facts: Optional[_ImageFacts], co
     """The target's reference in each control folder, found as the loader finds it."""
     problems: List[Problem] = []
     for n, folder in enumerate(controls):
-        ref = _find_reference(folder, key)
+        ref = find_reference(folder, key)
         if ref is None:
             problems.append(_missing_reference(target, key, folder, n))
             break  # the loader stops at the first gap: later folders are not used for this sample
@@ -529,14 +529,6 @@ def _reference_problems(target: Path, key: str, facts: Optional[_ImageFacts], co
         if ref_facts is not None and facts is not None:
             problems += _reference_size_problems(ref, ref_facts, facts)
     return problems
-
-
-def _find_reference(folder: Path, key: str) -> Optional[Path]:
-    for ext in IMAGE_EXTENSIONS:  # the loader's order and case-sensitive names
-        candidate = folder / f"{key}{ext}"
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 def _missing_reference(target: Path, key: str, folder: Path, n: int) -> Problem:

@@ -164,13 +164,24 @@ def shuffle_tags(caption: str, rng: random.Random, keep: int = 0) -> str:
     return ", ".join(head + tail)
 
 
+def find_reference(folder: Path, key: str) -> Optional[Path]:
+    """The reference image of sample ``key`` in control ``folder``: ``<folder>/<key><ext>`` for the first
+    of IMAGE_EXTENSIONS that exists (exact, case-sensitive names; no glob, so ``img[1]`` is a name, not a
+    pattern). The one rule for the loader and the dataset checks."""
+    for ext in IMAGE_EXTENSIONS:
+        candidate = Path(folder) / f"{key}{ext}"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def _find_references(key: str, target: Path, control_dirs: Sequence[str | Path], problems: List[str]) -> Tuple[Path, ...]:
     """The reference of ``key`` in each control folder; a missing first one is a problem."""
     refs: List[Path] = []
     for n, folder in enumerate(control_dirs):
-        found = [p for ext in IMAGE_EXTENSIONS for p in Path(folder).glob(f"{key}{ext}") if p.is_file()]
-        if found:
-            refs.append(found[0])
+        found = find_reference(Path(folder), key)
+        if found is not None:
+            refs.append(found)
         elif n == 0:
             problems.append(f"{target}: no reference image {key}.* in control folder {folder}")
             break

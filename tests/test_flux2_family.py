@@ -72,7 +72,7 @@ def test_auto_shift_is_flux2_shift_over_the_transformers_tokens(tiny_flux2: Path
 @pytest.fixture(scope="module")
 def tiny_flux2_dev(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny FLUX.2 [dev]-style pipeline (Mistral-3 encoder, guidance embedding)."""
-    from utils.tiny_models.flux2 import build_tiny_flux2_dev
+    from trainer.families.flux2.tiny import build_tiny_flux2_dev
 
     return build_tiny_flux2_dev(tmp_path_factory.mktemp("models") / "tiny-flux2-dev")
 

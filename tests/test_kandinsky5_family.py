@@ -14,7 +14,7 @@ from conftest import family_pipeline
 from trainer.config import TrainConfig
 from trainer.families.kandinsky5.model import Kandinsky5Family
 from trainer.flow_matching import apply_shift
-from utils.tiny_models.kandinsky5 import KANDINSKY5_TEMPLATES
+from trainer.families.kandinsky5.tiny import KANDINSKY5_TEMPLATES
 
 PROMPT = "a red circle on a yellow background"
 

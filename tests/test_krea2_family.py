@@ -107,11 +107,11 @@ def test_a_checkpoint_with_other_facts_trains(tiny_krea2: Path, sample_data: Pat
     assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses)
 
 
-def test_turbo_has_the_fixed_shift_and_renders_without_cfg(tiny_krea2: Path, tmp_path: Path,
+def test_turbo_has_the_fixed_shift_and_renders_without_cfg(tiny_krea2: Path, tiny_krea2_turbo: Path,
                                                            logs: List[Dict[str, Any]]) -> None:
-    """is_distilled (model_index.json): mu = 1.15 at every resolution, as Krea2Pipeline renders it; CFG off; a
-    warning to train Raw."""
-    folder = variant(tiny_krea2, tmp_path, "turbo", {"is_distilled": True})
+    """is_distilled (model_index.json; the tiny model of krea/Krea-2-Turbo's configs): mu = 1.15 at every
+    resolution, as Krea2Pipeline renders it; CFG off; a warning to train Raw."""
+    folder = tiny_krea2_turbo
     family, pipe = family_for(folder), family_pipeline("krea2", folder)
     assert family.default_cfg_scale == 0.0
     assert any("is_distilled" in r["message"] and "Krea-2-Raw" in r["message"] for r in logs)

@@ -39,6 +39,7 @@ PIPELINES = {
     "kandinsky5": Kandinsky5T2IPipeline,
     "z_image": ZImagePipeline,
     "krea2": Krea2Pipeline,
+    "krea2_turbo": Krea2Pipeline,
 }
 QWEN_FAMILIES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
 

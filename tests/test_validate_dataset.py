@@ -245,6 +245,30 @@ def test_edit_references_missing_or_of_another_size(tmp_path: Path) -> None:
     assert "another aspect ratio" in text
 
 
+def test_the_check_and_the_loader_find_the_same_references(tmp_path: Path) -> None:
+    """Names with glob characters are names: ``img[1].png`` pairs with ``control/img[1].png`` for the
+    check and for training alike (the loader once globbed, matched ``img1.png`` and refused the pair),
+    and a lookalike ``control/img1.png`` pairs with nothing."""
+    from image_datasets.dataset import scan_image_folder
+
+    images, control = tmp_path / "images", tmp_path / "control"
+    for folder, seed in ((images, 40), (control, 41)):
+        folder.mkdir()
+        rgb(seed).save(folder / "img[1].png")
+    (images / "img[1].txt").write_text("a cat")
+    rgb(42).save(control / "img1.png")  # what the glob [1] would have matched: an orphan here
+    report = check_dataset(images, img_size=SIZE, control_dirs=[control])
+    assert not [p for p in report.problems if p.severity == ERROR]
+    assert by_file(report) == {"img1.png": [("orphan-reference", WARNING)]}
+    samples = scan_image_folder(images, "txt", SIZE, 16, control_dirs=[control])
+    assert [s.references for s in samples] == [(control / "img[1].png",)]
+    (control / "img[1].png").unlink()
+    assert by_file(check_dataset(images, img_size=SIZE, control_dirs=[control]))["img[1].png"] == \
+        [("reference-missing", ERROR)]
+    with pytest.raises(DataError, match=r"no reference image img\[1\]"):
+        scan_image_folder(images, "txt", SIZE, 16, control_dirs=[control])
+
+
 def test_cli_exit_codes_and_report(broken: Path, tmp_path: Path) -> None:
     clean = make_sample_dataset(tmp_path / "clean", size=64, count=4)
     # All at once: each subprocess spends most of its time importing torch. The guide's path

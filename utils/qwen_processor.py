@@ -163,11 +163,11 @@ def save_qwen_vl_processor(processor: Qwen2VLProcessor, folder: str | Path) -> P
     return folder
 
 
-def record_standard_processor(model_dir: str | Path) -> None:
-    """Make a pipeline folder's model_index.json name transformers' `Qwen2VLProcessor` for `processor`."""
+def record_standard_processor(model_dir: str | Path, component: str = "processor") -> None:
+    """Make a pipeline folder's model_index.json name transformers' `Qwen2VLProcessor` for `component`."""
     index_path = Path(model_dir) / "model_index.json"
     index = json.loads(index_path.read_text())
-    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    index[component] = ["transformers", "Qwen2VLProcessor"]
     _write_json(index_path, index)
 
 

@@ -1,4 +1,5 @@
-"""The model families: one package each (``<name>/spec.py`` facts, ``<name>/model.py`` runtime).
+"""The model families: one package each (``<name>/spec.py`` facts, ``<name>/model.py`` runtime,
+``<name>/tiny.py`` its tiny test model: the spec's published configs with shrink overrides).
 
 ``SPECS`` is the one registry. It imports only the light spec modules, so config checks, the memory
 planner, the dataset checker and inference can ask it without loading diffusers; ``load_family``
@@ -8,8 +9,6 @@ imports the runtime class of a run's family by name, when the run needs it.
 from __future__ import annotations
 
 import importlib
-import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from utils.errors import ConfigError
@@ -17,6 +16,7 @@ from trainer.families.flux.spec import SPEC as FLUX
 from trainer.families.flux2.spec import SPEC as FLUX2
 from trainer.families.kandinsky5.spec import SPEC as KANDINSKY5
 from trainer.families.krea2.spec import SPEC as KREA2
+from trainer.families.model_index import read_model_index
 from trainer.families.qwen_image.spec import SPEC as QWEN_IMAGE
 from trainer.families.qwen_image_edit.spec import SPEC as QWEN_IMAGE_EDIT
 from trainer.families.spec import FamilySpec
@@ -44,19 +44,8 @@ def spec_for_pipeline(pipeline: str) -> Optional[FamilySpec]:
 def checkpoint_pipeline(name_or_path: str, revision: Optional[str] = None) -> Optional[str]:
     """``_class_name`` of the checkpoint's ``model_index.json`` in a local folder or the HF cache (None
     when neither has it: the download names what is missing later)."""
-    local = Path(name_or_path).expanduser() / "model_index.json"
-    if not local.is_file():
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(name_or_path, "model_index.json", revision=revision) \
-            if name_or_path.count("/") == 1 else None
-        local = Path(cached) if isinstance(cached, str) else local
-    if not local.is_file():
-        return None
-    try:
-        return json.loads(local.read_text()).get("_class_name")
-    except (OSError, ValueError):
-        return None  # unreadable: from_pretrained gives its own error
+    index = read_model_index(name_or_path, revision)
+    return index.get("_class_name") if index else None
 
 
 def check_pipeline(family: str, name_or_path: str, revision: Optional[str] = None,

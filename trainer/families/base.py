@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import gc
 import os
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Protocol, Sequence
 
 import torch
 
 from utils.errors import ModelNotFoundError
+from trainer.families.model_index import read_model_index
 from trainer.families.spec import FamilySpec, TargetSpec
 
 Tensors = Dict[str, torch.Tensor]
@@ -109,6 +110,21 @@ class FamilyBase:
             self.vae_class.load_config, self.model_path, "vae", revision=self.revision)
         self.scheduler_config: Mapping[str, Any] = from_pretrained(
             FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=self.revision)
+
+    @cached_property
+    def model_index(self) -> Mapping[str, Any]:
+        """The checkpoint's ``model_index.json`` (local folder, HF cache, else downloaded): which
+        pipeline, and which components, the checkpoint has."""
+        from diffusers import DiffusionPipeline
+
+        return read_model_index(self.model_path, self.revision) or dict(
+            from_pretrained(DiffusionPipeline.load_config, self.model_path, None, revision=self.revision))
+
+    def pipeline_named_by_checkpoint(self, *choices: type) -> type:
+        """The one of ``choices`` (the spec's pipelines) that the checkpoint's model_index.json names
+        (the first when it names none of them: check_pipeline has refused other families' already)."""
+        named = self.model_index.get("_class_name")
+        return next((cls for cls in choices if cls.__name__ == named), choices[0])
 
     def _load(self, load: Callable[..., Any], subfolder: str, **kwargs: Any) -> Any:
         """A component of this checkpoint (``load`` is its class's ``from_pretrained``)."""

@@ -28,13 +28,6 @@ def init_model(factory: Callable[[], M], seed: int, name: str) -> M:
     return model.eval()
 
 
-def save_pipeline(pipe, out_dir: str | Path) -> Path:
-    """Save a pipeline in the normal diffusers layout (model_index.json + one folder per component)."""
-    out = Path(out_dir)
-    pipe.save_pretrained(out, safe_serialization=True)
-    return out
-
-
 def folder_size(path: str | Path) -> int:
     """Total size in bytes of the files under `path`."""
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())

@@ -38,6 +38,23 @@ QWEN_TEMPLATES: dict[str, tuple[str, int]] = {
 # Edit-Plus puts this before the prompt once per reference image.
 QWEN_EDIT_PLUS_IMAGE_TEMPLATE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 
+# Qwen3's chat template reduced to what ZImagePipeline uses: one user turn, the generation prompt, and the
+# empty think block that `enable_thinking=False` adds (the pipeline passes True: no block).
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+# A chat template for the tiny [dev] tokenizer: Flux2Pipeline sends [system, user] turns whose content is a
+# list of {"type": "text"} parts (Mistral-Small-3's own template renders them with [SYSTEM_PROMPT] / [INST]).
+MISTRAL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['content'] is string %}{% set parts = [message['content']] %}"
+    "{% else %}{% set parts = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') "
+    "| list %}{% endif %}{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ parts | join('') }}[/SYSTEM_PROMPT]"
+    "{% else %}[INST]{{ parts | join('') }}[/INST]{% endif %}{% endfor %}"
+)
+
 # Same order as the real Qwen2.5-VL vocabulary (there they start at id 151643).
 QWEN_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",

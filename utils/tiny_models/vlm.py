@@ -15,7 +15,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from utils.qwen_processor import Qwen2VLImageTextProcessor, save_qwen_vl_processor
 
 from ._common import init_model
-from .qwen_image import tiny_qwen_vl_config
+from .text_encoders import tiny_qwen_vl_config
 from .tokenizers import build_qwen_tokenizer
 
 # Images of 64-128 px become 4-16 vision tokens: enough to exercise the vision tower, fast on a CPU.

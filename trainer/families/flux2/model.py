@@ -17,7 +17,6 @@ do it:
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
@@ -29,7 +28,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from trainer.async_step import to_device
 from trainer.config import TrainConfig
-from trainer.families.base import FamilyBase, FamilySpec, Tensors, from_pretrained
+from trainer.families.base import FamilyBase, FamilySpec, Tensors
 from trainer.families.flux2.spec import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS, MAX_SEQUENCE_LENGTH, SPEC
 from trainer.quantization import place, text_encoder_spec
 from utils.errors import ConfigError, ModelNotFoundError
@@ -63,9 +62,9 @@ class Flux2Family(FamilyBase):
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        index = self.index = _model_index(self.model_path, self.revision)
-        self.dev = index.get("_class_name") == Flux2Pipeline.__name__
-        self.pipeline_class: type = Flux2Pipeline if self.dev else Flux2KleinPipeline
+        index = self.model_index
+        self.pipeline_class: type = self.pipeline_named_by_checkpoint(Flux2KleinPipeline, Flux2Pipeline)
+        self.dev = self.pipeline_class is Flux2Pipeline
         self.text_layers: Tuple[int, ...] = DEV_TEXT_LAYERS if self.dev else KLEIN_TEXT_LAYERS
         self.guidance = cfg.guidance_scale  # dev's guidance-embedding input while training
         if self.dev:
@@ -92,7 +91,7 @@ class Flux2Family(FamilyBase):
     # -- text -------------------------------------------------------------------------------------
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
         # Checked here, not at construction: a run whose captions are all in the disk cache needs no encoder.
-        _require_component(self.model_path, self.index, "text_encoder",
+        _require_component(self.model_path, self.model_index, "text_encoder",
                            "Mistral-3 text encoder" if self.dev else "Qwen3 text encoder")
         # AutoModel: the bare language model (no LM head to hold); hidden_states are the same.
         encoder = self._load(AutoModel.from_pretrained, "text_encoder", dtype=dtype)
@@ -174,14 +173,6 @@ class Flux2Family(FamilyBase):
             return_dict=False,
         )[0]
         return _unpatchify(out.transpose(1, 2).reshape(b, c, h, w))
-
-
-def _model_index(model_path: str, revision: Optional[str]) -> Dict[str, Any]:
-    """The checkpoint's ``model_index.json`` (local folder or hub cache)."""
-    local = Path(model_path) / "model_index.json"
-    if local.is_file():
-        return json.loads(local.read_text())
-    return dict(from_pretrained(Flux2KleinPipeline.load_config, model_path, None, revision=revision))
 
 
 def _require_component(model_path: str, index: Dict[str, Any], component: str, what: str) -> None:

@@ -18,7 +18,6 @@ As diffusers' pipeline and ``train_dreambooth_lora_krea2.py`` do it:
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -65,7 +64,7 @@ class Krea2Family(FamilyBase):
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        index = self.index = _model_index(self.model_path, self.revision)
+        index = self.model_index
         transformer_config = from_pretrained(Krea2Transformer2DModel.load_config, self.model_path, "transformer",
                                              revision=self.revision)
         self.text_layers: Tuple[int, ...] = tuple(index.get("text_encoder_select_layers") or PUBLISHED_TEXT_TAPS)
@@ -185,10 +184,3 @@ def _check_configs(model_path: str, taps: Tuple[int, ...], patch: int, transform
             f"{where / 'transformer' / 'config.json'}: in_channels {transformer['in_channels']} is not the VAE's "
             f"z_dim {vae['z_dim']} x {patch}x{patch} patches; the transformer and vae folders do not belong together")
 
-
-def _model_index(model_path: str, revision: Optional[str]) -> Dict[str, Any]:
-    """The checkpoint's ``model_index.json`` (local folder or hub cache)."""
-    local = Path(model_path) / "model_index.json"
-    if local.is_file():
-        return json.loads(local.read_text())
-    return dict(from_pretrained(Krea2Pipeline.load_config, model_path, None, revision=revision))

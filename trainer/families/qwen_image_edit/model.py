@@ -8,8 +8,6 @@ latents (``QwenImageFamily.predict`` does that for any ``references``).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import ClassVar, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,8 +34,8 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        self.plus = _pipeline_class_name(self.model_path, self.revision) == QwenImageEditPlusPipeline.__name__
-        self.pipeline_class = QwenImageEditPlusPipeline if self.plus else QwenImageEditPipeline
+        self.pipeline_class = self.pipeline_named_by_checkpoint(QwenImageEditPipeline, QwenImageEditPlusPipeline)
+        self.plus = self.pipeline_class is QwenImageEditPlusPipeline
         self.max_references = self.spec.references[self.pipeline_class.__name__].max_references
         d = cfg.data_config
         # Edit feeds the same 1024^2-area image to both; Edit-Plus a 384^2 one to the vision tower.
@@ -88,11 +86,3 @@ class QwenImageEditFamily(QwenImageFamily):
 def _area_size(area: int, width: int, height: int) -> Tuple[int, int]:
     size = calculate_dimensions(area, width / height)
     return int(size[0]), int(size[1])
-
-
-def _pipeline_class_name(model_path: str, revision: Optional[str]) -> str:
-    """``_class_name`` of the checkpoint's ``model_index.json`` (local folder or hub cache)."""
-    local = Path(model_path) / "model_index.json"
-    if local.is_file():
-        return json.loads(local.read_text())["_class_name"]
-    return from_pretrained(QwenImageEditPipeline.load_config, model_path, None, revision=revision)["_class_name"]
