@@ -410,8 +410,10 @@ def test_text_conditions_match_the_pipeline(name: str, pipeline: Callable[[str],
         theirs = case.pipeline_text(pipe, prompt, refs)
         assert set(cond) == set(theirs) == set(spec.text.conditions)
         for key, (width, per_token) in spec.text.conditions.items():
-            # per token: (tokens, width), or (tokens, taps, width) where the encoder is tapped at several layers
-            assert cond[key].shape[-1] == config[width] and (cond[key].dim() >= 2 if per_token else cond[key].dim() == 1)
+            # per token: (tokens, width), or (tokens, taps, width) where each token stacks several hidden states
+            stacked = (config[spec.text.stacked],) if spec.text.stacked and per_token else ()
+            assert cond[key].shape[-1] == config[width] and cond[key].shape[1:-1] == stacked
+            assert cond[key].dim() == (2 + len(stacked) if per_token else 1)
             # We encode two prompts as one batch, the pipeline one at a time: fp32 kernels differ
             # there by ~1.5e-5 (seen with one thread); a wrong layer or template differs by far more.
             torch.testing.assert_close(cond[key], theirs[key], atol=5e-5, rtol=1e-4)

@@ -49,6 +49,9 @@ class TextTokens:
     # whether it has a token axis; pooled embeddings have none).
     conditions: Mapping[str, Tuple[str, bool]] = field(
         default_factory=lambda: {"prompt_embeds": ("joint_attention_dim", True)})
+    # The transformer config key giving how many encoder hidden states each token stacks, when the per-token
+    # conditions hold several ("" when they hold one): Krea 2's (tokens, taps, width).
+    stacked: str = ""
 
     def seen(self, caption_tokens: int) -> int:
         """Text tokens the transformer sees for a caption of ``caption_tokens`` tokens."""

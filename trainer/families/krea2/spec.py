@@ -116,7 +116,7 @@ SPEC = FamilySpec(
     # [34-token system prefix | caption | PAD | 5-token suffix]; the prefix is dropped, the suffix kept. The
     # cache holds the unpadded rows (exact: text positions are all zero); each token holds every tap.
     text=TextTokens(max_length=512, template=34, kept=5,
-                    conditions={"prompt_embeds": ("text_hidden_dim", True)}),
+                    conditions={"prompt_embeds": ("text_hidden_dim", True)}, stacked="num_text_layers"),
     outer_layout=_OUTER_LAYOUT,
     hub_configs={"krea/Krea-2-Raw": _checkpoint(False), "krea/Krea-2-Turbo": _checkpoint(True)},
     comfyui_unsupported=(
