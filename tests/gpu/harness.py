@@ -63,9 +63,10 @@ PROFILES: Dict[str, Tuple[str, float]] = {
     "24gb": ("train_configs/train_lora_4090.yaml", 22.0),
     "16gb": ("train_configs/train_lora_16gb.yaml", 15.0),
     "flux2_klein": ("train_configs/train_flux2_klein_lora.yaml", 22.0),  # klein base 4B, bf16, 24 GB class
+    "krea2_24gb": ("train_configs/train_krea2_lora_24gb.yaml", 22.0),  # Krea 2 Raw 12B, qfloat8 blocks
 }
 # The family of a profile whose entry script is not train.py's default (Qwen-Image).
-PROFILE_FAMILIES: Dict[str, str] = {"flux2_klein": "flux2"}
+PROFILE_FAMILIES: Dict[str, str] = {"flux2_klein": "flux2", "krea2_24gb": "krea2"}
 
 
 # =========================================================================== scale and model folders
@@ -662,7 +663,8 @@ def convergence(family: str, steps: int = 100, resolution: int = 1024, dtype: to
     yaml = None
     if profile is not None:
         yaml = PROFILES[profile][0]
-        swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={ROOT}"], default_family=family).blocks_to_swap
+        swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={model_folder(family, scale)}"],
+                           default_family=family).blocks_to_swap
         overrides.append(f"blocks_to_swap={scaled_swap(swap, family, scale)}")
     with rig_session(family, device, dtype, scale=scale, model_dir=model_dir, overrides=overrides,
                      seed=seed, resolution=resolution, profile=yaml) as rig:
@@ -838,7 +840,8 @@ def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: 
     yaml, budget = PROFILES[profile]
     family = PROFILE_FAMILIES.get(profile, family)
     device = torch.device(device)
-    swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={ROOT}", *overrides],
+    # Any existing folder outside the profile's output_dir (the repository root holds ./output_*: refused).
+    swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={model_folder(family, scale)}", *overrides],
                        default_family=family).blocks_to_swap
     swap = scaled_swap(swap, family, scale)
     overrides = [*overrides, f"blocks_to_swap={swap}", f"data_config.img_size={resolution}"]
