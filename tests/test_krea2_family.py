@@ -100,7 +100,8 @@ def test_facts_come_from_the_checkpoints_configs(tiny_krea2: Path, tmp_path: Pat
 def test_a_checkpoint_with_other_facts_trains(tiny_krea2: Path, sample_data: Path, tmp_path: Path) -> None:
     folder = variant(tiny_krea2, tmp_path, "other", OTHER_INDEX, OTHER_SCHEDULER, OTHER_VAE)
     out = tmp_path / "run"
-    train_in_process(QUICKSTART, "krea2", f"pretrained_model_name_or_path={folder}", f"data_config.img_dir={sample_data}",
+    train_in_process(QUICKSTART, "krea2", f"pretrained_model_name_or_path={folder}",
+                     f"data_config.img_dir={sample_data}",
                      f"output_dir={out}", "report_to=none", "max_train_steps=3", "data_config.train_batch_size=2",
                      "checkpointing_steps=100")
     losses = read_losses(out)

@@ -372,8 +372,9 @@ def traced_training_bytes(class_name: str, config: Dict[str, Any], targets: Any,
             tracker.add(p)
             frozen += 0 if p.requires_grad else p.numel() * p.element_size()
         x = torch.randn(1, n_img, config["in_channels"], dtype=torch.bfloat16)
-        text = torch.randn(1, n_txt, config["num_text_layers"], config["text_hidden_dim"], dtype=torch.bfloat16) \
-            if class_name.startswith("Krea2") else torch.randn(1, n_txt, config["joint_attention_dim"], dtype=torch.bfloat16)
+        width = (config["num_text_layers"], config["text_hidden_dim"]) if class_name.startswith("Krea2") \
+            else (config["joint_attention_dim"],)  # Krea 2: each token stacks its encoder taps
+        text = torch.randn(1, n_txt, *width, dtype=torch.bfloat16)
         with tracker:
             for _ in range(2):  # the second step has the optimizer state
                 with torch.autocast("cpu", dtype=torch.bfloat16):

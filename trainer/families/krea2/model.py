@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from diffusers import AutoencoderKLQwenImage, Krea2Pipeline, Krea2Transformer2DModel
 from loguru import logger
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from trainer.async_step import to_device
 from trainer.config import TrainConfig
@@ -86,17 +86,19 @@ class Krea2Family(FamilyBase):
 
     # -- text -------------------------------------------------------------------------------------
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
-        # AutoModel: the bare Qwen3VLModel the checkpoint names (no LM head); only its language model runs.
-        encoder = self._load(AutoModel.from_pretrained, "text_encoder", dtype=dtype)
-        layers = getattr(encoder.config, "text_config", encoder.config).num_hidden_layers
+        config = self._load(AutoConfig.from_pretrained, "text_encoder")  # checked before any weights load
+        layers = getattr(config, "text_config", config).num_hidden_layers
         if max(self.text_layers) > layers:  # hidden_states holds the embeddings + one entry per layer
             raise ConfigError(f"{Path(self.model_path) / 'model_index.json'}: text_encoder_select_layers "
                               f"{list(self.text_layers)} taps hidden state {max(self.text_layers)}, but the text "
                               f"encoder has {layers} layers; use the text_encoder that came with this checkpoint")
+        # AutoModel: the bare Qwen3VLModel the checkpoint names (no LM head); only its language model runs.
+        encoder = self._load(AutoModel.from_pretrained, "text_encoder", dtype=dtype)
         # The pipeline's own get_text_hidden_states holds the template, the mid-template padding, the
         # padding-free positions and the taps: reuse, don't copy.
         self.text_pipe = Krea2Pipeline(
-            scheduler=None, vae=None, transformer=None, tokenizer=self._load(AutoTokenizer.from_pretrained, "tokenizer"),
+            scheduler=None, vae=None, transformer=None,
+            tokenizer=self._load(AutoTokenizer.from_pretrained, "tokenizer"),
             text_encoder=place(encoder.requires_grad_(False).eval(), device, self.encoder_quantization,
                                what="text encoder"),
             text_encoder_select_layers=self.text_layers, patch_size=self.patch_size)
