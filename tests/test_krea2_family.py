@@ -184,15 +184,43 @@ def test_a_checkpoint_of_another_family_fails_before_loading(tiny_krea2: Path, t
         assert not (tmp_path / family / "checkpoint-1").exists()
 
 
-@pytest.mark.parametrize("override, message", [
-    ("lora_export_formats=[diffusers,comfyui]", r"key 'lora_export_formats': no ComfyUI export for krea2: .*"
-                                                r"blocks\.N\.attn\.wq"),
-    ("data_config.control_dir={data}", r"key 'data_config\.control_dir': reference images are only used by"),
-])
-def test_config_refuses_what_krea2_does_not_offer(sample_data: Path, override: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        load_config(ROOT / QUICKSTART, [f"data_config.img_dir={sample_data}", override.format(data=sample_data)],
-                    default_family="krea2")
+def test_config_refuses_reference_images(sample_data: Path) -> None:
+    """diffusers has no Krea 2 edit pipeline: a reference folder is an error, not silently ignored."""
+    with pytest.raises(ConfigError, match=r"key 'data_config\.control_dir': reference images are only used by"):
+        load_config(ROOT / QUICKSTART, [f"data_config.img_dir={sample_data}",
+                                        f"data_config.control_dir={sample_data}"], default_family="krea2")
+
+
+# Every linear of the transformer, the text fusion and the shared modulation included: every rename is used.
+EVERY_LINEAR = ["to_q", "to_k", "to_v", "to_gate", "to_out.0", "ff.gate", "ff.up", "ff.down", "img_in",
+                "final_layer.linear", "time_embed.linear_1", "time_embed.linear_2", "time_mod_proj", "txt_in.linear_1",
+                "txt_in.linear_2", "projector"]
+
+
+@pytest.mark.e2e
+def test_comfyui_file_has_comfyuis_names_and_reads_back(tiny_krea2: Path, sample_data: Path, tmp_path: Path) -> None:
+    """The ComfyUI file names ComfyUI's modules (comfy/ldm/krea2/model.py: blocks.N.attn.wq, mlp, txtfusion,
+    first, tmlp, txtmlp, tproj, last) with alpha per module; diffusers' own converter for such files
+    (Krea2Pipeline.lora_state_dict) turns it back into our diffusers file exactly."""
+    from diffusers import Krea2Pipeline
+
+    out = tmp_path / "run"
+    train_in_process(QUICKSTART, "krea2", f"pretrained_model_name_or_path={tiny_krea2}",
+                     f"data_config.img_dir={sample_data}", f"output_dir={out}", "report_to=none", "max_train_steps=2",
+                     "checkpointing_steps=100", "rank=4", "lora_alpha=8", "lora_export_formats=[diffusers,comfyui]",
+                     f"lora_target_modules=[{','.join(EVERY_LINEAR)}]")
+    ours = load_file(str(out / "pytorch_lora_weights.safetensors"))
+    comfy = load_file(str(out / "pytorch_lora_weights_comfyui.safetensors"))
+    modules = {k.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0] for k in comfy if ".lora_" in k}
+    assert all(k.startswith("diffusion_model.") for k in comfy)
+    assert {m.split(".")[0] for m in modules} == {"blocks", "txtfusion", "first", "last", "tmlp", "txtmlp", "tproj"}
+    assert "blocks.1.attn.wq" in modules and "txtfusion.refiner_blocks.0.mlp.down" in modules
+    assert not any(word in k for k in comfy for word in ("transformer_blocks", "text_fusion", "to_q", ".ff."))
+    alphas = {k: v for k, v in comfy.items() if k.endswith(".alpha")}
+    assert len(alphas) == len(modules) == len(ours) // 2 and all(float(v) == 8.0 for v in alphas.values())
+    back = Krea2Pipeline.lora_state_dict({k: v for k, v in comfy.items() if not k.endswith(".alpha")})
+    back = back[0] if isinstance(back, tuple) else back
+    assert set(back) == set(ours) and all(torch.equal(back[k], ours[k]) for k in ours)
 
 
 @pytest.mark.e2e

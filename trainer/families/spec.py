@@ -133,6 +133,9 @@ class FamilySpec:
     hub_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Why ``lora_export_formats: [comfyui]`` is refused for this family ("" when the export is offered).
     comfyui_unsupported: str = ""
+    # Where ComfyUI names the model's modules otherwise than diffusers: (regex full-matching a diffusers module
+    # name, its replacement), the first that matches renames; checked against ComfyUI's own model code.
+    comfyui_names: Tuple[Tuple[str, str], ...] = ()
     # Why ``compile: auto`` leaves this family's blocks eager on a GPU ("" when it compiles them); an
     # explicit ``compile: true`` still compiles.
     compile_auto_off: str = ""

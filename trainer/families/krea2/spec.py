@@ -10,6 +10,7 @@ are all zero, so right-padded text of unequal lengths is exact with a mask, and 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, Tuple
 
 from trainer.families.components import model_index
@@ -30,7 +31,7 @@ _FF = r"ff\.(gate|up|down)"
 # Outside the blocks: the embedders, the text MLP, the output layer. Never a preset's target: time_mod_proj (the
 # shared modulation, 227M parameters; presets leave modulation alone) and the text fusion blocks (the memory
 # planner does not model their activations: each of the 12 taps of every caption token runs through them).
-# The Krea authors' example list has both: add them with a custom lora_target regex when a style needs them.
+# The Krea authors' example list has both: name them in lora_target_modules when a style needs them.
 _OUTER = r"img_in|final_layer\.linear|time_embed\.linear_[12]|txt_in\.linear_[12]"
 KREA2_LORA_PRESETS: Dict[str, TargetSpec] = {
     # Anchored to the main blocks: the bare names would also hit the text fusion blocks.
@@ -90,6 +91,23 @@ _SCHEDULER: Dict[str, Any] = {"num_train_timesteps": 1000, "use_dynamic_shifting
                               "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 6400}
 
 
+# ComfyUI's names (comfy/ldm/krea2/model.py, SingleStreamDiT): blocks.N.attn.{wq,wk,wv,gate,wo},
+# blocks.N.mlp.*, txtfusion.*, first, tmlp.0/2, txtmlp.1/3, tproj.1, last.linear. The rename is the exact
+# inverse of diffusers' _convert_non_diffusers_krea2_lora_to_diffusers (a test reads the file back through it).
+_COMFY_ATTN = {"to_q": "wq", "to_k": "wk", "to_v": "wv", "to_gate": "gate", "to_out.0": "wo"}
+COMFYUI_NAMES: Tuple[Tuple[str, str], ...] = (
+    *((rf"transformer_blocks\.(\d+)\.attn\.{re.escape(ours)}", rf"blocks.\1.attn.{theirs}")
+      for ours, theirs in _COMFY_ATTN.items()),
+    (r"transformer_blocks\.(\d+)\.ff\.(gate|up|down)", r"blocks.\1.mlp.\2"),
+    *((rf"text_fusion\.(layerwise|refiner)_blocks\.(\d+)\.attn\.{re.escape(ours)}",
+       rf"txtfusion.\1_blocks.\2.attn.{theirs}") for ours, theirs in _COMFY_ATTN.items()),
+    (r"text_fusion\.(layerwise|refiner)_blocks\.(\d+)\.ff\.(gate|up|down)", r"txtfusion.\1_blocks.\2.mlp.\3"),
+    (r"text_fusion\.projector", "txtfusion.projector"), (r"img_in", "first"), (r"final_layer\.linear", "last.linear"),
+    (r"time_embed\.linear_1", "tmlp.0"), (r"time_embed\.linear_2", "tmlp.2"), (r"time_mod_proj", "tproj.1"),
+    (r"txt_in\.linear_1", "txtmlp.1"), (r"txt_in\.linear_2", "txtmlp.3"),
+)
+
+
 def _checkpoint(distilled: bool) -> Dict[str, Any]:
     """krea/Krea-2-Raw (base) or krea/Krea-2-Turbo (distilled): the same components and configs; Turbo's
     model_index.json says ``is_distilled: true`` (a fixed shift, 8 steps without CFG)."""
@@ -119,8 +137,5 @@ SPEC = FamilySpec(
                     conditions={"prompt_embeds": ("text_hidden_dim", True)}, stacked="num_text_layers"),
     outer_layout=_OUTER_LAYOUT,
     hub_configs={"krea/Krea-2-Raw": _checkpoint(False), "krea/Krea-2-Turbo": _checkpoint(True)},
-    comfyui_unsupported=(
-        "ComfyUI names Krea 2's layers blocks.N.attn.wq / mlp.gate / txtfusion.* (comfy/ldm/krea2/model.py), "
-        "not diffusers' transformer_blocks.N.attn.to_q; this export writes diffusers names, which ComfyUI would "
-        "ignore. Use the diffusers file (lora_export_formats: [diffusers])"),
+    comfyui_names=COMFYUI_NAMES,
 )
