@@ -15,5 +15,8 @@ LOW_MEMORY = {"quantize": True, "adam8bit": True, "precompute_text_embeddings": 
               "precompute_image_embeddings": True, "save_cache_on_disk": True,
               "disable_gradient_checkpointing": False, "gradient_checkpointing_cpu_offload": True}
 
+FAMILY = "qwen_image"  # the family it trains unless the YAML says otherwise
+PROFILE_DEFAULTS = LOW_MEMORY  # beneath the YAML
+
 if __name__ == "__main__":
-    sys.exit(main(default_family="qwen_image", description=__doc__, profile_defaults=LOW_MEMORY))
+    sys.exit(main(default_family=FAMILY, description=__doc__, profile_defaults=PROFILE_DEFAULTS))

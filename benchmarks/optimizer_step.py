@@ -37,10 +37,10 @@ LEARNING_RATE = {"prodigy": 1.0, "prodigy_schedulefree": 1.0, "adafactor": 1e-4}
 def lora_shapes(blocks: int) -> TrainedShapes:
     """The planner's LoRA matrices for train_lora.yaml (rank 16 on Qwen-Image's attention), those of
     the repeated blocks taken ``blocks`` times."""
-    from trainer.planner import load_plan_config, lora_layout, model_spec, resolve_settings
+    from trainer.planner import load_plan_config, lora_layout, model_sizes, resolve_settings
 
     cfg = load_plan_config(str(ROOT / "train_configs" / "train_lora.yaml"), family="qwen_image")
-    spec = model_spec(cfg.pretrained_model_name_or_path, None, cfg.family)
+    spec = model_sizes(cfg.pretrained_model_name_or_path, None, cfg.family)
     s = resolve_settings(cfg, spec)
     shapes = lora_layout(spec.transformer, s.lora_targets).shapes(spec.transformer, s.rank)
     return TrainedShapes(tuple(dataclasses.replace(m, count=blocks) if m.hidden else m for m in shapes.matrices))

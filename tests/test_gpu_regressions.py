@@ -24,14 +24,14 @@ import torch.nn.functional as F
 
 from conftest import read_losses, train_in_process
 from trainer.block_swap import BlockSwapper, inner_tensors, map_inner, stream_tensors
-from trainer.quantization import QuantizationSpec, is_quantized, quantize_module
+from trainer.quantization import QuantizationChoice, is_quantized, quantize_module
 
-SPECS = [QuantizationSpec("quanto", "qfloat8"), QuantizationSpec("quanto", "qint8"),
-         QuantizationSpec("quanto", "qint4"), QuantizationSpec("torchao", "int8_weight_only")]
+SPECS = [QuantizationChoice("quanto", "qfloat8"), QuantizationChoice("quanto", "qint8"),
+         QuantizationChoice("quanto", "qint4"), QuantizationChoice("torchao", "int8_weight_only")]
 IDS = [f"{s.backend}-{s.weights}" for s in SPECS]
 # Formats whose layer calls F.linear on the quantized weight (the cast tests' probe) and int8_w8a8,
 # whose Int8Linear quantizes its own input: all of them are swapped.
-SWAPPED = SPECS + [QuantizationSpec("torchao", "int8_w8a8")]
+SWAPPED = SPECS + [QuantizationChoice("torchao", "int8_w8a8")]
 SWAPPED_IDS = [f"{s.backend}-{s.weights}" for s in SWAPPED]
 
 
@@ -51,7 +51,7 @@ def linear_inputs(monkeypatch: pytest.MonkeyPatch) -> Counter:
     return seen
 
 
-def quantized_block(spec: Optional[QuantizationSpec], width: int = 128) -> torch.nn.Module:
+def quantized_block(spec: Optional[QuantizationChoice], width: int = 128) -> torch.nn.Module:
     block = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.Linear(width, width))
     block = block.to(torch.bfloat16)
     if spec is not None:
@@ -60,7 +60,7 @@ def quantized_block(spec: Optional[QuantizationSpec], width: int = 128) -> torch
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
-def test_quantized_linear_is_handed_the_compute_dtype(spec: QuantizationSpec, linear_inputs: Counter) -> None:
+def test_quantized_linear_is_handed_the_compute_dtype(spec: QuantizationChoice, linear_inputs: Counter) -> None:
     block = quantized_block(spec)
     x = torch.randn(4, 128)  # fp32, as a LayerNorm hands it on under CUDA autocast
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -91,7 +91,7 @@ def fp32_layer_norm(real: Callable) -> Callable:
 @pytest.mark.e2e
 @pytest.mark.parametrize("spec", [SPECS[0], SPECS[3]], ids=[IDS[0], IDS[3]])
 def test_engine_hands_quantized_linears_the_compute_dtype(
-        spec: QuantizationSpec, tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
+        spec: QuantizationChoice, tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
         linear_inputs: Counter, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(F, "layer_norm", fp32_layer_norm(F.layer_norm))
     # The 24 GB profile's combination: quantized blocks, checkpointing with offloaded inputs, block swap.
@@ -115,7 +115,7 @@ def devices(block: torch.nn.Module) -> set:
 
 
 @pytest.mark.parametrize("spec", [None] + SWAPPED, ids=["bf16"] + SWAPPED_IDS)
-def test_swapped_in_block_has_every_inner_tensor_on_the_device(spec: Optional[QuantizationSpec]) -> None:
+def test_swapped_in_block_has_every_inner_tensor_on_the_device(spec: Optional[QuantizationChoice]) -> None:
     blocks = torch.nn.ModuleList([quantized_block(spec) for _ in range(2)])
     x = torch.randn(3, 128, dtype=torch.bfloat16)
     before = blocks[1](x)
@@ -134,7 +134,7 @@ def test_swapped_in_block_has_every_inner_tensor_on_the_device(spec: Optional[Qu
 
 
 @pytest.mark.parametrize("spec", SWAPPED, ids=SWAPPED_IDS)
-def test_map_inner_rebuilds_a_quantized_weight_from_new_inner_tensors(spec: QuantizationSpec) -> None:
+def test_map_inner_rebuilds_a_quantized_weight_from_new_inner_tensors(spec: QuantizationChoice) -> None:
     weight = quantized_block(spec)[0].weight
     calls: List[torch.Tensor] = []
 
@@ -181,7 +181,7 @@ def test_swap_guards_a_quantized_weights_workspace_against_reuse() -> None:
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
-def test_stream_tensors_of_a_quantized_weight_are_its_inner_tensors_once(spec: QuantizationSpec) -> None:
+def test_stream_tensors_of_a_quantized_weight_are_its_inner_tensors_once(spec: QuantizationChoice) -> None:
     weight = quantized_block(spec)[0].weight
     guarded, inner = stream_tensors(weight), inner_tensors(weight)
     assert len(guarded) == len({id(t) for t in guarded}) >= len(inner) >= 2

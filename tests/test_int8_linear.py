@@ -18,10 +18,10 @@ from peft import LoraConfig, inject_adapter_in_model
 
 import trainer.int8_linear as int8
 from trainer.int8_linear import Int8Linear, quantize_int8_w8a8, quantize_rows
-from trainer.quantization import QuantizationSpec, quantize_module, quantized_linears
+from trainer.quantization import QuantizationChoice, quantize_module, quantized_linears
 
 TOLERANCE = 0.02  # relative Frobenius error, see the module docstring
-W8A8 = QuantizationSpec("torchao", "int8_w8a8")
+W8A8 = QuantizationChoice("torchao", "int8_w8a8")
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:

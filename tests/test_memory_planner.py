@@ -94,7 +94,7 @@ def qwen_outer_params(d: int, txt: int, latent: int) -> int:
 
 
 def test_parameter_counts_are_exact(small_model) -> None:
-    spec = mp.model_spec(str(small_model[1]))
+    spec = mp.model_sizes(str(small_model[1]))
     assert spec.source == "local folder"
     assert spec.transformer.params == qwen_block_params(D, HEAD) + qwen_outer_params(D, TXT, LATENT)
     block = spec.transformer.blocks[0]
@@ -107,7 +107,7 @@ def test_parameter_counts_are_exact(small_model) -> None:
 
 
 def test_weights_lora_and_optimizer_bytes(small_model) -> None:
-    spec = mp.model_spec(str(small_model[1]))
+    spec = mp.model_sizes(str(small_model[1]))
     params = spec.transformer.params
     rank = 4
     cfg = train_config(model=str(small_model[1]), mixed_precision="bf16", rank=rank, lora_target="attention")
@@ -128,7 +128,7 @@ def test_weights_lora_and_optimizer_bytes(small_model) -> None:
 
 
 def test_quantized_weights_bytes(small_model) -> None:
-    spec = mp.model_spec(str(small_model[1]))
+    spec = mp.model_sizes(str(small_model[1]))
     block = spec.transformer.blocks[0]
     cfg = train_config(model=str(small_model[1]), mixed_precision="bf16")
     linear_weights = 2 * D * 6 * D + 8 * D * D + 2 * (D * 4 * D + 4 * D * D)
@@ -147,13 +147,13 @@ def test_int8_w8a8_weights_are_the_bytes_the_quantized_model_holds() -> None:
     the bf16 rest), and are about half of bf16's."""
     import diffusers
 
-    from trainer.quantization import QuantizationSpec, quantize_module
+    from trainer.quantization import QuantizationChoice, quantize_module
 
     model = diffusers.QwenImageTransformer2DModel.from_config({**SMALL_QWEN, "num_layers": 2}).to(torch.bfloat16)
     tspec = _transformer_spec(model, SPECS["qwen_image"])
-    spec = mp.ModelSpec("small", "test", "", tspec, (), None, 0)
+    spec = mp.ModelSizes("small", "test", "", tspec, (), None, 0)
     for block in model.transformer_blocks:
-        quantize_module(block, QuantizationSpec("torchao", "int8_w8a8"))
+        quantize_module(block, QuantizationChoice("torchao", "int8_w8a8"))
     held = sum(t.numel() * t.element_size() for p in model.parameters() for t in inner_tensors(p))
     cfg = train_config("qwen_image", mixed_precision="bf16")
     planned = items(mp.plan_memory(cfg, quantization="int8_w8a8", spec=spec))["transformer weights (int8_w8a8)"]
@@ -163,12 +163,12 @@ def test_int8_w8a8_weights_are_the_bytes_the_quantized_model_holds() -> None:
 
 
 def test_activation_bytes_with_and_without_checkpointing(small_model) -> None:
-    spec = mp.model_spec(str(small_model[3]))
+    spec = mp.model_sizes(str(small_model[3]))
     t = spec.transformer
     rank, a, n_img, n_txt = 4, 2, 16, 8  # 64x64 px -> (64/16)^2 image tokens; 8 caption tokens; bf16
     cfg = train_config(model=str(small_model[3]), mixed_precision="bf16", rank=rank, lora_target="attention",
                        data_img_size=64)
-    s = mp.resolve_settings(cfg, mp.model_spec(str(small_model[3])), text_tokens=n_txt)
+    s = mp.resolve_settings(cfg, mp.model_sizes(str(small_model[3])), text_tokens=n_txt)
     assert (s.image_tokens, s.text_tokens) == (n_img, n_txt)
     n = n_img + n_txt
     m = 4 * D
@@ -185,7 +185,7 @@ def test_activation_bytes_with_and_without_checkpointing(small_model) -> None:
 
 
 def test_checkpoint_offload_moves_the_block_inputs_to_the_host(small_model) -> None:
-    spec = mp.model_spec(str(small_model[3]))
+    spec = mp.model_sizes(str(small_model[3]))
     a, n = 2, 16 + 8  # bf16; 64x64 px -> 16 image tokens, 8 caption tokens
     cfg = train_config(model=str(small_model[3]), mixed_precision="bf16", data_img_size=64,
                        gradient_checkpointing_cpu_offload=True)
@@ -205,7 +205,7 @@ def test_checkpoint_offload_moves_the_block_inputs_to_the_host(small_model) -> N
 
 
 def test_block_swap_moves_exactly_the_swapped_blocks(small_model) -> None:
-    spec = mp.model_spec(str(small_model[3]))
+    spec = mp.model_sizes(str(small_model[3]))
     block_bytes = 2 * spec.transformer.blocks[0].params
     cfg = train_config(model=str(small_model[3]), mixed_precision="bf16")
     plans = {n: mp.plan_memory(cfg, blocks_to_swap=n, spec=spec) for n in (0, 1, 3)}
@@ -222,7 +222,7 @@ def test_block_swap_moves_exactly_the_swapped_blocks(small_model) -> None:
 
 
 def test_cache_pass_is_freed_before_training(small_model) -> None:
-    spec = mp.model_spec(str(small_model[1]))
+    spec = mp.model_sizes(str(small_model[1]))
     cfg = train_config(model=str(small_model[1]), mixed_precision="bf16")
     plan = mp.plan_memory(cfg, spec=spec)
     assert plan.gpu_peak_gib == max(plan.cache_pass_gib, plan.training_gib)
@@ -236,7 +236,7 @@ def test_cache_pass_is_freed_before_training(small_model) -> None:
 
 
 def test_in_memory_cache_counts_the_dataset(small_model, sample_data: Path) -> None:
-    spec = mp.model_spec(str(small_model[1]))
+    spec = mp.model_sizes(str(small_model[1]))
     cfg = train_config(model=str(small_model[1]), mixed_precision="bf16", save_cache_on_disk=False,
                        data_img_dir=str(sample_data), data_img_size=64)
     host = items(mp.plan_memory(cfg, text_tokens=10, spec=spec), "host")
@@ -246,7 +246,7 @@ def test_in_memory_cache_counts_the_dataset(small_model, sample_data: Path) -> N
 
 
 def test_adafactor_resolutions_validation_and_full_mode(small_model) -> None:
-    spec = mp.model_spec(str(small_model[1]))
+    spec = mp.model_sizes(str(small_model[1]))
     rank = 4
     cfg = train_config(model=str(small_model[1]), mixed_precision="bf16", rank=rank, lora_target="attention")
     ada = items(mp.plan_memory(dataclasses.replace(cfg, optimizer="adafactor"), spec=spec))
@@ -266,16 +266,16 @@ def test_adafactor_resolutions_validation_and_full_mode(small_model) -> None:
 
 
 def test_builtin_configs_plan_the_real_models_without_downloads() -> None:
-    spec = mp.model_spec("Qwen/Qwen-Image")
+    spec = mp.model_sizes("Qwen/Qwen-Image")
     assert spec.source in ("built-in", "HF cache", "HF cache + built-in")
     assert spec.transformer.params == 20_430_401_088 and spec.transformer.num_blocks == 60
     assert spec.text_encoders[0].params == 8_292_166_656  # Qwen2.5-VL-7B
-    flux = mp.model_spec("black-forest-labs/FLUX.1-dev")
+    flux = mp.model_sizes("black-forest-labs/FLUX.1-dev")
     assert flux.transformer.params == 11_901_408_320
     assert [b.count for b in flux.transformer.blocks] == [19, 38]
     assert [e.params for e in flux.text_encoders] == [123_060_480, 4_762_310_656]  # CLIP-L, T5-XXL (tied)
-    assert mp.model_spec("Qwen/Qwen-Image-Edit-2511").transformer.zero_cond_t
-    plus = mp.model_spec("Qwen/Qwen-Image-Edit-2509").pipeline_class  # planned as Edit-Plus: 384^2 references
+    assert mp.model_sizes("Qwen/Qwen-Image-Edit-2511").transformer.zero_cond_t
+    plus = mp.model_sizes("Qwen/Qwen-Image-Edit-2509").pipeline_class  # planned as Edit-Plus: 384^2 references
     assert SPECS["qwen_image_edit"].references[plus].condition_area == 384 * 384
 
 
@@ -398,7 +398,7 @@ def planned_training_bytes(family: str, class_name: str, config: Dict[str, Any],
                            n_txt: int, checkpointing: bool) -> float:
     """The planner's training items minus the frozen weights and the GPU-only allowances."""
     tspec = _transformer_spec(_build(["diffusers", class_name], config), SPECS[family])
-    spec = mp.ModelSpec("traced", "test", "", tspec, (), None, 0)
+    spec = mp.ModelSizes("traced", "test", "", tspec, (), None, 0)
     cfg = train_config(family, mixed_precision="bf16", disable_gradient_checkpointing=not checkpointing,
                        data_img_size=int(n_img ** 0.5) * 16)
     s = dataclasses.replace(mp.resolve_settings(cfg, spec, device="cpu"), lora_targets=targets, text_tokens=n_txt)
@@ -501,10 +501,10 @@ def test_per_block_formula_matches_saved_tensors(family: str, preset: str, preci
             quanto.quantize(block, weights=quanto.qfloat8)
             quanto.freeze(block)
     elif backend == "int8_w8a8":
-        from trainer.quantization import QuantizationSpec, quantize_module
+        from trainer.quantization import QuantizationChoice, quantize_module
 
         for _, block in blocks:
-            quantize_module(block, QuantizationSpec("torchao", backend))
+            quantize_module(block, QuantizationChoice("torchao", backend))
     elif backend is not None:
         pytest.importorskip("torchao")
         import torchao.quantization as ao
@@ -532,7 +532,7 @@ def test_per_block_formula_matches_saved_tensors(family: str, preset: str, preci
     measured = [saved_block_bytes(block, kwargs, exclude, half) for _, block in blocks]
 
     tspec = _transformer_spec(_build(["diffusers", config["_class_name"]], config), SPECS[family])
-    spec = mp.ModelSpec("small", "test", "", tspec, (), None, 0)
+    spec = mp.ModelSizes("small", "test", "", tspec, (), None, 0)
     cfg = train_config(family, mixed_precision=precision, rank=8, lora_target=preset, data_img_size=256)
     s = mp.resolve_settings(cfg, spec, quantization=backend or "none", text_tokens=n_txt, device="cpu")
     planned = mp.estimate_activations(tspec, mp.lora_layout(tspec, s.lora_targets), s).per_block
@@ -702,7 +702,7 @@ def test_the_plan_takes_each_decision_as_the_trainer_does(keys: Dict[str, Any], 
     monkeypatch.setattr(platform, "setup_unified_memory_env", lambda **kw: None)  # no allocator settings here
     cfg = train_config("qwen_image_edit", model="Qwen/Qwen-Image-Edit-2509", data_img_dir=str(edit_data_two_refs),
                        **keys)
-    s = mp.resolve_settings(cfg, mp.model_spec(cfg.pretrained_model_name_or_path))
+    s = mp.resolve_settings(cfg, mp.model_sizes(cfg.pretrained_model_name_or_path))
     quant, te_quant = quantization_spec(cfg), text_encoder_spec(cfg)
     assert (s.quantization, s.backend) == ((quant.weights, quant.backend) if quant else (None, None))
     assert s.text_encoder_quantization == (te_quant.weights if te_quant else None)
@@ -729,7 +729,7 @@ def test_kandinsky5_and_z_image_are_built_but_refused_in_one_line(
         capsys: pytest.CaptureFixture) -> None:
     """Their published configs build on the meta device (6B each) with their own blocks and LoRA
     presets; a plan refuses them in one line instead of a number from Qwen-Image's formulas."""
-    spec = mp.model_spec(hub_id)
+    spec = mp.model_sizes(hub_id)
     assert spec.transformer.params == params and spec.source in ("built-in", "HF cache", "HF cache + built-in")
     assert {kind.prefix: kind.count for kind in spec.transformer.blocks} == blocks
     layout = mp.lora_layout(spec.transformer, SPECS[family].lora_presets["attention"])
@@ -744,3 +744,17 @@ def test_kandinsky5_and_z_image_are_built_but_refused_in_one_line(
     assert main("qwen_image", "plan", ["--config", str(ROOT / profile), "--plan", "--gpu-memory", "24GiB"]) == 2
     err = capsys.readouterr().err.strip()
     assert re.match(line, err.removeprefix("error: ")) and "\n" not in err
+
+
+def test_every_published_vae_has_its_own_activation_factors() -> None:
+    """No VAE is planned with another's numbers: each published checkpoint's VAE class is traced, and an
+    unknown class is refused, naming it."""
+    from trainer.families.components import VAE_ACTIVATION_FACTORS
+    from trainer.planner.plan import vae_factors
+
+    classes = {configs["vae/config.json"]["_class_name"] for spec in SPECS.values()
+               for configs in spec.hub_configs.values()}
+    assert classes <= set(VAE_ACTIVATION_FACTORS), classes - set(VAE_ACTIVATION_FACTORS)
+    assert vae_factors("AutoencoderKLFlux2") == vae_factors("AutoencoderKL")  # diffusers' same Encoder/Decoder
+    with pytest.raises(ValueError, match="AutoencoderKLWan"):
+        vae_factors("AutoencoderKLWan")

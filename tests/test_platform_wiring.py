@@ -126,10 +126,10 @@ def test_auto_attention_is_timed_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) 
 def test_compile_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     import trainer.platform as platform
     from utils.errors import ConfigError
-    from trainer.quantization import QuantizationSpec
+    from trainer.quantization import QuantizationChoice
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    quanto, torchao = QuantizationSpec("quanto", "qfloat8"), QuantizationSpec("torchao", "int8_weight_only")
+    quanto, torchao = QuantizationChoice("quanto", "qfloat8"), QuantizationChoice("torchao", "int8_weight_only")
     monkeypatch.setattr(platform, "_has_triton", lambda: True)
     decide = lambda spec=None, device=gpu, **keys: platform.compile_decision(TrainConfig(**keys), device, spec)[0]  # noqa: E731
     assert decide() and decide(torchao), "auto: on for CUDA, torchao blocks included"

@@ -14,7 +14,8 @@ from typing import Optional
 import pytest
 
 from conftest import ROOT
-from trainer import checkpoint as ckpt, run_dir, run_lock
+from trainer import checkpoint as ckpt, metric_logging, run_dir, run_lock
+from trainer.metric_logging import JsonlLogger, read_metrics
 from trainer.adapters import final_weights_name, trained_weights
 from trainer.config import load_config
 from utils.errors import ConfigError, TrainingInterrupted
@@ -38,10 +39,12 @@ def checkpoint(out: Path, step: int) -> Path:
 def finished_run(out: Path) -> RunFolder:
     folder = RunFolder(out, LORA)
     assert folder.open(None, overwrite=False) is None, "a fresh folder"
+    metrics = JsonlLogger(folder.metrics)
     for step in (2, 4):
         checkpoint(out, step)
-        folder.append_metrics({"step": step, "loss": 0.5})
+        metrics.log_dict({"loss": 0.5}, step)
     (out / LORA).write_bytes(b"final")
+    metrics.close()
     folder.release(4)
     return folder
 
@@ -79,34 +82,36 @@ def test_another_run_is_refused_unless_resumed_or_overwritten(tmp_path: Path) ->
 
 
 def test_metrics_append_read_and_truncate_on_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(run_dir, "METRICS_FLUSH_S", 3600.0)
-    folder = RunFolder(tmp_path, LORA)
+    monkeypatch.setattr(metric_logging, "METRICS_FLUSH_S", 3600.0)
+    path = tmp_path / "metrics.jsonl"
+    metrics = JsonlLogger(path)
     for step in (1, 2, 3):
-        folder.append_metrics({"step": step, "loss": 1.0 / step})
-    assert [r["step"] for r in RunFolder(tmp_path, LORA).read_metrics()] == [1], "the first line at once"
-    folder.flush()  # as before every checkpoint
-    assert [r["step"] for r in RunFolder(tmp_path, LORA).read_metrics()] == [1, 2, 3]
-    folder.truncate_metrics(2)
-    folder.append_metrics({"step": 3, "loss": 0.25})
-    folder.close()
-    records = folder.read_metrics()
+        metrics.log_dict({"loss": 1.0 / step}, step)
+    assert [r["step"] for r in read_metrics(path)] == [1], "the first line at once"
+    metrics.flush()  # as before every checkpoint
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    metrics.resume_at(2)
+    metrics.log_dict({"loss": 0.25}, 3)
+    metrics.close()
+    records = read_metrics(path)
     assert all(isinstance(r.pop("time"), float) for r in records), "every line carries its unix time"
     assert records == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}, {"step": 3, "loss": 0.25}]
-    assert RunFolder(tmp_path / "empty", LORA).read_metrics() == []
+    assert read_metrics(tmp_path / "empty" / "metrics.jsonl") == []
 
 
 def test_metrics_deleted_or_rotated_during_the_run_are_started_again(tmp_path: Path, logs) -> None:
-    folder = RunFolder(tmp_path, LORA)
-    folder.append_metrics({"step": 1, "loss": 1.0})
-    (tmp_path / "metrics.jsonl").unlink()  # a clean-up script
-    folder.append_metrics({"step": 2, "loss": 0.5})
-    folder.flush()
-    assert [r["step"] for r in folder.read_metrics()] == [2], "written to the folder, not the deleted file"
-    os.replace(tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.1")  # log rotation
+    path = tmp_path / "metrics.jsonl"
+    metrics = JsonlLogger(path)
+    metrics.log_dict({"loss": 1.0}, 1)
+    path.unlink()  # a clean-up script
+    metrics.log_dict({"loss": 0.5}, 2)
+    metrics.flush()
+    assert [r["step"] for r in read_metrics(path)] == [2], "written to the folder, not the deleted file"
+    os.replace(path, tmp_path / "metrics.jsonl.1")  # log rotation
     for step in (3, 4):
-        folder.append_metrics({"step": step, "loss": 0.25})
-    folder.close()
-    assert [r["step"] for r in folder.read_metrics()] == [3, 4]
+        metrics.log_dict({"loss": 0.25}, step)
+    metrics.close()
+    assert [r["step"] for r in read_metrics(path)] == [3, 4]
     said = [r["message"] for r in logs if "was deleted or replaced during the run" in r["message"]]
     assert len(said) == 2 and str(tmp_path / "metrics.jsonl") in said[0], "one warning each time"
 
@@ -190,9 +195,9 @@ def test_a_torn_metrics_line_is_skipped_and_truncated_on_resume(tmp_path: Path, 
     finished_run(tmp_path)
     with open(tmp_path / "metrics.jsonl", "a") as fh:
         fh.write('{"step": 5, "epoch": 13, ')  # a full disk mid-line
-    assert [r["step"] for r in RunFolder(tmp_path, LORA).read_metrics()] == [2, 4]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [2, 4]
     assert any("skipped a torn line" in r["message"] for r in logs)
-    RunFolder(tmp_path, LORA).truncate_metrics(4)
+    JsonlLogger(tmp_path / "metrics.jsonl").resume_at(4)
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2 and "epoch\": 13" not in \
         (tmp_path / "metrics.jsonl").read_text()
 

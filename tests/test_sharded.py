@@ -236,10 +236,10 @@ def test_only_the_first_process_creates_or_clears_the_output_folder(monkeypatch,
 
 
 def test_the_planner_divides_what_each_mode_shards(tiny_qwen_image: Path) -> None:
-    from trainer.planner.model import model_spec
+    from trainer.planner.model import model_sizes
     from trainer.planner.sharding import GIB, sharded_memory
 
-    spec = model_spec(str(tiny_qwen_image), None, "qwen_image").transformer
+    spec = model_sizes(str(tiny_qwen_image), None, "qwen_image").transformer
     one = sharded_memory(spec, "adamw", "ddp", 1)
     assert one.weights == one.gradients == spec.params * 4 / GIB and one.optimizer == spec.params * 8 / GIB
     for mode, divided in {"ddp": (1, 1, 1), "zero2": (1, 1, 4), "zero3": (4, 4, 4), "fsdp": (4, 4, 4)}.items():

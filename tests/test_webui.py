@@ -8,6 +8,7 @@ page in a browser: tests/test_webui_browser.py."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -31,7 +32,7 @@ pytest.importorskip("httpx", reason="FastAPI's test client needs httpx (requirem
 import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from trainer import cli  # noqa: E402
+from trainer import cli, run_lock  # noqa: E402
 from webui import launch  # noqa: E402
 from webui.guard import SESSION_COOKIE  # noqa: E402
 from webui.schema import schema_fields, yaml_values  # noqa: E402
@@ -70,7 +71,7 @@ def _snapshot(folder: Path) -> Dict[str, str]:
 
 
 @pytest.fixture
-def runs_dir(tmp_path: Path) -> Path:
+def runs_dir(tmp_path: Path) -> Iterator[Path]:
     """Four runs as their folders hold them: an old stopped one (metrics with a torn last line and a
     checkpoint, nothing newer), a running one (run.lock of a live process, run_status.json, timed
     metrics with per-dataset losses), a finished one (summary.json, samples, LoRA) and a failed one."""
@@ -82,6 +83,8 @@ def runs_dir(tmp_path: Path) -> Path:
     _metrics(live, [{"step": s, "loss": 1.0, "lr": 1e-4, "time": 100.0 + 2 * s, "loss/faces": 0.9,
                      "loss/regularization": 1.1} for s in range(1, 11)])
     (live / "run.lock").write_text(json.dumps({"host": os.uname().nodename, "pid": os.getpid(), "started": 0}))
+    held = os.open(live / "run.lock", os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # a live owner holds its lock (trainer/run_lock.py)
     (live / "run_status.json").write_text(json.dumps({"state": "running", "step": 10, "max_steps": 110,
                                                       "message": None, "time": 0}))
     (live / "config.yaml").write_text("family: qwen_image\npretrained_model_name_or_path: Qwen/Qwen-Image\n"
@@ -101,7 +104,8 @@ def runs_dir(tmp_path: Path) -> Path:
     failed.mkdir()
     (failed / "run_status.json").write_text(json.dumps({"state": "failed", "step": 0, "message": "out of memory"}))
     (tmp_path / "secret.txt").write_text(SECRET)
-    return base
+    yield base
+    os.close(held)
 
 
 @pytest.fixture
@@ -533,10 +537,12 @@ def test_a_stop_is_sent_once_unless_the_trainer_never_saw_it(client: TestClient,
     """A second SIGTERM makes a trainer exit without its checkpoint: refused while the trainer that
     got the first is writing it. A trainer that took the lock after the stop (sent while the launcher
     had no trainer yet to pass it to) never saw it: that one gets it."""
-    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    folder = runs_dir / "late"
+    folder.mkdir()
+    holds = "import fcntl, os, sys, time; fcntl.flock(os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT), fcntl.LOCK_EX); time.sleep(60)"
+    trainer = subprocess.Popen([sys.executable, "-c", holds, str(folder / "run.lock")])
     try:
-        folder = runs_dir / "late"
-        folder.mkdir()
+        _wait(lambda: run_lock.is_held(folder / "run.lock"), 30, "the trainer holds its lock")
         (folder / "webui_launch.json").write_text(json.dumps({"stop_requested": True, "stopped": 1000.0}))
         lock = {"host": socket.gethostname(), "pid": trainer.pid, "started": 900.0}
         (folder / "run.lock").write_text(json.dumps(lock))

@@ -4,7 +4,7 @@
 
 Like ``trainer.launch`` it starts the "trainer" as its child in its own process group, passes
 SIGTERM/SIGINT on to it once, and exits with its code. The child writes what the real trainer
-writes, in the same order: after ``FAKE_STARTUP_S`` (loading models) ``run.lock`` and
+writes, in the same order: after ``FAKE_STARTUP_S`` (loading models) ``run.lock`` (flocked) and
 ``run_status.json`` ("running"), then one metrics line per ``FAKE_STEP_S`` and a checkpoint every
 checkpointing_steps. On SIGTERM it writes a
 complete checkpoint and "stopped" and exits 143 (``trainer/signals.py``); at max_train_steps it
@@ -48,6 +48,9 @@ signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGINT, stop)
 time.sleep(startup)
 (out / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}))
+import fcntl
+lock_fd = os.open(out / "run.lock", os.O_RDONLY)
+fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held while it runs, as trainer/run_lock.py's owner holds it
 status("running", step, "started")
 with open(out / "metrics.jsonl", "a") as fh:
     while step < max_steps:

@@ -105,11 +105,15 @@ def sha256_all(paths: List[Path]) -> List[str]:
         return list(pool.map(sha256, paths))
 
 
+def checkpoint_folders(output_dir: Path) -> List[Path]:
+    """``checkpoint-N`` folders, complete or not, oldest first (the one rule for what a checkpoint is named)."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+
+
 def list_checkpoints(output_dir: Path) -> List[Path]:
     """Complete checkpoints, oldest first."""
-    found = [p for p in Path(output_dir).glob("checkpoint-*")
-             if p.is_dir() and p.name.split("-", 1)[1].isdigit() and is_complete(p)]
-    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+    return [p for p in checkpoint_folders(output_dir) if is_complete(p)]
 
 
 def latest_checkpoint(output_dir: Path) -> Optional[Path]:

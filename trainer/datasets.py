@@ -18,24 +18,28 @@ from image_datasets.buckets import at_resolutions, bucket_report
 from image_datasets.checks import check_before_training
 from image_datasets.dataset import (Sample, SizeGroupedBatchSampler, add_trigger_word, find_control_dirs,
                                     scan_image_folder)
+from trainer.families.base import ModelFamily, as_reference_family
 from trainer.config import REGULARIZATION, DatasetEntry, TrainConfig, dataset_entries, same_folder_warnings
 from utils.errors import DataError
 
 
-def scan_dataset(entry: DatasetEntry, family: Any) -> List[Sample]:
+def scan_dataset(entry: DatasetEntry, family: ModelFamily) -> List[Sample]:
     """The training samples of one folder, after the dataset checks (before any model loads)."""
     control_dirs: List[Path] = []
+    reference_size = None
     if family.uses_references:
+        edit = as_reference_family(family)
+        reference_size = edit.reference_size
         control_dirs = find_control_dirs(entry.img_dir, entry.control_dir, entry.control_dirs)
         if not control_dirs:
             raise DataError(f"{family.name} trains on reference images: set data_config.control_dir (or "
                             f"control_dirs), or put them in a control/ folder beside {entry.img_dir}")
-        family.check_references(len(control_dirs))
+        edit.check_references(len(control_dirs))
         logger.info(f"reference folders: {', '.join(map(str, control_dirs))}")
     skip = check_before_training(entry.img_dir, entry.caption_type, entry.img_size, family.pixel_multiple,
                                  control_dirs, skip_bad=entry.skip_bad_samples)
     samples = scan_image_folder(entry.img_dir, entry.caption_type, entry.img_size, family.pixel_multiple,
-                                control_dirs, family.reference_size if family.uses_references else None, exclude=skip)
+                                control_dirs, reference_size, exclude=skip)
     samples = at_resolutions(samples, entry.resolutions or [entry.img_size], family.pixel_multiple, entry.bucket_mode)
     logger.info(f"buckets of {entry.name} ({entry.bucket_mode}): {bucket_report(samples)}")
     return add_trigger_word(samples, entry.trigger_word)
@@ -50,7 +54,7 @@ class TrainingData:
     dataset_of: List[int]  # sample index -> index in ``entries``
 
     @classmethod
-    def scan(cls, cfg: TrainConfig, family: Any) -> "TrainingData":
+    def scan(cls, cfg: TrainConfig, family: ModelFamily) -> "TrainingData":
         """Scan every dataset of ``cfg``; a problem names the dataset it is in."""
         entries = dataset_entries(cfg)
         for warning in same_folder_warnings(entries):

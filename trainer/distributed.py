@@ -33,6 +33,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 from loguru import logger
 
+from trainer.families.base import ModelFamily
 from trainer.adapters import adapter_parameters
 from trainer.config import TrainConfig
 from trainer.optimizer_specs import OPTIMIZERS
@@ -48,7 +49,7 @@ def sharded(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type in SHARDED
 
 
-def configure(accelerator: Accelerator, cfg: TrainConfig, family: Any) -> None:
+def configure(accelerator: Accelerator, cfg: TrainConfig, family: ModelFamily) -> None:
     """Check the launch, set what DeepSpeed needs from the training config, and hold the other
     processes until the main one has prepared the output folder (it alone creates and removes)."""
     check_launch(accelerator)

@@ -10,7 +10,6 @@ step's maths ``trainer/training_step.py``.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import sys
 import time
@@ -49,10 +48,11 @@ from trainer.precision import choose_mixed_precision
 from trainer.position import RunState, micro_batches
 from trainer.quantization import check_available, quantization_spec
 from trainer.memory_check import warn_if_it_does_not_fit
-from trainer.reporting import plot_histogram, plot_losses, write_summary
+from trainer.reporting import log_wall_time, plot_histogram, plot_losses, process_age_s, write_summary
 from trainer.run_dir import METRICS_NAME, RunFolder
+from trainer.metric_logging import JsonlLogger, MetricLoggers, TrackerLogger, read_metrics
 from trainer.signals import GracefulStop
-from trainer.tracking import available_trackers, init_trackers, setup_logging
+from trainer.tracking import available_trackers, setup_logging
 from trainer.training_step import draw_sigmas, flow_matching_step, seed_global_rngs, step_seed
 from trainer.validation import ValidationRenderer, log_images
 from utils.attention import AttentionChoice, sdpa_context
@@ -84,6 +84,7 @@ class Trainer:
         self.device = torch.device("cpu")
         self.weight_dtype = torch.float32
         self.monitor: Optional[MemoryMonitor] = None
+        self.metrics = MetricLoggers()  # metrics.jsonl (main process) and the trackers: one record per step
         self.family: Optional[ModelFamily] = None
         # prepare_data
         self.data: Optional[TrainingData] = None  # every dataset's samples (trainer/datasets.py)
@@ -134,6 +135,7 @@ class Trainer:
                     self._raise_if_a_process_was_lost(exc)
                     raise
         finally:
+            self.metrics.close(ok=sys.exc_info()[1] is None)
             self.folder.release(self.state.step, sys.exc_info()[1])
 
     def _raise_if_a_process_was_lost(self, exc: Exception) -> None:
@@ -166,8 +168,9 @@ class Trainer:
         precision = choose_mixed_precision(cfg.mixed_precision)  # the profile's, unless the launcher was told
         self.accelerator = Accelerator(
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            # Qwen's last block leaves its text-side outputs unused: DDP must not wait for them.
-            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True),
+            # Modules whose outputs go nowhere are frozen (family.unused_modules): every trained weight gets a
+            # gradient each step, so DDP skips the search for unused ones (measured: two processes, each family).
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False),
                              # A collective waits this long for a stalled process (a dead one fails at once).
                              InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))],
             mixed_precision=precision.accelerator_arg,
@@ -181,7 +184,9 @@ class Trainer:
         self.weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
             self.accelerator.mixed_precision, torch.float32)
         setup_logging(self.is_main, self.folder.log)
-        init_trackers(self.accelerator, cfg)
+        self.metrics = MetricLoggers(JsonlLogger(self.folder.metrics) if self.is_main else None,
+                                     TrackerLogger(self.accelerator) if self.accelerator.log_with else None)
+        self.metrics.log_config(cfg)
         configure_device(cfg, self.policy)
         self.monitor = MemoryMonitor(writer=lambda tag, value, step: self.accelerator.log({tag: value}, step=step))
         if cfg.seed is not None:
@@ -303,8 +308,7 @@ class Trainer:
     def _resume(self, path: Path) -> None:
         resume_check.load(path, self.accelerator.load_state, self.cfg, self.samples, self.lr_scheduler)
         self.state.restore(ckpt.read_state(path), self.cfg.gradient_accumulation_steps)
-        if self.is_main:  # steps logged after the checkpoint by the interrupted run are redone
-            self.folder.truncate_metrics(self.state.step)
+        self.metrics.resume_at(self.state.step)  # steps logged after the checkpoint are redone
         logger.info(f"resumed from {path} at step {self.state.step}")
 
     # -- loop -------------------------------------------------------------------------------------
@@ -462,25 +466,20 @@ class Trainer:
             self.first_step_s = step_time
         state.loss_avg = loss if state.loss_avg is None else 0.9 * state.loss_avg + 0.1 * loss
         state.last_loss = loss
-        if now - self.postfix_at >= progress.mininterval:  # the bar redraws at most that often
+        if not progress.disable and now - self.postfix_at >= progress.mininterval:  # redraws at most that often
             self.postfix_at = now
             progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         progress.update(1)
         per_dataset = self.dataset_losses.fields(record.step, loss)
-        if record.step % self.cfg.log_every_n_steps:
+        if record.step % self.cfg.log_every_n_steps or not self.metrics:
             return
-        if self.accelerator.trackers:  # (report_to: none has none: no dict to build for them)
-            logs = {"loss": loss, **per_dataset, "loss_smoothed": state.loss_avg, "lr": lr,
-                    **({"grad_norm": grad_norm} if grad_norm is not None else {})}
-            if step_time > 0:
-                samples = (self.cfg.data_config.train_batch_size * self.cfg.gradient_accumulation_steps
-                           * self.accelerator.num_processes)
-                logs.update(step_time_s=step_time, samples_per_s=samples / step_time)
-            self.accelerator.log(logs, step=record.step)
-        if self.is_main:
-            self.folder.append_metrics({"step": record.step, "epoch": record.epoch, "loss": loss, **per_dataset,
-                                        "lr": lr,
-                                        **({"grad_norm": grad_norm} if grad_norm is not None else {})})
+        logs = {"epoch": record.epoch, "loss": loss, **per_dataset, "loss_smoothed": state.loss_avg, "lr": lr,
+                **({"grad_norm": grad_norm} if grad_norm is not None else {})}
+        if step_time > 0:
+            samples = (self.cfg.data_config.train_batch_size * self.cfg.gradient_accumulation_steps
+                       * self.accelerator.num_processes)
+            logs.update(step_time_s=step_time, samples_per_s=samples / step_time)
+        self.metrics.log_dict(logs, record.step)
 
     def _should_checkpoint(self) -> bool:
         step = self.state.step
@@ -502,7 +501,7 @@ class Trainer:
     # -- checkpoints and output -------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """Trained weights + optimizer/scheduler/RNG state + loop position, written atomically."""
-        self.folder.flush()
+        self.metrics.flush()  # every step up to the checkpoint is logged; a resume redoes the ones after
         saved = {**self.state.saved(), "samples_seen": self.data.samples_seen(self.sampler, self.state,
                                                                               self.accelerator.num_processes)}
         record = resume_check.record(self.cfg, self.family.model_path, self.samples, saved)
@@ -521,9 +520,9 @@ class Trainer:
         final = self._export()
         if self.is_main:
             sheet = self.validation.contact_sheet()
-            self.folder.close()  # metrics.jsonl complete before it is read
-            curve = plot_losses(self.folder.read_metrics(), self.output_dir / "loss_curve.png")
-            self._log_wall_time()
+            self.metrics.close()  # metrics.jsonl complete before it is read
+            curve = plot_losses(read_metrics(self.folder.metrics), self.output_dir / "loss_curve.png")
+            log_wall_time(self.wall)
             write_summary(self.folder, self.cfg, self.train_seconds, self.monitor.log_summary(),
                           {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME,
                            **({"contact_sheet": str(sheet)} if sheet else {})},
@@ -556,18 +555,3 @@ class Trainer:
         path = self.weights.export(model, self.output_dir / "ema", self.family.model_path)
         self.ema.restore(self.params)
         logger.info(f"saved EMA weights to {path}")
-
-    def _log_wall_time(self) -> None:
-        """Where the run's seconds went, start-up included (imports, set-up, cache pass, loading)."""
-        shown = ", ".join(f"{name} {secs:.1f} s" for name, secs in self.wall.items() if secs is not None)
-        logger.info(f"wall time: {shown}")
-
-
-def process_age_s() -> Optional[float]:
-    """Seconds since this process started (Linux ``/proc``; None elsewhere)."""
-    try:
-        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))

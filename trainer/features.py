@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from image_datasets.cache import FeatureCache, Tensors, cache_key
 from image_datasets.dataset import Sample, file_hash, open_rgb, pixels_at
+from trainer.families.base import ModelFamily
 from trainer.async_step import to_device
 from trainer.config import TrainConfig, dataset_entries
 from utils.folders import writable_folder
@@ -31,7 +32,7 @@ TextRequest = Tuple[str, Tuple[Path, ...]]  # a caption and the reference images
 ImageRequest = Tuple[Path, Tuple[int, int]]  # an image file and the (width, height) it is encoded at
 
 
-def latent_shape(family: Any, size: Tuple[int, int], batch: int = 1) -> Tuple[int, int, int, int]:
+def latent_shape(family: ModelFamily, size: Tuple[int, int], batch: int = 1) -> Tuple[int, int, int, int]:
     """The latent shape of ``batch`` images of ``(width, height)`` pixels (``2 / pixel_multiple`` of them;
     one channel stands for all)."""
     return batch, 1, size[1] * 2 // family.pixel_multiple, size[0] * 2 // family.pixel_multiple
@@ -81,7 +82,7 @@ class FeatureStore:
     """The text embeddings and latents of ``samples`` for ``family``: keys, the cache pass, and the
     per-batch tensors on the training device."""
 
-    def __init__(self, cfg: TrainConfig, family: Any, samples: Sequence[Sample], accelerator: Accelerator,
+    def __init__(self, cfg: TrainConfig, family: ModelFamily, samples: Sequence[Sample], accelerator: Accelerator,
                  dtype: torch.dtype, keep_encoders: bool):
         self.cfg, self.family, self.samples = cfg, family, list(samples)
         self.accelerator, self.dtype, self.keep_encoders = accelerator, dtype, keep_encoders

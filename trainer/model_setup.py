@@ -11,11 +11,12 @@ traced, and only ``forward`` is compiled, so the hooks run eagerly around it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import torch
 from loguru import logger
 
+from trainer.families.base import ModelFamily
 from trainer.activation_offload import checkpointing_func
 from trainer.adapters import TrainedWeights, skip_lora_input_upcast
 from trainer.block_swap import BlockSwapper
@@ -39,7 +40,7 @@ class TrainableTransformer:
     trainable: int  # trained parameters
 
 
-def prepare_transformer(cfg: TrainConfig, family: Any, transformer: torch.nn.Module, weights: TrainedWeights,
+def prepare_transformer(cfg: TrainConfig, family: ModelFamily, transformer: torch.nn.Module, weights: TrainedWeights,
                         device: torch.device, compute_dtype: torch.dtype, *, unified_memory: bool = False,
                         attention_tokens: Optional[int] = None) -> TrainableTransformer:
     """Set up ``transformer`` (as loaded, on the host or already on ``device``) for training.

@@ -16,7 +16,7 @@ from loguru import logger
 from trainer.config import TrainConfig
 from trainer.families.spec import FamilySpec
 from utils.errors import ConfigError
-from trainer.quantization import QuantizationSpec
+from trainer.quantization import QuantizationChoice
 from utils.attention import AttentionChoice, apply_attention_backend, measured_choice, select_attention_backend
 from utils.compat import show_compatibility_warnings
 from utils.device_facts import enable_tf32, supports_feature
@@ -148,7 +148,7 @@ def fp8_linears(transformer: torch.nn.Module, blocks: Sequence[torch.nn.Module])
 COMPILE_MIN_STEPS = 100  # peer measurement on an H100: first step 26.6 s, then 0.58 s/step saved
 
 
-def compile_decision(cfg: TrainConfig, device: torch.device, spec: Optional[QuantizationSpec],
+def compile_decision(cfg: TrainConfig, device: torch.device, spec: Optional[QuantizationChoice],
                      family: Optional[FamilySpec] = None) -> Tuple[bool, str]:
     """Whether to ``torch.compile`` the transformer's repeated blocks, and why (for the log).
 

@@ -38,29 +38,29 @@ TORCHAO_CONFIGS = {"int8_weight_only": "Int8WeightOnlyConfig", "int4_weight_only
 
 
 @dataclass(frozen=True)
-class QuantizationSpec:
+class QuantizationChoice:
     """Which library and weight format; ``None`` everywhere means no quantization."""
 
     backend: str  # quanto | torchao
     weights: str
 
 
-def quantization_spec(cfg: TrainConfig) -> Optional[QuantizationSpec]:
+def quantization_spec(cfg: TrainConfig) -> Optional[QuantizationChoice]:
     """The transformer's quantization for this run (``quantize: true`` + the ``quantization`` section),
     or None; ``disable_quantization: true`` wins (the DGX Spark switch)."""
     if not cfg.quantize or cfg.disable_quantization:
         return None
-    return QuantizationSpec(cfg.quantization.backend, cfg.quantization.weights)
+    return QuantizationChoice(cfg.quantization.backend, cfg.quantization.weights)
 
 
-def text_encoder_spec(cfg: TrainConfig) -> Optional[QuantizationSpec]:
+def text_encoder_spec(cfg: TrainConfig) -> Optional[QuantizationChoice]:
     """Quantization of the text encoder for the cache pass (``quantize_text_encoder: true``)."""
     if not cfg.quantize_text_encoder or cfg.disable_quantization:
         return None
-    return QuantizationSpec(cfg.quantization.backend, cfg.quantization.weights)
+    return QuantizationChoice(cfg.quantization.backend, cfg.quantization.weights)
 
 
-def check_available(spec: QuantizationSpec) -> None:
+def check_available(spec: QuantizationChoice) -> None:
     """Fail early, naming the package to install, when the backend is missing."""
     package = {"quanto": "optimum.quanto", "torchao": "torchao"}[spec.backend]
     try:
@@ -70,7 +70,7 @@ def check_available(spec: QuantizationSpec) -> None:
                           f"package (pip install {'optimum-quanto' if spec.backend == 'quanto' else 'torchao'})") from None
 
 
-def quantize_module(module: torch.nn.Module, spec: QuantizationSpec) -> None:
+def quantize_module(module: torch.nn.Module, spec: QuantizationChoice) -> None:
     """Quantize the weights of ``module``'s linear layers in place and freeze them."""
     if spec.backend == "quanto":
         import optimum.quanto as quanto
@@ -129,7 +129,7 @@ def _cast_input(linear: torch.nn.Module, args: tuple) -> Optional[tuple]:
     return (x.to(dtype), *args[1:])
 
 
-def place(module: torch.nn.Module, device: torch.device, spec: Optional[QuantizationSpec],
+def place(module: torch.nn.Module, device: torch.device, spec: Optional[QuantizationChoice],
           blocks: Optional[Iterable[torch.nn.Module]] = None, what: str = "model",
           host_blocks: int = 0) -> torch.nn.Module:
     """Move ``module`` to ``device`` block by block, quantizing each there when ``spec`` is given.

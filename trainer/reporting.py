@@ -9,9 +9,11 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from loguru import logger
 from PIL import Image, ImageDraw
 
 from trainer.config import TrainConfig, config_to_yaml
+from trainer.metric_logging import read_metrics
 from trainer.run_dir import RunFolder
 
 
@@ -76,7 +78,7 @@ def write_summary(folder: RunFolder, cfg: TrainConfig, seconds: float, memory: D
     may have been cleaned up or rotated meanwhile), time (and ``timing``: start-up phases, first step,
     compile and attention choices, the datasets and what the run drew of each), the smoothed final
     loss of the logged curve, peak memory, output paths."""
-    losses = [r["loss"] for r in folder.read_metrics()]
+    losses = [r["loss"] for r in read_metrics(folder.metrics)]
     summary = {
         "config_sha256": hashlib.sha256(config_to_yaml(cfg).encode()).hexdigest(),
         "family": cfg.family,
@@ -109,3 +111,19 @@ def plot_histogram(values: List[float], path: Path, title: str, bins: int = 50, 
     draw.text((width - 60, height - 22), "sigma 1", fill="black")
     image.save(path)
     return path
+
+
+def log_wall_time(wall: Dict[str, Optional[float]]) -> None:
+    """Where the run's seconds went, start-up included (imports, set-up, cache pass, loading)."""
+    shown = ", ".join(f"{name} {secs:.1f} s" for name, secs in wall.items() if secs is not None)
+    logger.info(f"wall time: {shown}")
+
+
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (Linux ``/proc``; None elsewhere): the start-up before the engine."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))

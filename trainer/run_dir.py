@@ -7,7 +7,7 @@ the engine keeps in it besides checkpoints (``trainer/checkpoint.py``) and the t
       run_status.json             {"state", "step", "max_steps", "message", "time"}: running | finished |
                                   failed | stopped, rewritten at start, at each checkpoint and at exit
       config.yaml                 the resolved config of the run
-      metrics.jsonl               one JSON line per logged step, each with "step" and "time" (unix);
+      metrics.jsonl               one JSON line per logged step (``trainer/metric_logging.py``);
                                   truncated to the checkpoint on resume, moved aside on a fresh start
       train.log                   the full log
       summary.json                written at the end (``trainer/reporting.py``)
@@ -26,7 +26,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import IO, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from loguru import logger
 
@@ -43,7 +43,6 @@ METRICS_NAME = "metrics.jsonl"
 LOG_NAME = "train.log"
 SUMMARY_NAME = "summary.json"
 STATUS_NAME = "run_status.json"
-METRICS_FLUSH_S = 1.0  # metrics.jsonl lines reach the file within this, and at every checkpoint
 
 
 class RunFolder:
@@ -60,9 +59,6 @@ class RunFolder:
         self.lock = RunLock(self.path)
         self._unregister = lambda: None
         self._started = False  # run_status.json belongs to this run once it has started
-        self._metrics_file: Optional[IO[str]] = None
-        self._pending: List[str] = []  # metrics.jsonl lines not yet written
-        self._flushed_at = float("-inf")  # the first line goes out at once
 
     def open(self, resume_from_checkpoint: Optional[str], overwrite: bool) -> Optional[Path]:
         """Create and lock the folder and decide between a fresh run and a resume: returns the
@@ -160,8 +156,7 @@ class RunFolder:
             what, name.parent if name else self.path, ckpt.latest_checkpoint(self.path))) from None
 
     def release(self, step: int, error: Optional[BaseException] = None) -> None:
-        """End of the run, however it ends: close the metrics, record how it ended, drop the lock."""
-        self.close(quiet=error is not None)
+        """End of the run, however it ends: record how it ended, drop the lock."""
         if self._started:
             if error is None:
                 self.write_status("finished", step, f"saved {self.final}")
@@ -172,84 +167,10 @@ class RunFolder:
         self.lock.release()
         self._unregister()
 
-    def flush(self) -> None:
-        """Put the pending ``metrics.jsonl`` lines into the file (before a checkpoint is written, so
-        every step up to it is logged; a resumed run redoes the steps after it)."""
-        if self._pending:
-            handle = self._metrics_handle()
-            handle.write("".join(self._pending))
-            handle.flush()
-            self._pending = []
-        self._flushed_at = time.monotonic()
-
-    def close(self, quiet: bool = False) -> None:
-        """Flush and close what the run keeps open; ``quiet`` (a run already failing, e.g. on a full
-        disk) logs a failed flush instead of raising over the first error."""
-        try:
-            self.flush()
-        except OSError as exc:
-            if not quiet:
-                raise
-            logger.warning(f"{self.metrics}: the last lines were not written ({exc})")
-        finally:
-            self._pending = []
-            metrics, self._metrics_file = self._metrics_file, None
-            if metrics is not None:
-                _close_quietly(metrics)
-
-    def _metrics_handle(self) -> IO[str]:
-        """``metrics.jsonl`` open for appending: opened again (with a warning) when it was deleted,
-        moved or replaced during the run (a clean-up, log rotation), instead of writing on into a
-        file no longer in the folder."""
-        handle = self._metrics_file
-        if handle is not None and not _still_at(handle, self.metrics):
-            logger.warning(f"{self.metrics} was deleted or replaced during the run: a new one is started "
-                           "(the lines written before are not in it)")
-            _close_quietly(handle)
-            handle = None
-        if handle is None:
-            handle = self._metrics_file = open(self.metrics, "a")
-        return handle
-
     # -- files ------------------------------------------------------------------------------------
     def write_config(self, cfg: TrainConfig) -> Path:
         """``config.yaml``: the run's resolved config."""
         return write_text_atomic(self.path / CONFIG_NAME, config_to_yaml(cfg))
-
-    def append_metrics(self, record: Dict[str, Any]) -> None:
-        """One line of ``metrics.jsonl``; lines are written every ``METRICS_FLUSH_S`` (one write a
-        second instead of one per step)."""
-        record = {"step": record["step"], "time": record.get("time", time.time()), **record}
-        self._pending.append(json.dumps(record) + "\n")
-        if time.monotonic() - self._flushed_at >= METRICS_FLUSH_S:
-            self.flush()
-
-    def read_metrics(self) -> List[Dict[str, Any]]:
-        """The per-step records of ``metrics.jsonl`` (empty when there are none)."""
-        return [record for _, record in self._parsed_metrics()]
-
-    def truncate_metrics(self, last_step: int) -> None:
-        """Drop the records after ``last_step`` (a resumed run logs those steps again), and a torn line."""
-        self.close()
-        if self.metrics.is_file():
-            kept = [line for line, record in self._parsed_metrics() if record["step"] <= last_step]
-            write_text_atomic(self.metrics, "".join(line + "\n" for line in kept))
-
-    def _parsed_metrics(self) -> List[Tuple[str, Dict[str, Any]]]:
-        """(line, record) of ``metrics.jsonl``; a line cut short (a crash or a full disk mid-write)
-        is skipped with a warning."""
-        if not self.metrics.is_file():
-            return []
-        parsed = []
-        for number, line in enumerate(self.metrics.read_text(errors="replace").splitlines(), start=1):
-            try:
-                record = json.loads(line) if line.strip() else None
-            except ValueError:
-                record = None
-                logger.warning(f"{self.metrics}:{number}: skipped a torn line ({line[:60]!r})")
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                parsed.append((line, record))
-        return parsed
 
     def write_summary(self, summary: Dict[str, Any]) -> Path:
         """``summary.json`` (its contents: ``trainer/reporting.py``)."""
@@ -260,7 +181,7 @@ def _latest_usable(output_dir: Path) -> Optional[Path]:
     """The newest checkpoint whose files match its manifest; each newer one skipped is said, in one
     line naming the damaged file and the checkpoint used instead."""
     skipped: List[str] = []
-    for path in reversed(_checkpoint_folders(output_dir)):
+    for path in reversed(ckpt.checkpoint_folders(output_dir)):
         why = ckpt.problem(path)
         if why is None:
             for reason in skipped:
@@ -278,31 +199,9 @@ def _explicit_checkpoint(path: Path) -> Path:
     why = ckpt.problem(path)
     if why is None:
         return path
-    others = [p for p in _checkpoint_folders(path.parent) if p.resolve() != path.resolve() and not ckpt.problem(p)]
+    others = [p for p in ckpt.checkpoint_folders(path.parent) if p.resolve() != path.resolve() and not ckpt.problem(p)]
     instead = f"; resume from {others[-1]} instead (resume_from_checkpoint={others[-1]})" if others else ""
     raise ConfigError(f"key 'resume_from_checkpoint': '{path}' is not a complete checkpoint folder: {why}{instead}")
-
-
-def _checkpoint_folders(output_dir: Path) -> List[Path]:
-    """``checkpoint-N`` folders, complete or not, oldest first."""
-    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
-    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
-
-
-def _still_at(handle: IO[str], path: Path) -> bool:
-    """Whether the open file ``handle`` is still the file at ``path``."""
-    try:
-        mine, there = os.fstat(handle.fileno()), path.stat()
-    except OSError:
-        return False
-    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
-
-
-def _close_quietly(handle: IO[str]) -> None:
-    try:
-        handle.close()
-    except OSError:
-        pass  # the lines it held were written (flush) or reported already
 
 
 def _rewrite_in_place(path: Path, text: str) -> None:

@@ -94,6 +94,17 @@ def read_lock(path: Path) -> Optional[Dict[str, Any]]:
     return data if ok else None
 
 
+def live_owner(folder: Path) -> Optional[Dict[str, Any]]:
+    """The owner recorded in ``folder``'s lock while a live process on this machine holds it (its flock):
+    the one liveness rule for the trainer and the web page. None when there is no lock, it is stale, or
+    it names another host (which cannot be checked from here)."""
+    path = Path(folder) / LOCK_NAME
+    holder = read_lock(path)
+    if holder is None or holder["host"] != socket.gethostname():
+        return None
+    return holder if is_held(path) else None
+
+
 def is_held(path: Path) -> bool:
     """Whether a live process holds the lock file ``path`` (its flock), on this machine."""
     try:

@@ -13,6 +13,7 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
 
 import torch
 
+from trainer.families.base import ModelFamily
 from trainer.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
@@ -35,7 +36,7 @@ def seed_global_rngs(seed: int, device: torch.device) -> None:
         torch.manual_seed(seed)
 
 
-def draw_sigmas(cfg: TrainConfig, family: Any, latent_shape: Sequence[int], gen: torch.Generator) -> torch.Tensor:
+def draw_sigmas(cfg: TrainConfig, family: ModelFamily, latent_shape: Sequence[int], gen: torch.Generator) -> torch.Tensor:
     """The run's noise levels for a batch (on the host): the configured sampler, then the shift."""
     sigmas = sample_sigmas(latent_shape[0], cfg.timestep_sampling, gen, cfg.logit_mean, cfg.logit_std,
                            cfg.mode_scale, cfg.sigmoid_scale)
@@ -45,7 +46,7 @@ def draw_sigmas(cfg: TrainConfig, family: Any, latent_shape: Sequence[int], gen:
 
 def flow_matching_step(
     cfg: TrainConfig,
-    family: Any,
+    family: ModelFamily,
     transformer: torch.nn.Module,
     latents: torch.Tensor,
     text: Dict[str, Any],

@@ -13,6 +13,7 @@ import torch
 from loguru import logger
 from PIL import Image
 
+from trainer.families.base import ModelFamily, as_reference_family
 from trainer.config import TrainConfig, ValidationPrompt
 from utils.errors import ConfigError
 
@@ -40,7 +41,7 @@ class ValidationRenderer:
     ``output_dir/samples``, with the family's classifier-free guidance. Each prompt may carry its own
     size, seed, guidance, negative prompt and (Edit) reference images."""
 
-    def __init__(self, cfg: TrainConfig, family: Any, output_dir: Path, prompts_fallback: List[str],
+    def __init__(self, cfg: TrainConfig, family: ModelFamily, output_dir: Path, prompts_fallback: List[str],
                  trigger_word: Optional[str] = None):
         self.cfg, self.family = cfg, family
         v = cfg.validation
@@ -111,7 +112,7 @@ class ValidationRenderer:
                           generator=torch.Generator("cpu").manual_seed(r.seed))
             if r.references:
                 refs = [Image.open(p).convert("RGB") for p in r.references]
-                kwargs["image"] = refs if len(refs) > 1 or self.family.max_references > 1 else refs[0]
+                kwargs["image"] = refs if len(refs) > 1 or as_reference_family(self.family).max_references > 1 else refs[0]
             if hasattr(pipe, "resolutions"):  # Kandinsky 5 snaps any other size to its list: render as asked
                 pipe.resolutions = [(r.width, r.height)]
             with autocast():

@@ -12,7 +12,7 @@ launch (``webui/runs.py`` lists its keys). Which run starts when is ``webui/sche
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import json
 import os
 import re
@@ -28,9 +28,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from trainer.config import TrainConfig, load_config
 from trainer.run_dir import write_text_atomic
-from trainer.run_lock import LOCK_NAME, read_lock
+from trainer.run_lock import live_owner
 from utils.errors import ConfigError
-from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, launched_alive, lock_alive, read_json, stop_pending
+from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, launched_alive, read_json, stop_pending
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -50,27 +50,22 @@ class Entry:
 
 
 def read_entry(path: Path) -> Optional[Entry]:
-    """The ``main(default_family=..., profile_defaults=...)`` call of an entry script, read from its
-    source (not run): None when the file is no such script."""
-    tree = ast.parse(path.read_text())
-    constants = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
-                 for t in node.targets if isinstance(t, ast.Name)}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "main":
-            kwargs = {k.arg: k.value for k in node.keywords}
-            if not isinstance(kwargs.get("default_family"), ast.Constant):
-                continue
-            defaults = kwargs.get("profile_defaults")
-            if isinstance(defaults, ast.Name):
-                defaults = constants.get(defaults.id)
-            doc = (ast.get_docstring(tree) or "").split("\n", 1)[0]
-            return Entry(path.name, kwargs["default_family"].value,
-                         ast.literal_eval(defaults) if defaults is not None else {}, doc)
-    return None
+    """The entry script at ``path``, imported (its ``main`` runs only as ``__main__``): the family it
+    trains (``FAMILY``), the policy beneath the YAML (``PROFILE_DEFAULTS``) and its docstring's first
+    line. None when the file declares no ``FAMILY`` (not an entry script)."""
+    spec = importlib.util.spec_from_file_location(f"_entry_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    family = getattr(module, "FAMILY", None)
+    if not isinstance(family, str):
+        return None
+    return Entry(path.name, family, dict(getattr(module, "PROFILE_DEFAULTS", None) or {}),
+                 (module.__doc__ or "").strip().split("\n", 1)[0])
 
 
 def entries() -> Dict[str, Entry]:
-    """The project's training entry scripts by file name."""
+    """The project's training entry scripts by file name: the ``train*.py`` modules at the root, each
+    declaring its row (``FAMILY``, ``PROFILE_DEFAULTS``)."""
     found = {}
     for path in sorted(ROOT.glob("train*.py")):
         entry = read_entry(path)
@@ -201,17 +196,17 @@ class Launcher:
         Returns the pids signalled. ``LookupError`` when nothing of the run runs, or a stop was sent
         already (a second signal would make the trainer exit without its checkpoint)."""
         record = read_json(folder / LAUNCH_NAME) or {}
-        lock = read_lock(folder / LOCK_NAME)
+        owner = live_owner(folder)
         mine = bool(self.alive(run_id)) or launched_alive(record)
         if record.get("queued"):
             raise LookupError(f"run '{run_id}' is queued, not running: cancel it instead")
-        if stop_pending(folder, record) and (mine or lock_alive(lock)):
+        if stop_pending(folder, record) and (mine or owner):
             raise LookupError(f"run '{run_id}' was asked to stop and is writing its checkpoint")
         if mine:
             child = self.children.get(run_id)
             pid = child.pid if child is not None and self.alive(run_id) else record["pid"]
-        elif lock_alive(lock):
-            pid = lock["pid"]  # type: ignore[index]
+        elif owner:
+            pid = owner["pid"]
         else:
             raise LookupError(f"run '{run_id}' is not running")
         try:

@@ -21,8 +21,6 @@ else what the launcher's exit code says.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +32,7 @@ from omegaconf import OmegaConf
 from trainer.checkpoint import list_checkpoints
 from trainer.reporting import smoothed
 from trainer.run_dir import CONFIG_NAME, LOG_NAME, METRICS_NAME, STATUS_NAME, SUMMARY_NAME
-from trainer.run_lock import LOCK_NAME, read_lock
+from trainer.run_lock import LOCK_NAME, live_owner
 from webui.paths import NAME
 
 LAUNCH_NAME = "webui_launch.json"
@@ -122,28 +120,6 @@ def _changed(folder: Path) -> float:
     return max(times)
 
 
-def pid_alive(pid: Any) -> bool:
-    """Whether process ``pid`` exists on this machine."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def lock_alive(lock: Optional[Dict[str, Any]]) -> Optional[bool]:
-    """Whether the process holding ``run.lock`` lives (None: another host's, or no lock)."""
-    if not lock:
-        return None
-    if lock.get("host") not in (None, socket.gethostname()):
-        return None
-    return pid_alive(lock.get("pid"))
-
-
 def launched_alive(record: Dict[str, Any]) -> bool:
     """Whether the launcher a page started for this record (possibly an earlier server) still runs:
     its pid lives and was created when the record says it started (not a reused pid)."""
@@ -171,8 +147,8 @@ def stop_pending(folder: Path, launch: Dict[str, Any]) -> bool:
     lock after the stop never saw it, since the launcher had no trainer to pass it to.)"""
     if not launch.get("stop_requested"):
         return False
-    lock = read_lock(folder / LOCK_NAME)
-    return not (lock_alive(lock) and lock["started"] > (launch.get("stopped") or 0))  # type: ignore[index]
+    owner = live_owner(folder)
+    return not (owner and owner["started"] > (launch.get("stopped") or 0))
 
 
 def run_state(folder: Path, child_alive: Optional[bool]) -> str:
@@ -183,7 +159,7 @@ def run_state(folder: Path, child_alive: Optional[bool]) -> str:
     if launch.get("queued"):
         return "queued"
     fresh = status_of_this_launch(status, launch)
-    locked = lock_alive(read_lock(folder / LOCK_NAME))
+    locked = live_owner(folder) is not None
     alive = child_alive if child_alive is not None else bool(locked or launched_alive(launch))
     if alive:  # the trainer is up once it has written its status or taken the lock since this launch
         return "running" if (fresh and status) or locked else "starting"

@@ -6,7 +6,7 @@ of strings or mappings such as ``validation.prompts``) is edited as YAML text, s
 in the schema never breaks the form.
 
 Each key's one-line help is the schema's own: a field's ``help`` metadata, else the comment beside
-it or just above it in ``trainer/config.py``. ``COMMON`` are the keys the form shows first, as
+it or just above it in ``trainer/config/schema.py``. ``COMMON`` are the keys the form shows first, as
 ai-toolkit's and OneTrainer's forms do (model, data, steps, learning rate, rank, resolution,
 samples); the rest are under "advanced".
 """

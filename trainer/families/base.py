@@ -11,7 +11,7 @@ import gc
 import os
 from functools import cached_property, partial
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -74,9 +74,24 @@ class ModelFamily(Protocol):
         """A cached condition as the pipeline's prompt-embedding arguments; each name with
         ``negative_`` in front is the argument for the negative prompt."""
 
-    # Families with ``uses_references`` also provide:
-    #   reference_size(width, height) -> (w, h)   the VAE size of a reference image
-    #   check_references(count) -> None           raise ConfigError when the pipeline takes fewer
+
+class ReferenceFamily(ModelFamily, Protocol):
+    """What a family with ``uses_references`` (Edit) provides besides ``ModelFamily``; the engine asks
+    it only of such a family (``as_reference_family``)."""
+
+    max_references: int  # reference images per sample its pipeline takes
+
+    def reference_size(self, width: int, height: int) -> Tuple[int, int]:
+        """The VAE size of a ``width`` x ``height`` reference image (the pipeline's resize)."""
+    def check_references(self, count: int) -> None:
+        """Raise ``ConfigError`` when ``count`` reference folders are more than the pipeline takes."""
+
+
+def as_reference_family(family: ModelFamily) -> ReferenceFamily:
+    """``family`` as a ``ReferenceFamily``: a family without ``uses_references`` is a programming error."""
+    if not family.uses_references:
+        raise TypeError(f"{family.name} takes no reference images")
+    return family  # type: ignore[return-value]  (its class implements the protocol's methods)
 
 
 class FamilyBase:

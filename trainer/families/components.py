@@ -7,7 +7,7 @@ named repository's ``config.json`` (keys the libraries fill in with their defaul
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 # Qwen/Qwen2.5-VL-7B-Instruct: the text encoder of every Qwen-Image checkpoint and of Kandinsky 5.
 QWEN2_5_VL_7B: Dict[str, Any] = {
@@ -101,4 +101,14 @@ FLUX2_VAE: Dict[str, Any] = {
     "in_channels": 3, "out_channels": 3, "latent_channels": 32, "layers_per_block": 2, "norm_num_groups": 32,
     "mid_block_add_attention": True, "sample_size": 1024, "use_quant_conv": True, "use_post_quant_conv": True,
     "batch_norm_eps": 0.0001, "batch_norm_momentum": 0.1, "patch_size": [2, 2],
+}
+
+# Peak activation of a VAE pass (inference, no grad) per input pixel, in units of (first-level channels x
+# bytes per element), for the memory planner: class -> (encode, decode). Traced on fake tensors at 512^2 and
+# 1024^2 (the ratio is constant; docs/MEMORY_PLANNER.md). AutoencoderKLFlux2 runs diffusers' same Encoder
+# and Decoder as AutoencoderKL (its BatchNorm acts on the small latents): the same factors.
+VAE_ACTIVATION_FACTORS: Dict[str, Tuple[float, float]] = {
+    "AutoencoderKLQwenImage": (10.1, 18.0),
+    "AutoencoderKL": (5.0, 6.0),
+    "AutoencoderKLFlux2": (5.0, 6.0),
 }

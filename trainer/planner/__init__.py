@@ -19,12 +19,12 @@ settings from the trainer's own rules), ``activations`` (LoRA layout, per-block 
 """
 
 from trainer.planner.activations import estimate_activations, lora_layout
-from trainer.planner.model import ModelSpec, model_spec, read_model_configs
+from trainer.planner.model import ModelSizes, model_sizes, read_model_configs
 from trainer.planner.plan import MemoryItem, MemoryPlan, build_plan, plan_memory, print_plan
 from trainer.planner.settings import Settings, load_plan_config, parse_size, resolve_settings
 
 __all__ = [
-    "MemoryItem", "MemoryPlan", "ModelSpec", "Settings", "build_plan", "estimate_activations",
-    "load_plan_config", "lora_layout", "model_spec", "parse_size", "plan_memory", "print_plan",
+    "MemoryItem", "MemoryPlan", "ModelSizes", "Settings", "build_plan", "estimate_activations",
+    "load_plan_config", "lora_layout", "model_sizes", "parse_size", "plan_memory", "print_plan",
     "read_model_configs", "resolve_settings",
 ]

@@ -9,7 +9,7 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 
 from trainer.families.spec import BlockLayout
 from trainer.optimizer_specs import Matrix, TrainedShapes
-from trainer.planner.model import BlockKind, LinearInfo, TransformerSpec
+from trainer.planner.model import BlockKind, LinearInfo, TransformerSizes
 from trainer.planner.settings import INT8_SCRATCH_IN, INT8_SCRATCH_OUT, Settings
 
 
@@ -30,13 +30,13 @@ class LoraLayout:
     per_block: Mapping[str, Tuple[LinearInfo, ...]]  # block prefix -> LoRA linears in one block
     outer: Tuple[LinearInfo, ...]
 
-    def params(self, spec: TransformerSpec, rank: int) -> int:
+    def params(self, spec: TransformerSizes, rank: int) -> int:
         """Trainable LoRA parameters: rank x (in + out) per adapted linear (A: r x in, B: out x r)."""
         per_block = sum(kind.count * sum(rank * (li.in_features + li.out_features)
                                          for li in self.per_block.get(kind.prefix, ())) for kind in spec.blocks)
         return per_block + sum(rank * (li.in_features + li.out_features) for li in self.outer)
 
-    def shapes(self, spec: TransformerSpec, rank: int) -> TrainedShapes:
+    def shapes(self, spec: TransformerSizes, rank: int) -> TrainedShapes:
         """The LoRA matrices as the optimizer sees them (fp32): A (rank x in) and B (out x rank, zero at
         the start) of each adapted linear, those of the blocks marked hidden."""
         def pair(li: LinearInfo, count: int, hidden: bool) -> Tuple[Matrix, Matrix]:
@@ -49,7 +49,7 @@ class LoraLayout:
         return TrainedShapes(tuple(matrices))
 
 
-def lora_layout(spec: TransformerSpec, targets: Any) -> LoraLayout:
+def lora_layout(spec: TransformerSizes, targets: Any) -> LoraLayout:
     """Match ``targets`` against block 0 of each kind (blocks are identical) and the outer linears."""
     match = lora_matcher(targets)
     per_block = {kind.prefix: tuple(li for li in kind.linears if match(f"{kind.prefix}.0.{li.name}"))
@@ -77,14 +77,14 @@ class Tokens:
         return {"img": self.img, "txt": self.txt, "joint": self.all}[name]
 
 
-def _qk_norm_bytes(transformer: TransformerSpec, a: int) -> int:
+def _qk_norm_bytes(transformer: TransformerSizes, a: int) -> int:
     """Per token and hidden unit: RMSNorm of q and k saves an fp32 copy of each (4 bytes); diffusers'
     RMSNorm (Qwen-Image's) also keeps its half-precision input."""
     extra = 2 * a if transformer.qk_norm_keeps_input and a < 4 else 0
     return 2 * 4 + extra
 
 
-def block_base_bytes(transformer: TransformerSpec, kind: str, t: Tokens, a: int) -> int:
+def block_base_bytes(transformer: TransformerSizes, kind: str, t: Tokens, a: int) -> int:
     """Activations one block saves for backward, without LoRA or quantization extras (bytes).
 
     double (per stream s, tokens N_s; N = all tokens):
@@ -124,7 +124,7 @@ def _input_groups(layout: Mapping[str, Tuple[str, str]], linears: Sequence[Linea
     return groups
 
 
-def block_lora_bytes(transformer: TransformerSpec, kind: BlockKind, lora: Sequence[LinearInfo], t: Tokens,
+def block_lora_bytes(transformer: TransformerSizes, kind: BlockKind, lora: Sequence[LinearInfo], t: Tokens,
                      s: Settings) -> int:
     """What LoRA adds to one block's saved activations (bytes).
 
@@ -160,7 +160,7 @@ def block_modulation_bytes(kind: BlockKind, t: Tokens, d: int, a: int, streams: 
     return sum(t.stream(stream) * per_token for stream in streams)
 
 
-def block_quantization_bytes(transformer: TransformerSpec, kind: BlockKind, t: Tokens, s: Settings,
+def block_quantization_bytes(transformer: TransformerSizes, kind: BlockKind, t: Tokens, s: Settings,
                              mod_streams: Sequence[str] = ()) -> int:
     """Quantized weights change what backward keeps (bytes, one block).
 
@@ -182,7 +182,7 @@ def block_quantization_bytes(transformer: TransformerSpec, kind: BlockKind, t: T
     return sum(t.stream(stream) * width * s.act_bytes for (stream, _), width in groups.items())
 
 
-def int8_scratch_bytes(transformer: TransformerSpec, s: Settings) -> int:
+def int8_scratch_bytes(transformer: TransformerSizes, s: Settings) -> int:
     """torchao int8_w8a8: the largest transient of one int8 linear call (bytes): its input quantized
     and its int32 product scaled in fp32, for the tokens it sees (one per sample: modulation)."""
     t = Tokens(s.image_tokens * s.batch, s.text_tokens * s.batch)
@@ -195,7 +195,7 @@ def int8_scratch_bytes(transformer: TransformerSpec, s: Settings) -> int:
                for k in transformer.blocks for li in k.linears)
 
 
-def zero_cond_bytes(transformer: TransformerSpec, kind: BlockKind, t: Tokens, a: int) -> int:
+def zero_cond_bytes(transformer: TransformerSizes, kind: BlockKind, t: Tokens, a: int) -> int:
     """Qwen-Image-Edit-2511 (``zero_cond_t``) modulates per token: the scale and gate each modulate
     multiply saves are token-sized (2 modulates x 2) on the image stream."""
     if not transformer.zero_cond_t or kind.kind != "double":
@@ -203,12 +203,12 @@ def zero_cond_bytes(transformer: TransformerSpec, kind: BlockKind, t: Tokens, a:
     return t.img * 4 * transformer.hidden * a
 
 
-def block_input_bytes(transformer: TransformerSpec, t: Tokens, a: int) -> int:
+def block_input_bytes(transformer: TransformerSizes, t: Tokens, a: int) -> int:
     """What gradient checkpointing keeps per block: its inputs (image and text hidden states)."""
     return t.all * transformer.hidden * a
 
 
-def backward_transient_bytes(transformer: TransformerSpec, kind: BlockKind, lora: Sequence[LinearInfo],
+def backward_transient_bytes(transformer: TransformerSizes, kind: BlockKind, lora: Sequence[LinearInfo],
                              t: Tokens, s: Settings) -> int:
     """Peak of the gradient buffers while one block runs backward (calibrated on traces, see docs).
 
@@ -241,7 +241,7 @@ class ActivationEstimate:
     offloaded: int = 0  # gradient_checkpointing_cpu_offload: the block inputs, in host memory
 
 
-def estimate_activations(transformer: TransformerSpec, lora: LoraLayout, s: Settings) -> ActivationEstimate:
+def estimate_activations(transformer: TransformerSizes, lora: LoraLayout, s: Settings) -> ActivationEstimate:
     """Activation memory of one training step at the configured resolution and batch."""
     t = Tokens(s.image_tokens * s.batch, s.text_tokens * s.batch)
     a = s.act_bytes
@@ -280,7 +280,7 @@ def _modulated_streams(kind: BlockKind, layout: Mapping[str, Tuple[str, str]], a
     return tuple(st for st in streams if any(layout.get(li.name) == (st, "mod") for li in adapted))
 
 
-def _outside_bytes(transformer: TransformerSpec, lora: LoraLayout, t: Tokens, s: Settings) -> int:
+def _outside_bytes(transformer: TransformerSizes, lora: LoraLayout, t: Tokens, s: Settings) -> int:
     """Outside the blocks: the final norm's input, the rotary tables, fp32 latents/noise/prediction
     for the loss, and the inputs LoRA on embedders or the output layer saves."""
     a, d = s.act_bytes, transformer.hidden

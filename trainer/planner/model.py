@@ -121,7 +121,7 @@ class BlockKind:
 
 
 @dataclass(frozen=True)
-class TransformerSpec:
+class TransformerSizes:
     """What the planner needs of the denoising transformer, computed on the meta device."""
 
     class_name: str
@@ -158,7 +158,7 @@ class TransformerSpec:
 
 
 @dataclass(frozen=True)
-class EncoderSpec:
+class EncoderSizes:
     """A text encoder: sizes for weights (plain and quantized) and encode activations."""
 
     component: str
@@ -174,7 +174,7 @@ class EncoderSpec:
 
 
 @dataclass(frozen=True)
-class VaeSpec:
+class VaeSizes:
     class_name: str
     params: int
     base_channels: int
@@ -183,18 +183,18 @@ class VaeSpec:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSizes:
     name: str
     source: str
     pipeline_class: str
-    transformer: TransformerSpec
-    text_encoders: Tuple[EncoderSpec, ...]
-    vae: Optional[VaeSpec]
+    transformer: TransformerSizes
+    text_encoders: Tuple[EncoderSizes, ...]
+    vae: Optional[VaeSizes]
     transformer_shards: int
 
 
 @functools.lru_cache(maxsize=16)
-def model_spec(name_or_path: str, revision: Optional[str] = None, family: Optional[str] = None) -> ModelSpec:
+def model_sizes(name_or_path: str, revision: Optional[str] = None, family: Optional[str] = None) -> ModelSizes:
     """Sizes of every component, from configs only (each model built on the meta device). The
     transformer's blocks are those of ``family`` (default: the family of the checkpoint's pipeline)."""
     configs = read_model_configs(name_or_path, revision)
@@ -209,7 +209,7 @@ def model_spec(name_or_path: str, revision: Optional[str] = None, family: Option
     encoders = tuple(_encoder_spec(c, index[c], configs.files[f"{c}/config.json"])
                      for c in ("text_encoder", "text_encoder_2") if c in index)
     vae = _vae_spec(_build(index["vae"], configs.files["vae/config.json"])) if "vae" in index else None
-    return ModelSpec(name_or_path, configs.source, index.get("_class_name", ""), transformer, encoders, vae,
+    return ModelSizes(name_or_path, configs.source, index.get("_class_name", ""), transformer, encoders, vae,
                      configs.shards.get("transformer", 0))
 
 
@@ -252,7 +252,7 @@ def _linears(module, prefix: str = "") -> Tuple[LinearInfo, ...]:
                  for name, m in module.named_modules() if isinstance(m, torch.nn.Linear))
 
 
-def _transformer_spec(model, family: FamilySpec) -> TransformerSpec:
+def _transformer_spec(model, family: FamilySpec) -> TransformerSizes:
     """The transformer's size and, per block list of ``family``, one block's linears."""
     config = model.config
     kinds = []
@@ -273,7 +273,7 @@ def _transformer_spec(model, family: FamilySpec) -> TransformerSpec:
     first = kinds[0]
     mlp = max((li.out_features for li in first.linears if first.layout.get(li.name, ("", ""))[1] == "mlp_in"),
               default=4 * hidden)
-    return TransformerSpec(type(model).__name__, _params(model), tuple(kinds), outer, hidden, mlp,
+    return TransformerSizes(type(model).__name__, _params(model), tuple(kinds), outer, hidden, mlp,
                            config.get("attention_head_dim", 0), config.get("in_channels", 0),
                            bool(config.get("zero_cond_t", False)), _qk_norm_keeps_input(model, first),
                            family.outer_layout)
@@ -287,12 +287,12 @@ def _qk_norm_keeps_input(model, kind: BlockKind) -> bool:
                for name, module in block.named_modules())
 
 
-def _encoder_spec(component: str, library_class: Sequence[str], config: Mapping[str, Any]) -> EncoderSpec:
+def _encoder_spec(component: str, library_class: Sequence[str], config: Mapping[str, Any]) -> EncoderSizes:
     model = _build(library_class, config)
     text = getattr(model.config, "text_config", model.config)
     vision = getattr(model.config, "vision_config", None)
     hidden = getattr(text, "hidden_size", None) or getattr(text, "d_model")
-    return EncoderSpec(
+    return EncoderSizes(
         component, library_class[1], _params(model), _layer_linear_weights(model), hidden,
         getattr(text, "intermediate_size", None) or getattr(text, "d_ff", 4 * hidden),
         getattr(text, "num_hidden_layers", None) or getattr(text, "num_layers"),
@@ -312,7 +312,7 @@ def _layer_linear_weights(model) -> int:
     return sum(li.in_features * li.out_features for li in _linears(largest))
 
 
-def _vae_spec(model) -> VaeSpec:
+def _vae_spec(model) -> VaeSizes:
     config = model.config
     if "temperal_downsample" in config:  # Wan-style 3-D VAE (Qwen-Image)
         base, scale = config.base_dim, 2 ** len(config.temperal_downsample)
@@ -320,4 +320,4 @@ def _vae_spec(model) -> VaeSpec:
     else:
         base, scale = config.block_out_channels[0], 2 ** (len(config.block_out_channels) - 1)
         latent = config.latent_channels
-    return VaeSpec(type(model).__name__, _params(model), base, latent, scale)
+    return VaeSizes(type(model).__name__, _params(model), base, latent, scale)

@@ -10,10 +10,11 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from utils.errors import UserError
 from trainer.families import SPECS
+from trainer.families.components import VAE_ACTIVATION_FACTORS
 from trainer.optimizer_specs import OPTIMIZERS
 from trainer.planner.activations import (LoraLayout, Tokens, block_input_bytes, estimate_activations, int8_scratch_bytes,
                                          lora_layout)
-from trainer.planner.model import EncoderSpec, ModelSpec, TransformerSpec, model_spec
+from trainer.planner.model import EncoderSizes, ModelSizes, TransformerSizes, model_sizes
 from trainer.planner.settings import (
     CLIP_TOKENS,
     CUDA_CONTEXT_GIB,
@@ -25,8 +26,6 @@ from trainer.planner.settings import (
     HOST_BASELINE_CUDA_GIB,
     QUANT_BYTES,
     SCALE_BYTES,
-    VAE_DECODE_FACTOR,
-    VAE_ENCODE_FACTOR,
     WORKSPACE_GIB,
     Settings,
     _side_tokens,
@@ -34,6 +33,15 @@ from trainer.planner.settings import (
     planned_family,
     resolve_settings,
 )
+
+def vae_factors(class_name: str) -> Tuple[float, float]:
+    """(encode, decode) activation factors of a VAE class (``components.VAE_ACTIVATION_FACTORS``); a class
+    not traced yet is refused rather than planned with another VAE's numbers."""
+    if class_name not in VAE_ACTIVATION_FACTORS:
+        raise ValueError(f"the memory planner has no activation factors for VAE class {class_name} yet "
+                         "(trainer/families/components.py VAE_ACTIVATION_FACTORS)")
+    return VAE_ACTIVATION_FACTORS[class_name]
+
 
 # --------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
@@ -121,7 +129,7 @@ def _total(items: Sequence[MemoryItem]) -> float:
 def plan_memory(cfg, gpu_memory_gib: float | None = None, blocks_to_swap: int | None = None,
                 quantization: str | None = None, *, text_tokens: int | None = None, device: str = "cuda",
                 streamed_loading: bool = True, text_encoder_quantization: str | None = None,
-                spec: ModelSpec | None = None) -> MemoryPlan:
+                spec: ModelSizes | None = None) -> MemoryPlan:
     """Itemised peak GPU and host memory of training ``cfg`` (a ``TrainConfig``), from configs only.
 
     ``blocks_to_swap`` and ``quantization`` (``"qfloat8"``, ..., ``"none"``) override the config's
@@ -131,7 +139,7 @@ def plan_memory(cfg, gpu_memory_gib: float | None = None, blocks_to_swap: int | 
     which materialises the whole transformer on the host first.
     """
     family = planned_family(cfg)  # refuses a family the planner does not model, before any build
-    spec = spec or model_spec(cfg.pretrained_model_name_or_path, cfg.revision, family.name)
+    spec = spec or model_sizes(cfg.pretrained_model_name_or_path, cfg.revision, family.name)
     s = resolve_settings(cfg, spec, blocks_to_swap=blocks_to_swap, quantization=quantization,
                          text_tokens=text_tokens, device=device, streamed_loading=streamed_loading,
                          text_encoder_quantization=text_encoder_quantization)
@@ -141,7 +149,7 @@ def plan_memory(cfg, gpu_memory_gib: float | None = None, blocks_to_swap: int | 
     return plan
 
 
-def build_plan(spec: ModelSpec, s: Settings, gpu_memory_gib: Optional[float] = None) -> MemoryPlan:
+def build_plan(spec: ModelSizes, s: Settings, gpu_memory_gib: Optional[float] = None) -> MemoryPlan:
     """The arithmetic of a plan for resolved settings (no advice)."""
     lora = lora_layout(spec.transformer, s.lora_targets)
     cache_items = _cache_pass_items(spec, s)
@@ -166,7 +174,7 @@ def _dtype_name(s: Settings) -> str:
     return {"bf16": "bf16", "fp16": "fp16"}.get(s.precision, "fp32")
 
 
-def _transformer_weight_bytes(spec: TransformerSpec, s: Settings) -> Tuple[float, List[float]]:
+def _transformer_weight_bytes(spec: TransformerSizes, s: Settings) -> Tuple[float, List[float]]:
     """(outside-the-blocks bytes, bytes of each block in execution order)."""
     a = s.act_bytes
     blocks: List[float] = []
@@ -182,7 +190,7 @@ def _transformer_weight_bytes(spec: TransformerSpec, s: Settings) -> Tuple[float
     return spec.outer_params * a, blocks
 
 
-def _training_items(spec: ModelSpec, s: Settings, lora: LoraLayout) -> List[MemoryItem]:
+def _training_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[MemoryItem]:
     t, a = spec.transformer, s.act_bytes
     outer, blocks = _transformer_weight_bytes(t, s)
     swapped = blocks[len(blocks) - s.blocks_to_swap:] if s.blocks_to_swap else []
@@ -220,7 +228,7 @@ def _training_items(spec: ModelSpec, s: Settings, lora: LoraLayout) -> List[Memo
     return items
 
 
-def _optimizer_item(t: TransformerSpec, lora: LoraLayout, s: Settings) -> MemoryItem:
+def _optimizer_item(t: TransformerSizes, lora: LoraLayout, s: Settings) -> MemoryItem:
     """The optimizer's state for the LoRA weights, by its own formula (``trainer/optimizer_specs.py``):
     AdamW two fp32 moments (8 B/param), 8-bit AdamW 2 B/param, Adafactor a factored second moment,
     Prodigy 16 B/param, schedule-free AdamW 8, Prodigy + schedule-free about 4, Muon 4 in the blocks."""
@@ -230,7 +238,7 @@ def _optimizer_item(t: TransformerSpec, lora: LoraLayout, s: Settings) -> Memory
     return MemoryItem(f"optimizer state ({spec.label})", _gib(state), f"{state / params:.2g} bytes/param")
 
 
-def _activation_items(spec: ModelSpec, s: Settings, lora: LoraLayout) -> List[MemoryItem]:
+def _activation_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[MemoryItem]:
     t = spec.transformer
     est = estimate_activations(t, lora, s)
     tokens = f"{s.batch} x ({s.image_tokens} image + {s.text_tokens} text) tokens"
@@ -258,7 +266,7 @@ _RESIDENT = ("transformer weights", "block swap", "dequantization", "int8 matmul
              "optimizer state", "text encoder weights", "VAE weights", "CUDA context")
 
 
-def _validation_items(spec: ModelSpec, s: Settings, train_items: Sequence[MemoryItem]) -> List[MemoryItem]:
+def _validation_items(spec: ModelSizes, s: Settings, train_items: Sequence[MemoryItem]) -> List[MemoryItem]:
     """Validation renders (between steps, gradients freed): what stays resident, then the larger of
     the denoising step at the validation size and the VAE decode."""
     if not s.validation_pixels:
@@ -269,7 +277,7 @@ def _validation_items(spec: ModelSpec, s: Settings, train_items: Sequence[Memory
     denoise = tokens * (4 * t.hidden + t.mlp_hidden) * a  # one block's q/k/v/out and MLP hidden, no grad
     decode = 0.0
     if spec.vae is not None:
-        decode = VAE_DECODE_FACTOR.get(spec.vae.class_name, 18.0) * spec.vae.base_channels * a * s.validation_pixels
+        decode = vae_factors(spec.vae.class_name)[1] * spec.vae.base_channels * a * s.validation_pixels
     items = [MemoryItem("resident (weights, LoRA, optimizer, VAE, context)", resident, "as in training"),
              MemoryItem("denoising activations", _gib(denoise), f"{tokens} tokens, inference",
                         counted=denoise >= decode),
@@ -277,7 +285,7 @@ def _validation_items(spec: ModelSpec, s: Settings, train_items: Sequence[Memory
     return [dataclasses.replace(i, section="validation render") for i in items]
 
 
-def _resident_encoder_items(spec: ModelSpec, s: Settings) -> List[MemoryItem]:
+def _resident_encoder_items(spec: ModelSizes, s: Settings) -> List[MemoryItem]:
     items = []
     if not s.precompute_text or s.keep_encoders:
         size = sum(_encoder_weight_bytes(e, s) for e in spec.text_encoders)
@@ -290,14 +298,14 @@ def _resident_encoder_items(spec: ModelSpec, s: Settings) -> List[MemoryItem]:
     return items
 
 
-def _encoder_weight_bytes(e: EncoderSpec, s: Settings) -> float:
+def _encoder_weight_bytes(e: EncoderSizes, s: Settings) -> float:
     if s.text_encoder_quantization is None:
         return e.params * s.act_bytes
     q = QUANT_BYTES[s.text_encoder_quantization]
     return (e.params - e.layer_linear_weights) * s.act_bytes + e.layer_linear_weights * q
 
 
-def _encoder_activation_bytes(e: EncoderSpec, s: Settings) -> float:
+def _encoder_activation_bytes(e: EncoderSizes, s: Settings) -> float:
     """Encode activations (no grad), per token: Qwen2.5-VL keeps every layer's hidden state
     (``output_hidden_states``) and computes LM-head logits; T5/CLIP hold a few MLP-sized buffers.
     Calibrated on fake-tensor traces of the real encoders (docs)."""
@@ -312,7 +320,7 @@ def _encoder_activation_bytes(e: EncoderSpec, s: Settings) -> float:
     return tokens * 6 * e.intermediate * a
 
 
-def _cache_pass_items(spec: ModelSpec, s: Settings) -> List[MemoryItem]:
+def _cache_pass_items(spec: ModelSizes, s: Settings) -> List[MemoryItem]:
     te_q = s.text_encoder_quantization or _dtype_name(s)
     text = [MemoryItem(f"{e.component} weights ({te_q})", _gib(_encoder_weight_bytes(e, s)),
                        f"{e.class_name}, {e.params / 1e9:.2f}B params") for e in spec.text_encoders]
@@ -320,7 +328,7 @@ def _cache_pass_items(spec: ModelSpec, s: Settings) -> List[MemoryItem]:
                         f"{s.encode_batch} prompt(s) x {s.encode_tokens} tokens") for e in spec.text_encoders]
     vae: List[MemoryItem] = []
     if spec.vae is not None:
-        factor = VAE_ENCODE_FACTOR.get(spec.vae.class_name, 10.0)
+        factor = vae_factors(spec.vae.class_name)[0]
         encode = factor * spec.vae.base_channels * s.act_bytes * s.img_size ** 2
         vae = [MemoryItem("VAE weights", _gib(spec.vae.params * s.act_bytes), f"{spec.vae.class_name}"),
                MemoryItem("VAE encode activations", _gib(encode),
@@ -342,7 +350,7 @@ def _cache_pass_items(spec: ModelSpec, s: Settings) -> List[MemoryItem]:
     return [dataclasses.replace(i, section="cache pass") for i in items]
 
 
-def _host_items(spec: ModelSpec, s: Settings, cache_pass_gib: float, training_gib: float) -> List[MemoryItem]:
+def _host_items(spec: ModelSizes, s: Settings, cache_pass_gib: float, training_gib: float) -> List[MemoryItem]:
     """Host: process baseline + the largest phase (encoder load, transformer load, training) + caches."""
     a = s.act_bytes
     _, blocks = _transformer_weight_bytes(spec.transformer, s)
@@ -378,7 +386,7 @@ def _host_items(spec: ModelSpec, s: Settings, cache_pass_gib: float, training_gi
     return [dataclasses.replace(i, section="host") for i in items]
 
 
-def _in_memory_cache_bytes(spec: ModelSpec, s: Settings) -> Optional[float]:
+def _in_memory_cache_bytes(spec: ModelSizes, s: Settings) -> Optional[float]:
     if s.cache_on_disk or not (s.precompute_text or s.precompute_image) or not s.num_images:
         return None
     a, per_image = s.act_bytes, 0.0
@@ -395,7 +403,7 @@ def _in_memory_cache_bytes(spec: ModelSpec, s: Settings) -> Optional[float]:
     return per_image * s.num_images + (0 if s.references else per_prompt)
 
 
-def _title(spec: ModelSpec, s: Settings) -> str:
+def _title(spec: ModelSizes, s: Settings) -> str:
     quant = s.quantization or "none"
     return (f"Memory plan: {spec.name} ({s.family}; configs: {spec.source}), {s.img_size}x{s.img_size}, "
             f"batch {s.batch}, {s.precision}, LoRA rank {s.rank}\n"
@@ -405,7 +413,7 @@ def _title(spec: ModelSpec, s: Settings) -> str:
             f"device {s.device}")
 
 
-def _notes(spec: ModelSpec, s: Settings) -> List[str]:
+def _notes(spec: ModelSizes, s: Settings) -> List[str]:
     notes = []
     family = SPECS[s.family]
     text = family.text
@@ -439,7 +447,7 @@ def _notes(spec: ModelSpec, s: Settings) -> List[str]:
 
 
 # --------------------------------------------------------------------------- advice
-def advise(spec: ModelSpec, s: Settings, budget: float) -> List[str]:
+def advise(spec: ModelSizes, s: Settings, budget: float) -> List[str]:
     """Config changes, applied one after another, until the plan fits ``budget`` GiB."""
     advice: List[str] = []
     current = build_plan(spec, s, budget)
@@ -478,7 +486,7 @@ def advise(spec: ModelSpec, s: Settings, budget: float) -> List[str]:
     return advice
 
 
-def _advise_swap(spec: ModelSpec, s: Settings, budget: float, advice: List[str], current: MemoryPlan):
+def _advise_swap(spec: ModelSizes, s: Settings, budget: float, advice: List[str], current: MemoryPlan):
     """The smallest ``blocks_to_swap`` that fits (needs checkpointing)."""
     if not s.checkpointing:
         return s, current
@@ -491,7 +499,7 @@ def _advise_swap(spec: ModelSpec, s: Settings, budget: float, advice: List[str],
     return s, current
 
 
-def _advise_size(spec: ModelSpec, s: Settings, budget: float, advice: List[str], current: MemoryPlan):
+def _advise_size(spec: ModelSizes, s: Settings, budget: float, advice: List[str], current: MemoryPlan):
     """Batch 1, then smaller images (with the swap found above kept)."""
     if s.batch > 1:
         one = dataclasses.replace(s, batch=1)

@@ -25,9 +25,9 @@ from utils.errors import ConfigError
 from trainer.families import family_spec
 from trainer.families.spec import IMAGE_PIXELS_PER_TOKEN, FamilySpec, ReferenceTokens
 from trainer.features import ENCODE_BATCH  # the cache pass's prompts per encoder call
-from trainer.planner.model import ModelSpec
+from trainer.planner.model import ModelSizes
 from trainer.platform import keeps_encoders
-from trainer.quantization import QuantizationSpec, quantization_spec, text_encoder_spec
+from trainer.quantization import QuantizationChoice, quantization_spec, text_encoder_spec
 
 GIB = 2**30
 
@@ -52,12 +52,6 @@ SCALE_BYTES: Dict[str, int] = {"int8_w8a8": 4}
 # The int8 matmul's scratch per token (trainer/int8_linear.py): the input quantized (an fp32 copy and
 # its int8 values, 5 B per input feature) and the product (int32, then fp32: 8 B per output feature).
 INT8_SCRATCH_IN, INT8_SCRATCH_OUT = 5, 8
-
-# VAE encode peak (inference, no grad) per input pixel, in units of (first-level channels x bytes):
-# traced on fake tensors at 512^2 and 1024^2 (the ratio is constant); see the docs.
-VAE_ENCODE_FACTOR: Dict[str, float] = {"AutoencoderKLQwenImage": 10.1, "AutoencoderKL": 5.0}
-VAE_DECODE_FACTOR: Dict[str, float] = {"AutoencoderKLQwenImage": 18.0, "AutoencoderKL": 6.0}  # same, decoding
-
 
 # --------------------------------------------------------------------------- sizes
 _UNITS = {"": GIB, "g": GIB, "gi": GIB, "gib": GIB, "gb": 1e9, "m": 2**20, "mi": 2**20, "mib": 2**20,
@@ -128,7 +122,7 @@ def planned_family(cfg: TrainConfig) -> FamilySpec:
     return family
 
 
-def resolve_settings(cfg: TrainConfig, spec: ModelSpec, *, blocks_to_swap: Optional[int] = None,
+def resolve_settings(cfg: TrainConfig, spec: ModelSizes, *, blocks_to_swap: Optional[int] = None,
                      quantization: Optional[str] = None, text_tokens: Optional[int] = None,
                      device: str = "cuda", streamed_loading: bool = True,
                      text_encoder_quantization: Optional[str] = None) -> Settings:
@@ -166,7 +160,7 @@ def resolve_settings(cfg: TrainConfig, spec: ModelSpec, *, blocks_to_swap: Optio
         offload_checkpoints=checkpointing and device == "cuda" and offloads_block_inputs(cfg, unified))
 
 
-def _weights(spec: Optional[QuantizationSpec]) -> Optional[str]:
+def _weights(spec: Optional[QuantizationChoice]) -> Optional[str]:
     return spec.weights if spec is not None else None
 
 
@@ -210,7 +204,7 @@ class _TokenCounts:
     vision_patches: int
 
 
-def _token_counts(cfg: TrainConfig, spec: ModelSpec, family: FamilySpec, side: int,
+def _token_counts(cfg: TrainConfig, spec: ModelSizes, family: FamilySpec, side: int,
                   text_tokens: Optional[int]) -> _TokenCounts:
     """Tokens per sample: image (latent / 8, packed 2x2 -> (side/16)^2) and text, from the family's facts."""
     text = family.text

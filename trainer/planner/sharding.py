@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from trainer.optimizer_specs import OPTIMIZERS, Matrix, TrainedShapes
-from trainer.planner.model import TransformerSpec, model_spec
+from trainer.planner.model import TransformerSizes, model_sizes
 
 GIB = 1024 ** 3
 MODES = ("ddp", "zero2", "zero3", "fsdp")
@@ -51,7 +51,7 @@ class ShardedMemory:
         return self.weights + self.gradients + self.optimizer + self.gathered_block
 
 
-def full_shapes(spec: TransformerSpec) -> TrainedShapes:
+def full_shapes(spec: TransformerSizes) -> TrainedShapes:
     """Every transformer weight as the optimizer sees it (fp32 masters): the linears' matrices (those
     of the blocks hidden) and the elements of everything else."""
     matrices = [Matrix(li.out_features, li.in_features, kind.count) for kind in spec.blocks for li in kind.linears]
@@ -59,14 +59,14 @@ def full_shapes(spec: TransformerSpec) -> TrainedShapes:
     return TrainedShapes(tuple(matrices), other=spec.params - sum(m.numel for m in matrices), element_bytes=4)
 
 
-def optimizer_bytes(spec: TransformerSpec, optimizer: str) -> float:
+def optimizer_bytes(spec: TransformerSizes, optimizer: str) -> float:
     """Optimizer state of every transformer weight, by the optimizer's own formula
     (``trainer/optimizer_specs.py``): AdamW two fp32 moments, 8-bit AdamW two 8-bit moments,
     Adafactor a factored fp32 second moment (rows + columns of each matrix, whole vectors), ..."""
     return OPTIMIZERS[optimizer].state_bytes(full_shapes(spec))
 
 
-def sharded_memory(spec: TransformerSpec, optimizer: str, mode: str, processes: int) -> ShardedMemory:
+def sharded_memory(spec: TransformerSizes, optimizer: str, mode: str, processes: int) -> ShardedMemory:
     """Weights, gradients and optimizer state per GPU for ``mode`` over ``processes`` GPUs."""
     if mode not in DIVIDED:
         raise ValueError(f"mode '{mode}': one of {', '.join(MODES)}")
@@ -77,7 +77,7 @@ def sharded_memory(spec: TransformerSpec, optimizer: str, mode: str, processes: 
     return ShardedMemory(mode, processes, *(b / GIB for b in per_gpu), gathered / GIB)
 
 
-def table(spec: TransformerSpec, optimizer: str, gpus: Sequence[int]) -> str:
+def table(spec: TransformerSizes, optimizer: str, gpus: Sequence[int]) -> str:
     """A markdown table: total GiB per GPU (weights + gradients + optimizer state) per mode and count."""
     lines = ["| GPUs | " + " | ".join(MODES) + " |", "|---|" + "---|" * len(MODES)]
     for n in gpus:
@@ -94,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS))
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = parser.parse_args(argv)
-    spec = model_spec(args.model, None, args.family).transformer
+    spec = model_sizes(args.model, None, args.family).transformer
     print(f"{spec.class_name}: {spec.params / 1e9:.2f}B parameters, full fine-tuning with {args.optimizer}: "
           "GiB per GPU for fp32 weights + fp32 gradients + optimizer state (activations not included)")
     print(table(spec, args.optimizer, args.gpus))
