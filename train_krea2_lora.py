@@ -7,5 +7,8 @@ import sys
 
 from trainer.cli import main
 
+FAMILY = "krea2"  # the family it trains unless the YAML says otherwise
+PROFILE_DEFAULTS: dict = {}  # nothing beneath the YAML
+
 if __name__ == "__main__":
-    sys.exit(main(default_family="krea2", description=__doc__))
+    sys.exit(main(default_family=FAMILY, description=__doc__))
