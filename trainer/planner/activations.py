@@ -101,7 +101,7 @@ def block_base_bytes(transformer: TransformerSizes, kind: str, t: Tokens, a: int
     return per_stream + t.all * 4 * d * a
 
 
-def described_block_bytes(transformer: TransformerSpec, kind: BlockKind, t: Tokens, a: int) -> int:
+def described_block_bytes(transformer: TransformerSizes, kind: BlockKind, t: Tokens, a: int) -> int:
     """Activations of one block whose family spec counts what it saves (``SavedActivations``): per token,
     half-precision and fp32 tensors of the hidden and MLP widths, and fp32 copies of named linears' outputs."""
     saved = kind.saved
