@@ -93,6 +93,19 @@ def _z_image_call(call: Call, pipe: Any) -> Prediction:
             -torch.stack(out[0]).squeeze(2))
 
 
+def _krea2_call(call: Call, pipe: Any) -> Prediction:
+    """Krea2Pipeline: 2x2-packed latents after the 512-token text (position ids: text rows zero), t / 1000,
+    image rows out; the pipeline's padded text (masked) is compared as the cache holds it: real rows only."""
+    _, kw, out = call
+    ids = kw["position_ids"][kw["encoder_hidden_states"].shape[1]:]
+    h, w = 2 * (int(ids[:, 1].max()) + 1), 2 * (int(ids[:, 2].max()) + 1)
+    unpack = lambda x: unpack_latents(x, x.shape[-1] // 4, h, w)  # noqa: E731
+    mask = kw["encoder_attention_mask"]
+    assert mask is not None and not mask.all(), "the pipeline pads the prompt to 512 tokens"
+    text = {"prompt_embeds": kw["encoder_hidden_states"][:, mask[0]], "prompt_embeds_mask": None}
+    return unpack(kw["hidden_states"]), kw["timestep"], text, [], unpack(out[0])
+
+
 def _qwen_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
     extra = {"image": refs[0]} if refs else {}
     embeds, mask = pipe.encode_prompt([prompt], max_sequence_length=512, **extra)
@@ -117,6 +130,11 @@ def _kandinsky5_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Ten
 def _z_image_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
     embeds, _ = pipe.encode_prompt([prompt], do_classifier_free_guidance=False)
     return {"prompt_embeds": embeds[0]}
+
+
+def _krea2_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
+    embeds, mask = pipe.encode_prompt([prompt], max_sequence_length=512)
+    return {"prompt_embeds": embeds[0][mask[0]]}  # (tokens, taps, width)
 
 
 def _qwen_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -195,6 +213,9 @@ _K5_VISUAL = _K5_VISUAL_ATTN | {"feed_forward.in_layer", "feed_forward.out_layer
 _Z_ATTN = {"attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"}
 _Z_BOTH = _Z_ATTN | {"feed_forward.w1", "feed_forward.w2", "feed_forward.w3"}
 
+_KREA2_ATTN = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_gate", "attn.to_out.0"}
+_KREA2_BOTH = _KREA2_ATTN | {"ff.gate", "ff.up", "ff.down"}
+
 FAMILY_CASES: Dict[str, FamilyCase] = {
     "qwen_image": FamilyCase(_QWEN_PRESETS, _QWEN_MODULATION, _qwen_call, _qwen_text, _qwen_vae),
     "qwen_image_edit": FamilyCase(_QWEN_PRESETS, _QWEN_MODULATION, _qwen_call, _qwen_text, _qwen_vae, references=1),
@@ -233,6 +254,17 @@ FAMILY_CASES: Dict[str, FamilyCase] = {
                         {"all_x_embedder.2-1", "all_final_layer.2-1.linear", "cap_embedder.1", "t_embedder.mlp.0",
                          "t_embedder.mlp.2"})},
         lambda name: "adaLN_modulation" in name, _z_image_call, _z_image_text, _shift_scale_vae),
+    "krea2": FamilyCase(
+        {"attention": ({"transformer_blocks": _KREA2_ATTN}, set()),
+         "attention_mlp": ({"transformer_blocks": _KREA2_BOTH}, set()),
+         "all_linear": ({"transformer_blocks": _KREA2_BOTH},
+                        {"img_in", "final_layer.linear", "time_embed.linear_1", "time_embed.linear_2",
+                         "txt_in.linear_1", "txt_in.linear_2"})},
+        # The shared modulation linear (the per-block scale_shift_table is a parameter, never a linear).
+        lambda name: name == "time_mod_proj", _krea2_call, _krea2_text, _qwen_vae,
+        # The text fusion (every caption token's 12 taps run through it): a custom target, unplanned.
+        all_linear_skips={f"text_fusion.{kind}_blocks.0.{layer}" for kind in ("layerwise", "refiner")
+                          for layer in _KREA2_BOTH} | {"text_fusion.projector"}),
 }
 FAMILIES = list(FAMILY_CASES)
 
@@ -378,7 +410,10 @@ def test_text_conditions_match_the_pipeline(name: str, pipeline: Callable[[str],
         theirs = case.pipeline_text(pipe, prompt, refs)
         assert set(cond) == set(theirs) == set(spec.text.conditions)
         for key, (width, per_token) in spec.text.conditions.items():
-            assert cond[key].shape[-1] == config[width] and cond[key].dim() == (2 if per_token else 1)
+            # per token: (tokens, width), or (tokens, taps, width) where each token stacks several hidden states
+            stacked = (config[spec.text.stacked],) if spec.text.stacked and per_token else ()
+            assert cond[key].shape[-1] == config[width] and cond[key].shape[1:-1] == stacked
+            assert cond[key].dim() == (2 + len(stacked) if per_token else 1)
             # We encode two prompts as one batch, the pipeline one at a time: fp32 kernels differ
             # there by ~1.5e-5 (seen with one thread); a wrong layer or template differs by far more.
             torch.testing.assert_close(cond[key], theirs[key], atol=5e-5, rtol=1e-4)

@@ -108,6 +108,7 @@ FAMILY_PROFILES = {
     "qwen_image": QUICKSTART, "qwen_image_edit": "train_configs/quickstart_edit_tiny.yaml",
     "flux": "train_configs/quickstart_flux_tiny.yaml", "flux2": "train_configs/quickstart_flux2_tiny.yaml",
     "kandinsky5": "train_configs/train_kandinsky5_lora.yaml", "z_image": "train_configs/train_z_image_lora.yaml",
+    "krea2": "train_configs/quickstart_krea2_tiny.yaml",
 }
 
 

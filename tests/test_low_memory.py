@@ -285,6 +285,9 @@ OFFLOAD_CASES = {
     # FLUX.2's blocks take 4-axis rotary tuples and shared modulation tensors: quantized, swapped and offloaded.
     "flux2+swap+qfloat8": ("flux2", "tiny_flux2", "sample_data", "train_configs/quickstart_flux2_tiny.yaml",
                            ["blocks_to_swap=1", "quantize=true"]),
+    # Krea 2's blocks take a shared modulation tensor and a bool key mask; GQA attention.
+    "krea2+swap+qfloat8": ("krea2", "tiny_krea2", "sample_data", "train_configs/quickstart_krea2_tiny.yaml",
+                           ["blocks_to_swap=1", "quantize=true", "data_config.train_batch_size=2"]),
     "qwen_image+swap": ("qwen_image", "tiny_qwen_image", "sample_data", QUICKSTART, ["blocks_to_swap=1"]),
     "qwen_image+qfloat8": ("qwen_image", "tiny_qwen_image", "sample_data", QUICKSTART, ["quantize=true"]),
 }

@@ -372,11 +372,16 @@ def traced_training_bytes(class_name: str, config: Dict[str, Any], targets: Any,
             tracker.add(p)
             frozen += 0 if p.requires_grad else p.numel() * p.element_size()
         x = torch.randn(1, n_img, config["in_channels"], dtype=torch.bfloat16)
-        text = torch.randn(1, n_txt, config["joint_attention_dim"], dtype=torch.bfloat16)
+        width = (config["num_text_layers"], config["text_hidden_dim"]) if class_name.startswith("Krea2") \
+            else (config["joint_attention_dim"],)  # Krea 2: each token stacks its encoder taps
+        text = torch.randn(1, n_txt, *width, dtype=torch.bfloat16)
         with tracker:
             for _ in range(2):  # the second step has the optimizer state
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    if class_name.startswith("Qwen"):
+                    if class_name.startswith("Krea2"):
+                        out = model(hidden_states=x, encoder_hidden_states=text, timestep=torch.rand(1),
+                                    position_ids=torch.zeros(n_txt + n_img, 3), return_dict=False)[0]
+                    elif class_name.startswith("Qwen"):
                         out = model(hidden_states=x, encoder_hidden_states=text, encoder_hidden_states_mask=None,
                                     timestep=torch.rand(1), img_shapes=[[(1, side, side)]], return_dict=False)[0]
                     else:
@@ -403,6 +408,7 @@ def planned_training_bytes(family: str, class_name: str, config: Dict[str, Any],
 
 QWEN_FULL = published_configs("Qwen/Qwen-Image")["transformer/config.json"]
 FLUX_FULL = published_configs("black-forest-labs/FLUX.1-dev")["transformer/config.json"]
+KREA2_FULL = published_configs("krea/Krea-2-Raw")["transformer/config.json"]
 TRACE_CASES = [
     # full-width blocks (only a few of them, which is what the per-block formulas need)
     ("qwen_image", "QwenImageTransformer2DModel", {**QWEN_FULL, "num_layers": 3}, "attention", 4096, 128, True),
@@ -412,6 +418,8 @@ TRACE_CASES = [
      True),
     ("flux", "FluxTransformer2DModel", {**FLUX_FULL, "num_layers": 1, "num_single_layers": 2}, "all_linear", 1024, 512,
      False),
+    ("krea2", "Krea2Transformer2DModel", {**KREA2_FULL, "num_layers": 2}, "attention", 4096, 128, True),
+    ("krea2", "Krea2Transformer2DModel", {**KREA2_FULL, "num_layers": 2}, "all_linear", 1024, 128, False),
 ]
 
 
@@ -422,7 +430,7 @@ def test_training_estimate_matches_a_fake_tensor_trace_of_the_real_blocks(
         checkpointing: bool) -> None:
     """LoRA state + activations + backward buffers vs the peak the real diffusers/peft code allocates at
     full width (fake tensors: no memory, exact sizes). The planner may err high, a little."""
-    targets = (FLUX_LORA_PRESETS if family == "flux" else QWEN_LORA_PRESETS)[preset]
+    targets = SPECS[family].lora_presets[preset]
     measured = traced_training_bytes(class_name, config, targets, n_img, n_txt, checkpointing)
     planned = planned_training_bytes(family, class_name, config, targets, n_img, n_txt, checkpointing)
     print(f"traced {measured / GIB:.3f} GiB, planned {planned / GIB:.3f} GiB, ratio {planned / measured:.3f}")
@@ -503,7 +511,7 @@ def test_per_block_formula_matches_saved_tensors(family: str, preset: str, preci
 
         for _, block in blocks:
             ao.quantize_(block, ao.Int8WeightOnlyConfig())
-    targets = (FLUX_LORA_PRESETS if family == "flux" else QWEN_LORA_PRESETS)[preset]
+    targets = SPECS[family].lora_presets[preset]
     model.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=targets))
     for p in model.parameters():
         if p.requires_grad:

@@ -11,6 +11,7 @@ from diffusers import (
     Flux2KleinPipeline,
     FluxPipeline,
     Kandinsky5T2IPipeline,
+    Krea2Pipeline,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
@@ -37,6 +38,8 @@ PIPELINES = {
     "flux2": Flux2KleinPipeline,
     "kandinsky5": Kandinsky5T2IPipeline,
     "z_image": ZImagePipeline,
+    "krea2": Krea2Pipeline,
+    "krea2_turbo": Krea2Pipeline,
 }
 QWEN_FAMILIES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
 
@@ -123,7 +126,7 @@ def weights(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))}
 
 
-@pytest.mark.parametrize("family", ["qwen_image", "flux", "kandinsky5", "z_image"])
+@pytest.mark.parametrize("family", ["qwen_image", "flux", "kandinsky5", "z_image", "krea2"])
 def test_same_seed_same_bytes_other_seed_differs(built, tmp_path, family):
     rng_state = torch.get_rng_state()
     again = weights(build_tiny_pipeline(family, tmp_path / "again", seed=0))

@@ -30,6 +30,7 @@ CASES = {
     "flux": ("tiny_flux", "flux", 2.5, "true_cfg_scale"),
     "kandinsky5": ("tiny_kandinsky5", "kandinsky5", 3.5, "guidance_scale"),
     "z_image": ("tiny_z_image", "z_image", 2.0, "guidance_scale"),
+    "krea2": ("tiny_krea2", "krea2", 3.0, "guidance_scale"),
 }
 
 

@@ -181,10 +181,11 @@ class LoraWeights:
         """The final LoRA file in ``output_dir`` (and the ComfyUI file when asked for)."""
         output_dir.mkdir(parents=True, exist_ok=True)
         if "comfyui" in self.cfg.lora_export_formats:
+            from trainer.families import family_spec
             from trainer.lora_formats import save_comfyui_lora
 
             save_comfyui_lora(output_dir / COMFYUI_NAME, lora_state_dict(transformer, trained),
-                              lora_metadata(transformer))
+                              lora_metadata(transformer), family_spec(self.cfg.family).comfyui_names)
         return self.save(transformer, output_dir, trained)
 
 

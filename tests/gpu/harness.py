@@ -66,9 +66,10 @@ PROFILES: Dict[str, Tuple[str, float]] = {
     "24gb": ("train_configs/train_lora_4090.yaml", 22.0),
     "16gb": ("train_configs/train_lora_16gb.yaml", 15.0),
     "flux2_klein": ("train_configs/train_flux2_klein_lora.yaml", 22.0),  # klein base 4B, bf16, 24 GB class
+    "krea2_24gb": ("train_configs/train_krea2_lora_24gb.yaml", 22.0),  # Krea 2 Raw 12B, qfloat8 blocks
 }
 # The family of a profile whose entry script is not train.py's default (Qwen-Image).
-PROFILE_FAMILIES: Dict[str, str] = {"flux2_klein": "flux2"}
+PROFILE_FAMILIES: Dict[str, str] = {"flux2_klein": "flux2", "krea2_24gb": "krea2"}
 
 
 # =========================================================================== scale and model folders
@@ -115,7 +116,13 @@ def transformer_config(family: str, scale: Scale = FULL) -> Dict[str, Any]:
     config = {k: v for k, v in reference_configs(family)["transformer/config.json"].items() if not k.startswith("_")}
     changes = {"num_layers": scale.layers, "num_single_layers": scale.single_layers,
                "num_attention_heads": scale.heads, "attention_head_dim": scale.head_dim,
-               "joint_attention_dim": scale.text_dim, "pooled_projection_dim": scale.pooled_dim}
+               "joint_attention_dim": scale.text_dim, "pooled_projection_dim": scale.pooled_dim,
+               "text_hidden_dim": scale.text_dim, "text_num_attention_heads": scale.heads}  # Krea 2's text fusion
+    # Grouped-query attention keeps its ratio of query to key-value heads (at least one key-value head).
+    for heads, kv in (("num_attention_heads", "num_key_value_heads"),
+                      ("text_num_attention_heads", "text_num_key_value_heads")):
+        if changes.get(heads) is not None and kv in config:
+            changes[kv] = max(1, changes[heads] * config[kv] // config[heads])
     config.update({k: v for k, v in changes.items() if v is not None and k in config})
     if scale.head_dim is not None and "axes_dims_rope" in config:
         config["axes_dims_rope"] = rope_axes(scale.head_dim)
@@ -283,7 +290,8 @@ class Batch:
 
 def _text_cond(spec: FamilySpec, config: Dict[str, Any], tokens: int, gen: torch.Generator) -> Dict[str, torch.Tensor]:
     """One random cached text condition: each tensor of the family's condition at its width."""
-    return {name: torch.randn(*((tokens,) if per_token else ()), config[width], generator=gen)
+    stacked = (config[spec.text.stacked],) if spec.text.stacked else ()  # Krea 2: (tokens, taps, width)
+    return {name: torch.randn(*((tokens, *stacked) if per_token else ()), config[width], generator=gen)
             for name, (width, per_token) in spec.text.conditions.items()}
 
 

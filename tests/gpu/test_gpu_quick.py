@@ -194,6 +194,22 @@ def test_flux2_lora_gradients_and_steps(where: Where) -> None:
     assert steps.finite, steps.losses
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.xdist_group("engine")
+def test_krea2_lora_gradients_and_steps(where: Where) -> None:
+    """Krea 2 blocks at the real width (GQA attention with its output gate, shared modulation, text fusion
+    at the real width) with all_linear LoRA: every LoRA tensor gets a finite non-zero gradient, no base weight
+    one, and steps give finite losses."""
+    with harness.rig_session("krea2", where.device, BF16, scale=where.scale, resolution=where.resolution,
+                             overrides=["compile=false", "lora_target=all_linear"]) as rig:
+        grads = harness.gradient_flow(rig, where.resolution)
+        steps = harness.run_steps(rig, 3, where.resolution)
+    print(grads.summary())
+    print(steps.summary())
+    assert grads.ok, grads.summary()
+    assert steps.finite, steps.losses
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.xdist_group("engine")
 def test_fused_adamw_skips_a_non_finite_step_on_the_device(where: Where) -> None:

@@ -15,6 +15,7 @@ from utils.errors import ConfigError
 from trainer.families.flux.spec import SPEC as FLUX
 from trainer.families.flux2.spec import SPEC as FLUX2
 from trainer.families.kandinsky5.spec import SPEC as KANDINSKY5
+from trainer.families.krea2.spec import SPEC as KREA2
 from trainer.families.model_index import read_model_index
 from trainer.families.qwen_image.spec import SPEC as QWEN_IMAGE
 from trainer.families.qwen_image_edit.spec import SPEC as QWEN_IMAGE_EDIT
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from trainer.families.base import ModelFamily
 
 SPECS: Dict[str, FamilySpec] = {spec.name: spec for spec in (QWEN_IMAGE, QWEN_IMAGE_EDIT, FLUX, FLUX2, KANDINSKY5,
-                                                              Z_IMAGE)}
+                                                              Z_IMAGE, KREA2)}
 
 
 def family_spec(name: str) -> FamilySpec:

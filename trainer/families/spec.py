@@ -49,6 +49,9 @@ class TextTokens:
     # whether it has a token axis; pooled embeddings have none).
     conditions: Mapping[str, Tuple[str, bool]] = field(
         default_factory=lambda: {"prompt_embeds": ("joint_attention_dim", True)})
+    # The transformer config key giving how many encoder hidden states each token stacks, when the per-token
+    # conditions hold several ("" when they hold one): Krea 2's (tokens, taps, width).
+    stacked: str = ""
 
     def seen(self, caption_tokens: int) -> int:
         """Text tokens the transformer sees for a caption of ``caption_tokens`` tokens."""
@@ -83,12 +86,25 @@ def _area_side(area: int, multiple: int) -> int:
 
 
 @dataclass(frozen=True)
+class SavedActivations:
+    """What one block keeps for backward, per token, where the planner's built-in double/single formulas do
+    not describe it: counts of token-sized tensors (measured on the real block, see docs/MEMORY_PLANNER.md)."""
+
+    half_hidden: int  # tensors of the hidden width in the activation dtype (linear inputs, attention q/k/v/out)
+    fp32_hidden: int  # float32 copies of the hidden width (norms that upcast)
+    half_mlp: int  # tensors of the MLP's hidden width in the activation dtype
+    fp32_outputs: Tuple[str, ...] = ()  # linears whose output gets a float32 copy (a q/k norm), any width
+    modulated_hidden: int = 2  # more tensors of the hidden width when the modulation needs a gradient
+
+
+@dataclass(frozen=True)
 class BlockGroup:
     """One list of repeated blocks: the transformer's attribute and, for the planner, its layout."""
 
     attribute: str  # e.g. "transformer_blocks": a ModuleList of the transformer
     kind: str  # "double" (image and text streams), "single" (one joint stream), "visual", ...
     layout: Optional[BlockLayout] = None  # None: the planner does not model this block's activations
+    saved: Optional[SavedActivations] = None  # None: the built-in formula of its kind
 
 
 @dataclass(frozen=True)
@@ -117,6 +133,9 @@ class FamilySpec:
     hub_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Why ``lora_export_formats: [comfyui]`` is refused for this family ("" when the export is offered).
     comfyui_unsupported: str = ""
+    # Where ComfyUI names the model's modules otherwise than diffusers: (regex full-matching a diffusers module
+    # name, its replacement), the first that matches renames; checked against ComfyUI's own model code.
+    comfyui_names: Tuple[Tuple[str, str], ...] = ()
     # Why ``compile: auto`` leaves this family's blocks eager on a GPU ("" when it compiles them); an
     # explicit ``compile: true`` still compiles.
     compile_auto_off: str = ""

@@ -101,6 +101,16 @@ def block_base_bytes(transformer: TransformerSizes, kind: str, t: Tokens, a: int
     return per_stream + t.all * 4 * d * a
 
 
+def described_block_bytes(transformer: TransformerSizes, kind: BlockKind, t: Tokens, a: int) -> int:
+    """Activations of one block whose family spec counts what it saves (``SavedActivations``): per token,
+    half-precision and fp32 tensors of the hidden and MLP widths, and fp32 copies of named linears' outputs."""
+    saved = kind.saved
+    outputs = {li.name: li.out_features for li in kind.linears}
+    per_token = (saved.half_hidden * a * transformer.hidden + saved.fp32_hidden * 4 * transformer.hidden
+                 + saved.half_mlp * a * transformer.mlp_hidden + sum(4 * outputs[n] for n in saved.fp32_outputs))
+    return t.all * per_token
+
+
 def _input_groups(layout: Mapping[str, Tuple[str, str]], linears: Sequence[LinearInfo],
                   batch: int) -> Dict[Tuple[str, str], int]:
     """Distinct input tensors of ``linears``: (stream, group) -> input features. An attention
@@ -145,6 +155,8 @@ def block_modulation_bytes(kind: BlockKind, t: Tokens, d: int, a: int, streams: 
     branch output, token-sized tensors: 4 per stream token in a double block (2 modulations),
     2 per token in a single block."""
     per_token = 4 * d * a if kind.kind == "double" else 2 * d * a
+    if kind.saved is not None:  # the family spec counts them
+        per_token = kind.saved.modulated_hidden * d * a
     return sum(t.stream(stream) * per_token for stream in streams)
 
 
@@ -238,7 +250,9 @@ def estimate_activations(transformer: TransformerSizes, lora: LoraLayout, s: Set
     for kind in transformer.blocks:
         adapted = lora.per_block.get(kind.prefix, ())
         mod_streams = _modulated_streams(kind, kind.layout, adapted, temb_grad)
-        per_block.append(block_base_bytes(transformer, kind.kind, t, a)
+        base = described_block_bytes(transformer, kind, t, a) if kind.saved is not None \
+            else block_base_bytes(transformer, kind.kind, t, a)
+        per_block.append(base
                          + block_lora_bytes(transformer, kind, adapted, t, s)
                          + block_modulation_bytes(kind, t, transformer.hidden, a, mod_streams)
                          + block_quantization_bytes(transformer, kind, t, s, mod_streams)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from trainer.families import SPECS, check_pipeline, family_spec, spec_for_pipeline
-from trainer.families.spec import BlockLayout, FamilySpec
+from trainer.families.spec import BlockLayout, FamilySpec, SavedActivations
 
 COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "vae")
 
@@ -117,6 +117,7 @@ class BlockKind:
     linear_out: int  # sum of its linears' output features (per-channel scales)
     linears: Tuple[LinearInfo, ...]
     layout: BlockLayout = field(default_factory=dict)  # the family spec's map of the block's linears
+    saved: Optional[SavedActivations] = None  # the family spec's count of what the block saves, if it gives one
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,7 @@ def _transformer_spec(model, family: FamilySpec) -> TransformerSizes:
         linears = _linears(blocks[0])
         kinds.append(BlockKind(group.kind, group.attribute, len(blocks), _params(blocks[0]),
                                sum(li.in_features * li.out_features for li in linears),
-                               sum(li.out_features for li in linears), linears, group.layout or {}))
+                               sum(li.out_features for li in linears), linears, group.layout or {}, group.saved))
     if not kinds:
         raise ValueError(f"{type(model).__name__}: none of the {family.name} blocks "
                          f"({', '.join(family.block_attributes)}) found")

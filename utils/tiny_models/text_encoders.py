@@ -18,6 +18,9 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLModel,
     T5Config,
     T5EncoderModel,
 )
@@ -65,6 +68,28 @@ def _qwen3_config(tokenizer: Any, **overrides: Any) -> Qwen3Config:
     return Qwen3Config(**{**config, **overrides})
 
 
+def _qwen3_vl_config(tokenizer: Any, **text_overrides: Any) -> Qwen3VLConfig:
+    """A 2-layer, 16-wide Qwen3-VL (Krea 2, Qwen-Image-2.1) with a 1-block vision tower; ``text_overrides`` on
+    its text config (Krea 2 taps deeper layers)."""
+    ids = _qwen_ids(tokenizer)
+    text = dict(vocab_size=len(tokenizer), hidden_size=QWEN_WIDTH, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=4096,
+                # interleaved mRoPE: 2 * sum(mrope_section) == head_dim
+                rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True}, **ids)
+    tie = text_overrides.pop("tie_word_embeddings", True)
+    return Qwen3VLConfig(
+        text_config={**text, **text_overrides},
+        # patch 16, merge 2, temporal 2: the Qwen3-VL image processor's sizes
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=QWEN_WIDTH,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0]),
+        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"), tie_word_embeddings=tie, **ids)
+
+
 def _clip_config(tokenizer: Any, **overrides: Any) -> CLIPTextConfig:
     config = dict(vocab_size=len(tokenizer), hidden_size=CLIP_WIDTH, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, projection_dim=CLIP_WIDTH,
@@ -105,6 +130,8 @@ BUILDERS: dict[str, Callable[..., Any]] = {
     "CLIPTextModel": lambda tok, **kw: CLIPTextModel(_clip_config(tok, **kw)),
     "T5EncoderModel": lambda tok, **kw: T5EncoderModel(_t5_config(tok, **kw)),
     "Mistral3ForConditionalGeneration": _mistral3,
+    "Qwen3VLModel": lambda tok, **kw: Qwen3VLModel(_qwen3_vl_config(tok, **kw)),
+    "Qwen3VLForConditionalGeneration": lambda tok, **kw: Qwen3VLForConditionalGeneration(_qwen3_vl_config(tok, **kw)),
 }
 
 
