@@ -76,7 +76,7 @@ def write_summary(folder: RunFolder, cfg: TrainConfig, seconds: float, memory: D
     may have been cleaned up or rotated meanwhile), time (and ``timing``: start-up phases, first step,
     compile and attention choices, the datasets and what the run drew of each), the smoothed final
     loss of the logged curve, peak memory, output paths."""
-    losses = [r["loss"] for r in folder.read_metrics()]
+    losses = [r["loss"] for r in folder.read_metrics() if "loss" in r]  # (evaluation lines have none)
     summary = {
         "config_sha256": hashlib.sha256(config_to_yaml(cfg).encode()).hexdigest(),
         "family": cfg.family,
