@@ -57,9 +57,16 @@ def plot_losses(records: List[Dict[str, Any]], path: Path, size: Tuple[float, fl
         for key, (steps, values) in series.items():
             axes.plot(steps, smoothed(values), linewidth=1.5, linestyle="--" if key == "loss/regularization" else "-",
                       label=f"{key} (smoothed)")
+    held_out = [(r["step"], r["eval_loss"]) for r in records
+                if isinstance(r.get("eval_loss"), (int, float)) and math.isfinite(r["eval_loss"])]
+    if held_out:  # the held-out loss (trainer/evaluation.py), its lowest point marked
+        axes.plot(*zip(*held_out), color="#dc2626", marker="o", markersize=3, linewidth=1.5, label="held-out loss")
+        best = min(held_out, key=lambda p: p[1])
+        axes.plot(*best, marker="*", markersize=12, color="#dc2626", linestyle="none",
+                  label=f"best held-out (step {best[0]})")
     axes.set_xlabel("step")
     axes.set_ylabel("loss")
-    axes.set_title("training loss")
+    axes.set_title("training and held-out loss" if held_out else "training loss")
     axes.grid(True, alpha=0.3)
     if axes.lines:
         axes.legend(loc="best", fontsize="small")
