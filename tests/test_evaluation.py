@@ -280,3 +280,67 @@ def test_two_processes_evaluate_the_mean_over_all_held_out_images(tiny_qwen_imag
         shutil.copy(image.with_suffix(".txt"), held / image.with_suffix(".txt").name)
     judged = judge_in_process(out, held)
     assert judged["checkpoints"][0]["eval_loss"] == lines[1]["eval_loss"]
+
+
+# -- image metrics -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def metric_models(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+    """Tiny random DINOv2 and CLIP folders (model + processor), built offline with transformers' classes."""
+    import torch
+    from transformers import (BitImageProcessor, CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor,
+                              Dinov2Config, Dinov2Model)
+
+    from utils.tiny_models.tokenizers import build_clip_tokenizer
+
+    root = tmp_path_factory.mktemp("metric_models")
+    torch.manual_seed(0)
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    Dinov2Model(Dinov2Config(**vision)).save_pretrained(root / "dino")
+    BitImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(root / "dino")
+    tokenizer = build_clip_tokenizer(model_max_length=32)
+    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                num_attention_heads=2, max_position_embeddings=32, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(root / "clip")
+    CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                     crop_size={"height": 32, "width": 32}),
+                  tokenizer=tokenizer).save_pretrained(root / "clip")
+    return {"dino": root / "dino", "clip": root / "clip"}
+
+
+def test_image_metrics_score_samples_against_training_images_and_prompts(metric_models: Dict[str, Path],
+                                                                          sample_data: Path) -> None:
+    from trainer.config import TrainConfig
+    from trainer.image_metrics import CLIP_KEY, DINO_KEY, ImageMetrics
+
+    cfg = TrainConfig()
+    cfg.evaluation.dino_model, cfg.evaluation.clip_model = str(metric_models["dino"]), str(metric_models["clip"])
+    training = [sample_data / "img1.png", sample_data / "img2.jpg"]
+    metrics = ImageMetrics.from_config(cfg, training)
+    itself = metrics.score([sample_data / "img1.png"], ["a red circle on a yellow background"])
+    assert itself[DINO_KEY] == pytest.approx(1.0, abs=1e-5), "a training image is its own nearest neighbour"
+    other = metrics.score([sample_data / "img6.webp"], ["a red circle on a yellow background"])
+    assert other[DINO_KEY] < itself[DINO_KEY] - 1e-4
+    assert -100 <= other[CLIP_KEY] <= 100
+    assert metrics.score([sample_data / "img6.webp"], ["a black triangle"])[CLIP_KEY] != other[CLIP_KEY], \
+        "the prompt matters"
+    assert metrics.score([sample_data / "img6.webp"], ["a red circle on a yellow background"]) == other
+    cfg.evaluation.clip_model = str(sample_data)  # not a model folder
+    with pytest.raises(ConfigError, match="'evaluation.clip_model': cannot load a CLIP model"):
+        ImageMetrics.from_config(cfg, training)
+
+
+@pytest.mark.e2e
+def test_validation_samples_are_scored_during_training(metric_models: Dict[str, Path], tiny_qwen_image: Path,
+                                                       sample_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train_in_process(QUICKSTART, "qwen_image", *base(tiny_qwen_image, sample_data, out), "max_train_steps=1",
+                     "checkpointing_steps=1", "validation.every_n_steps=1", "validation.steps=2",
+                     "validation.width=64", "validation.height=64", "validation.prompts=[a red circle]",
+                     f"evaluation.dino_model={metric_models['dino']}", f"evaluation.clip_model={metric_models['clip']}")
+    scored = {r["step"]: r for r in records(out) if "eval/dino_similarity" in r}
+    assert sorted(scored) == [0, 1], "the base model's samples, then the last step's"
+    assert all(-1 <= r["eval/dino_similarity"] <= 1 and -100 <= r["eval/clip_score"] <= 100 for r in scored.values())
+    verdict = judge_in_process(out)
+    assert verdict["checkpoints"][0]["eval/clip_score"] == scored[1]["eval/clip_score"], "the judge shows them"

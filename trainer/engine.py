@@ -39,6 +39,7 @@ from trainer.config import TrainConfig
 from trainer.dataset_losses import DatasetLosses
 from trainer.datasets import TrainingData
 from trainer.evaluation import STATE_KEY as EVAL_STATE, Evaluation
+from trainer.image_metrics import ImageMetrics
 from utils.errors import ProcessLost, TrainingDiverged, TrainingInterrupted, from_loader_worker
 from trainer.families import load_family
 from trainer.families.base import ModelFamily
@@ -95,6 +96,7 @@ class Trainer:
         self.sampler: Optional[SizeGroupedBatchSampler] = None
         self.dataloader: Optional[DataLoader] = None  # accelerate's, sharding batches across processes
         self.evaluation: Optional[Evaluation] = None  # the held-out loss (trainer/evaluation.py)
+        self.image_metrics: Optional[ImageMetrics] = None  # scores of the validation samples (main process)
         # setup_model
         self.weights: Optional[TrainedWeights] = None
         self.transformer: Optional[torch.nn.Module] = None
@@ -210,6 +212,8 @@ class Trainer:
                                              self.data.trigger_word())
         if self.is_main:
             self._plot_timestep_density()
+            if self.validation.enabled:
+                self.image_metrics = ImageMetrics.from_config(cfg, [s.image_path for s in self.samples])
         groups = sorted({(s.size, s.reference_sizes) for s in self.samples})
         logger.info(f"sizes (target, references) {groups}")
         self.features = FeatureStore(cfg, self.family, self.samples + self.evaluation.samples, self.accelerator,
@@ -511,6 +515,8 @@ class Trainer:
             paths = self.validation.render(self.accelerator.unwrap_model(self.transformer), self.state.step,
                                            conds, self.weight_dtype, self.accelerator.autocast)
             log_images(self.accelerator.trackers, paths, self.state.step)
+            if self.image_metrics is not None:  # DINOv2 / CLIP scores of the samples (evaluation section)
+                self._log_fields(self.image_metrics.score(paths, self.validation.prompts))
         self.accelerator.wait_for_everyone()
 
     def _evaluate(self) -> None:
@@ -522,10 +528,14 @@ class Trainer:
             result = self.evaluation.evaluator.evaluate(
                 self.transformer, self.weight_dtype, autocast, acc.process_index, acc.num_processes, acc.gather,
                 after_forward=self.swapper.release_all)
-        fields = self.evaluation.record(self.state.step, result)
-        if acc.trackers:
-            acc.log(fields, step=self.state.step)
-        if self.is_main:
+        self._log_fields(self.evaluation.record(self.state.step, result))
+
+    def _log_fields(self, fields: Dict[str, float]) -> None:
+        """Numbers of this step that are not the step's own (evaluations, image metrics): the trackers
+        and a line of ``metrics.jsonl`` (main process)."""
+        if fields and self.accelerator.trackers:
+            self.accelerator.log(fields, step=self.state.step)
+        if fields and self.is_main:
             self.folder.append_metrics({"step": self.state.step, "epoch": self.state.epoch, **fields})
 
     # -- checkpoints and output -------------------------------------------------------------------
