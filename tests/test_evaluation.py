@@ -344,3 +344,86 @@ def test_validation_samples_are_scored_during_training(metric_models: Dict[str, 
     assert all(-1 <= r["eval/dino_similarity"] <= 1 and -100 <= r["eval/clip_score"] <= 100 for r in scored.values())
     verdict = judge_in_process(out)
     assert verdict["checkpoints"][0]["eval/clip_score"] == scored[1]["eval/clip_score"], "the judge shows them"
+
+
+def test_the_web_page_marks_the_best_checkpoint(tmp_path: Path) -> None:
+    from webui.runs import checkpoints
+
+    for step in (10, 20, 30):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / ckpt.STATE_NAME).write_text(json.dumps({"global_step": step, "files": {}}))
+    logged = [{"step": 10, "loss": 0.5}, {"step": 10, "eval_loss": 0.40}, {"step": 20, "eval_loss": 0.30},
+              {"step": 25, "eval_loss": 0.10}, {"step": 30, "eval_loss": 0.35}]
+    rows = checkpoints(tmp_path, logged)
+    assert [(r["name"], r["eval_loss"], r["best"]) for r in rows] == [
+        ("checkpoint-10", 0.40, False), ("checkpoint-20", 0.30, True), ("checkpoint-30", 0.35, False)], \
+        "the best of the checkpoints on disk (step 25 has none)"
+    assert not any(r["best"] for r in checkpoints(tmp_path, [{"step": 10, "loss": 0.5}]))
+    app = (ROOT / "webui" / "static" / "app.js").read_text()
+    assert "m.eval_loss" in app and "c.best" in app, "the page draws the held-out loss and marks the best"
+
+
+def informative_model(tiny_qwen_image: Path, images: List[Path], tmp_path: Path) -> Path:
+    """The tiny Qwen-Image model with its VAE's latent normalisation fitted to ``images``. The random
+    tiny VAE maps every image to almost the same latent (the images differ by 1% of its spread), so
+    no held-out image could differ from a training one; normalised by the spread across images, as a
+    real VAE's latents are, they do."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage
+
+    from image_datasets.dataset import open_rgb, pixels_at
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen_image, model)
+    vae = AutoencoderKLQwenImage.from_pretrained(model / "vae")
+    with torch.no_grad():
+        raw = torch.cat([vae.encode(pixels_at(open_rgb(p), (64, 64))[None, :, None]).latent_dist.mode()[:, :, 0]
+                         for p in images])
+    config = json.loads((model / "vae" / "config.json").read_text())
+    config["latents_mean"] = raw.mean(dim=(0, 2, 3)).tolist()
+    config["latents_std"] = (raw - raw.mean(dim=0, keepdim=True)).std(dim=(0, 2, 3)).tolist()
+    (model / "vae" / "config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.mark.e2e
+def test_overfitting_is_detected_the_best_checkpoint_kept_and_named(tiny_qwen_image: Path, sample_data: Path,
+                                                                    tmp_path: Path) -> None:
+    """Two training images, two held-out images described by the same captions but drawn otherwise
+    (the colours swapped), a high learning rate: the model memorises its two images, the training
+    loss falls while the held-out loss rises after its lowest point. The detector says so once and
+    stops the run there (after saving), keep_best keeps the best checkpoint although
+    checkpoints_total_limit is 2, and the judge names it."""
+    train, held = split_folder(sample_data, tmp_path, [1, 2], [4, 5])
+    for image, twin in (("img4", "img1"), ("img5", "img2")):  # the same caption, another picture
+        shutil.copy(train / f"{twin}.txt", held / f"{image}.txt")
+    model = informative_model(tiny_qwen_image, sorted(p for p in sample_data.iterdir() if p.suffix != ".txt"),
+                              tmp_path)
+    profile = with_datasets(tmp_path, [{"img_dir": str(train)}, {"img_dir": str(held), "role": "eval"}])
+    out = tmp_path / "run"
+    train_in_process(profile, "qwen_image", f"pretrained_model_name_or_path={model}", f"output_dir={out}",
+                     "report_to=none", "training_mode=full", "learning_rate=2e-3", "lr_scheduler=constant",
+                     "lr_warmup_steps=0", "data_config.caption_dropout_rate=0", "max_train_steps=120",
+                     "checkpointing_steps=10", "checkpoints_total_limit=2", "evaluation.patience=2",
+                     "evaluation.stop_when_overfitting=true")
+    summary = json.loads((out / "summary.json").read_text())
+    evaluation, stopped = summary["evaluation"], summary["steps"]
+    logged = held_out_losses(out)
+    best = min(logged, key=logged.get)
+    assert evaluation["overfitting_detected_at"] == stopped < 120, "stopped where over-fitting was detected"
+    assert 0 < best < stopped and evaluation["best_step"] == best
+    after = [logged[s] for s in logged if s > best]
+    assert len(after) == 2 and all(v > logged[best] for v in after), "the held-out loss rose after its best"
+    losses = [r["loss"] for r in records(out) if "loss" in r]
+    assert sum(losses[-10:]) < sum(losses[best - 10:best]), "while the training loss fell"
+    said = [line for line in (out / "train.log").read_text().splitlines() if "over-fitting:" in line]
+    assert len(said) == 1 and f"at step {best}" in said[0], "said once, naming the best step"
+    kept = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert kept == [best, stopped - 10, stopped], "keep_best kept the best beside the newest two"
+    assert evaluation["best_checkpoint"] == f"checkpoint-{best}"
+    judged = judge_cli(out)
+    assert judged.returncode == 0, judged.stderr[-2000:]
+    assert f"keep {out / f'checkpoint-{best}'}" in judged.stdout and "over-fitting at step" in judged.stdout
+    keep_line = next(line for line in judged.stdout.splitlines() if line.endswith("<- keep"))
+    assert keep_line.startswith(f"checkpoint-{best} ")
