@@ -520,15 +520,9 @@ class Trainer:
         self.accelerator.wait_for_everyone()
 
     def _evaluate(self) -> None:
-        """The held-out loss of the current weights (schedule-free: the evaluation weights), every process
-        its share; logged once, by the main process."""
-        acc = self.accelerator
-        autocast = acc.autocast if acc.mixed_precision != "no" else contextlib.nullcontext
-        with evaluation_weights(self.raw_optimizer):
-            result = self.evaluation.evaluator.evaluate(
-                self.transformer, self.weight_dtype, autocast, acc.process_index, acc.num_processes, acc.gather,
-                after_forward=self.swapper.release_all)
-        self._log_fields(self.evaluation.record(self.state.step, result))
+        """The held-out loss of the current weights, every process its share; logged by the main one."""
+        self._log_fields(self.evaluation.measure(self.state.step, self.accelerator, self.transformer,
+                                                 self.raw_optimizer, self.weight_dtype, self.swapper.release_all))
 
     def _log_fields(self, fields: Dict[str, float]) -> None:
         """Numbers of this step that are not the step's own (evaluations, image metrics): the trackers

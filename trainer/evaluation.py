@@ -34,6 +34,7 @@ from trainer.checkpoint import list_checkpoints
 from trainer.config import EVAL_ROLE, TrainConfig, dataset_entries
 from trainer.datasets import TrainingData, scan_dataset
 from trainer.features import latent_shape
+from trainer.optim import evaluation_weights
 from trainer.training_step import draw_sigmas, flow_matching_step
 from utils.errors import DataError
 
@@ -259,6 +260,17 @@ class Evaluation:
         if self.enabled and math.isfinite(loss):
             self.window[0] += loss
             self.window[1] += 1
+
+    def measure(self, step: int, accelerator: Any, model: torch.nn.Module, optimizer: Any, dtype: torch.dtype,
+                after_forward: Callable[[], None]) -> Dict[str, float]:
+        """Evaluate the run's ``model`` (schedule-free: its evaluation weights) on every process, each
+        its share, under the run's autocast; ``record`` it and return its metrics."""
+        acc = accelerator
+        autocast = acc.autocast if acc.mixed_precision != "no" else contextlib.nullcontext
+        with evaluation_weights(optimizer):
+            result = self.evaluator.evaluate(model, dtype, autocast, acc.process_index, acc.num_processes,
+                                             acc.gather, after_forward=after_forward)
+        return self.record(step, result)
 
     def record(self, step: int, result: EvalResult) -> Dict[str, float]:
         """Add an evaluation to the history, say over-fitting once; returns its metrics."""
