@@ -478,7 +478,7 @@ class Trainer:
             self.first_step_s = step_time
         state.loss_avg = loss if state.loss_avg is None else 0.9 * state.loss_avg + 0.1 * loss
         state.last_loss = loss
-        if now - self.postfix_at >= progress.mininterval:  # the bar redraws at most that often
+        if not progress.disable and now - self.postfix_at >= progress.mininterval:  # redrawn at most that often
             self.postfix_at = now
             progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         progress.update(1)
