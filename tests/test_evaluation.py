@@ -427,3 +427,40 @@ def test_overfitting_is_detected_the_best_checkpoint_kept_and_named(tiny_qwen_im
     assert f"keep {out / f'checkpoint-{best}'}" in judged.stdout and "over-fitting at step" in judged.stdout
     keep_line = next(line for line in judged.stdout.splitlines() if line.endswith("<- keep"))
     assert keep_line.startswith(f"checkpoint-{best} ")
+
+
+def test_the_judge_refuses_what_it_cannot_judge_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from trainer.judge import main
+
+    assert main([str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.strip().endswith("is not a folder (a run's output_dir)")
+    assert main([str(tmp_path)]) == 2
+    assert "no complete checkpoint-N folder to judge" in capsys.readouterr().err
+    (tmp_path / "checkpoint-5").mkdir()
+    (tmp_path / "checkpoint-5" / ckpt.STATE_NAME).write_text(json.dumps({"global_step": 5, "files": {}}))
+    assert main([str(tmp_path), "--holdout", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert "--holdout: folder" in err and "Traceback" not in err
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5, "loss": 0.5}) + "\n")
+    assert main([str(tmp_path), "--json"]) == 0
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["keep"] is None and "give --holdout DIR" in verdict["reason"]
+    assert verdict["checkpoints"] == [{"step": 5, "checkpoint": "checkpoint-5", "train_loss_smoothed": 0.5}]
+
+
+@pytest.mark.e2e
+def test_the_judge_evaluates_a_finished_run_that_had_no_evaluation(tiny_qwen_image: Path, sample_data: Path,
+                                                                   tmp_path: Path) -> None:
+    train, held = split_folder(sample_data, tmp_path, [1, 2, 3, 4], [5, 6])
+    out = tmp_path / "run"
+    train_in_process(QUICKSTART, "qwen_image", *base(tiny_qwen_image, train, out), "max_train_steps=4",
+                     "checkpointing_steps=2", "checkpoints_total_limit=null")
+    assert not held_out_losses(out) and "evaluation" not in json.loads((out / "summary.json").read_text())
+    judged = judge_cli(out, "--holdout", str(held))
+    assert judged.returncode == 0, judged.stderr[-2000:]
+    rows = [line.split() for line in judged.stdout.splitlines() if line.startswith("checkpoint-")]
+    assert [row[0] for row in rows] == ["checkpoint-2", "checkpoint-4"]
+    losses = {row[0]: float(row[3]) for row in rows}
+    assert all(0 < v < 10 for v in losses.values()) and losses["checkpoint-2"] != losses["checkpoint-4"]
+    best = min(losses, key=losses.get)
+    assert f"keep {out / best}: lowest held-out loss" in judged.stdout

@@ -97,7 +97,7 @@ def evaluate_checkpoints(run_dir: Path, holdout: Path, steps: Sequence[int]) -> 
     from trainer.adapters import trained_weights
     from trainer.config import dataset_entries, load_config
     from trainer.datasets import TrainingData, scan_dataset
-    from trainer.evaluation import Evaluator, default_levels
+    from trainer.evaluation import Evaluator, default_levels, split_held_out
     from trainer.families import load_family
     from trainer.features import FeatureStore
     from trainer.model_setup import prepare_transformer, transformer_load_device
@@ -116,7 +116,9 @@ def evaluate_checkpoints(run_dir: Path, holdout: Path, steps: Sequence[int]) -> 
     entry = dataclasses.replace(first, img_dir=str(holdout), name="holdout", role="eval", control_dir=None,
                                 control_dirs=None, repeats=1)
     samples = scan_dataset(entry, family)
-    training = TrainingData.scan(cfg, family).samples  # the noise levels follow the run's training sizes
+    data = TrainingData.scan(cfg, family)  # the noise levels follow the run's training sizes,
+    split_held_out(cfg, family, data)  # without its own held-out images, as in the run
+    training = data.samples
     features = FeatureStore(cfg, family, samples, accelerator, dtype, keep_encoders=False)
     features.cache_pass()
     if not cfg.precompute_text_embeddings:
