@@ -190,7 +190,7 @@ def float_keys(node: object, prefix: str = "") -> list:
         value, key = getattr(node, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             keys += float_keys(value, f"{key}.")
-        elif "float" in str(f.type):
+        elif "float" in str(f.type) and "List" not in str(f.type):  # (a list of floats: its items)
             keys.append(key)
     if not prefix:
         keys += [f"datasets.0.{k}" for k in float_keys(DatasetEntry(), "_.")] + \

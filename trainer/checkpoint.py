@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from loguru import logger
@@ -178,15 +178,19 @@ def _write_json(path: Path, data: Dict[str, Any]) -> None:
         os.fsync(fh.fileno())
 
 
-def prune_checkpoints(output_dir: Path, limit: Optional[int]) -> List[Path]:
-    """Delete the oldest complete checkpoints beyond ``limit``; never the newest. Returns the deleted."""
+def prune_checkpoints(output_dir: Path, limit: Optional[int], keep: Sequence[int] = ()) -> List[Path]:
+    """Delete the oldest complete checkpoints beyond ``limit``; never the newest, nor the steps in
+    ``keep`` (the best held-out loss, ``evaluation.keep_best``), kept beside the newest. Returns the deleted."""
     if limit is None:
         return []
     found = list_checkpoints(output_dir)
-    doomed = found[: max(0, len(found) - max(limit, 1))]
+    doomed = [p for p in found[: max(0, len(found) - max(limit, 1))] if int(p.name.split("-", 1)[1]) not in keep]
     for path in doomed:
         shutil.rmtree(path)
         logger.info(f"removed old checkpoint {path.name} (checkpoints_total_limit={limit})")
+    for step in keep:
+        if any(p.name == f"checkpoint-{step}" for p in found[: max(0, len(found) - max(limit, 1))]):
+            logger.info(f"kept checkpoint-{step}: the best held-out loss so far (evaluation.keep_best)")
     return doomed
 
 

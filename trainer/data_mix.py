@@ -19,7 +19,7 @@ from image_datasets.checks import check_before_training
 from image_datasets.dataset import (Sample, SizeGroupedBatchSampler, add_trigger_word, find_control_dirs,
                                     scan_image_folder)
 from trainer.families.base import ModelFamily, as_reference_family
-from trainer.config import REGULARIZATION, DatasetEntry, TrainConfig, dataset_entries, same_folder_warnings
+from trainer.config import EVAL_ROLE, REGULARIZATION, DatasetEntry, TrainConfig, dataset_entries, same_folder_warnings
 from utils.errors import DataError
 
 
@@ -56,9 +56,10 @@ class TrainingData:
     @classmethod
     def scan(cls, cfg: TrainConfig, family: ModelFamily) -> "TrainingData":
         """Scan every dataset of ``cfg``; a problem names the dataset it is in."""
-        entries = dataset_entries(cfg)
-        for warning in same_folder_warnings(entries):
+        every = dataset_entries(cfg)
+        for warning in same_folder_warnings(every):
             logger.warning(warning)
+        entries = [e for e in every if e.role != EVAL_ROLE]  # held-out sets: trainer/evaluation.py
         samples: List[Sample] = []
         dataset_of: List[int] = []
         for index, entry in enumerate(entries):
@@ -67,7 +68,7 @@ class TrainingData:
             except DataError as exc:
                 if not cfg.datasets:
                     raise
-                raise DataError(f"datasets[{index}] ({entry.name}): {exc}") from None
+                raise DataError(f"datasets[{every.index(entry)}] ({entry.name}): {exc}") from None
             samples += found
             dataset_of += [index] * len(found)
         data = cls(entries, samples, dataset_of)

@@ -37,6 +37,8 @@ from trainer.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from trainer.dataset_losses import DatasetLosses
 from trainer.data_mix import TrainingData
+from trainer.evaluation import STATE_KEY as EVAL_STATE, Evaluation
+from trainer.image_metrics import ImageMetrics
 from utils.errors import ProcessLost, TrainingDiverged, TrainingInterrupted, from_loader_worker
 from trainer.families import load_family
 from trainer.families.base import ModelFamily
@@ -94,6 +96,8 @@ class Trainer:
         self.features: Optional[FeatureStore] = None
         self.sampler: Optional[SizeGroupedBatchSampler] = None
         self.dataloader: Optional[DataLoader] = None  # accelerate's, sharding batches across processes
+        self.evaluation: Optional[Evaluation] = None  # the held-out loss (trainer/evaluation.py)
+        self.image_metrics: Optional[ImageMetrics] = None  # scores of the validation samples (main process)
         # setup_model
         self.weights: Optional[TrainedWeights] = None
         self.transformer: Optional[torch.nn.Module] = None
@@ -205,6 +209,7 @@ class Trainer:
     def prepare_data(self) -> None:
         cfg, d = self.cfg, self.cfg.data_config
         self.data = TrainingData.scan(cfg, self.family)
+        self.evaluation = Evaluation.prepare(cfg, self.family, self.data)  # held-out images leave the data
         self.samples = self.data.samples
         self.dataset_losses = DatasetLosses([e.name for e in self.data.entries], [e.role for e in self.data.entries],
                                             cfg.regularization_weight, self.device)
@@ -212,10 +217,12 @@ class Trainer:
                                              self.data.trigger_word())
         if self.is_main:
             self._plot_timestep_density()
+            if self.validation.enabled:
+                self.image_metrics = ImageMetrics.from_config(cfg, [s.image_path for s in self.samples])
         groups = sorted({(s.size, s.reference_sizes) for s in self.samples})
         logger.info(f"sizes (target, references) {groups}")
-        self.features = FeatureStore(cfg, self.family, self.samples, self.accelerator, self.weight_dtype,
-                                     keep_encoders=self.policy.keep_encoders)
+        self.features = FeatureStore(cfg, self.family, self.samples + self.evaluation.samples, self.accelerator,
+                                     self.weight_dtype, keep_encoders=self.policy.keep_encoders)
         with self.monitor.phase("cache_pass"):
             self.features.cache_pass(self.validation.text_requests())
         if not cfg.precompute_text_embeddings and self.family.text_pipe is None:
@@ -224,8 +231,11 @@ class Trainer:
             self.family.load_vae(self.device, self.weight_dtype)  # live encoding, or decoding samples
         self.sampler = self.data.batch_sampler(d.train_batch_size, seed=cfg.seed or 0)
         # The workers read the cached tensors, the loader pins them; the step moves them (non-blocking).
-        dataset = ImageCaptionDataset(self.samples, self.features.reader(), not cfg.precompute_image_embeddings,
+        reader = self.features.reader()
+        dataset = ImageCaptionDataset(self.samples, reader, not cfg.precompute_image_embeddings,
                                       random_ratio=d.random_ratio, random_crop=self.data.random_crops())
+        self.evaluation.attach(self.family, self.features, ImageCaptionDataset(
+            self.features.samples, reader, not cfg.precompute_image_embeddings), len(self.samples), self.samples)
         loader = DataLoader(
             dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=d.num_workers,
             pin_memory=self.policy.pin_memory, persistent_workers=d.num_workers > 0)
@@ -308,6 +318,7 @@ class Trainer:
     def _resume(self, path: Path) -> None:
         resume_check.load(path, self.accelerator.load_state, self.cfg, self.samples, self.lr_scheduler)
         self.state.restore(ckpt.read_state(path), self.cfg.gradient_accumulation_steps)
+        self.evaluation.load_state_dict(ckpt.read_state(path))  # its history and best step
         self.metrics.resume_at(self.state.step)  # steps logged after the checkpoint are redone
         logger.info(f"resumed from {path} at step {self.state.step}")
 
@@ -321,6 +332,8 @@ class Trainer:
         with self.monitor.phase("train_loop", state.step), sdpa_context(self.attention), self.stop.deferring():
             if self.validation.enabled and state.step == 0:
                 self._validate()  # the base model's samples, to compare against
+            if self.evaluation.enabled and state.step == 0:
+                self._evaluate()  # the base model's held-out loss
             self.last_step_at = time.perf_counter()  # the first step is timed too (compilation)
             self._loop(progress)
             self._account(self.readout.flush(), progress)
@@ -359,10 +372,13 @@ class Trainer:
             losses = []
             if self.validation.due(state.step):
                 self._validate()
+            if self.evaluation.due(state.step):
+                self._account(self.readout.flush(), progress)  # every step's loss is observed first
+                self._evaluate()
             if self._should_checkpoint():
                 self._account(self.readout.flush(), progress)
                 self.save_checkpoint()
-            if state.step >= cfg.max_train_steps or self.stop.stopping:
+            if state.step >= cfg.max_train_steps or self.stop.stopping or self.evaluation.stopping:
                 return
 
     def training_step(self, batch: Dict[str, Any], micro_step: int) -> torch.Tensor:
@@ -471,6 +487,7 @@ class Trainer:
             progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         progress.update(1)
         per_dataset = self.dataset_losses.fields(record.step, loss)
+        self.evaluation.observe(loss)
         if record.step % self.cfg.log_every_n_steps or not self.metrics:
             return
         logs = {"epoch": record.epoch, "loss": loss, **per_dataset, "loss_smoothed": state.loss_avg, "lr": lr,
@@ -483,7 +500,8 @@ class Trainer:
 
     def _should_checkpoint(self) -> bool:
         step = self.state.step
-        return step % self.cfg.checkpointing_steps == 0 or step == self.cfg.max_train_steps or self.stop.stopping
+        return (step % self.cfg.checkpointing_steps == 0 or step == self.cfg.max_train_steps or self.stop.stopping
+                or self.evaluation.stopping)
 
     def _validate(self) -> None:
         """Render the validation prompts with the current weights (main process; the others wait)."""
@@ -496,14 +514,28 @@ class Trainer:
             paths = self.validation.render(self.accelerator.unwrap_model(self.transformer), self.state.step,
                                            conds, self.weight_dtype, self.accelerator.autocast)
             log_images(self.accelerator.trackers, paths, self.state.step)
+            if self.image_metrics is not None:  # DINOv2 / CLIP scores of the samples (evaluation section)
+                self._log_fields(self.image_metrics.score(paths, self.validation.prompts))
         self.accelerator.wait_for_everyone()
+
+    def _evaluate(self) -> None:
+        """The held-out loss of the current weights, every process its share; logged by the main one."""
+        self._log_fields(self.evaluation.measure(self.state.step, self.accelerator, self.transformer,
+                                                 self.raw_optimizer, self.weight_dtype, self.swapper.release_all))
+
+    def _log_fields(self, fields: Dict[str, float]) -> None:
+        """Numbers of this step that are not the step's own (evaluations, image metrics): a record of
+        their own for metrics.jsonl and the trackers."""
+        if fields:
+            self.metrics.log_dict({"epoch": self.state.epoch, **fields}, self.state.step)
 
     # -- checkpoints and output -------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """Trained weights + optimizer/scheduler/RNG state + loop position, written atomically."""
         self.metrics.flush()  # every step up to the checkpoint is logged; a resume redoes the ones after
         saved = {**self.state.saved(), "samples_seen": self.data.samples_seen(self.sampler, self.state,
-                                                                              self.accelerator.num_processes)}
+                                                                              self.accelerator.num_processes),
+                 EVAL_STATE: self.evaluation.state_dict()}
         record = resume_check.record(self.cfg, self.family.model_path, self.samples, saved)
         with evaluation_weights(self.raw_optimizer):  # schedule-free: the weights worth keeping
             path = ckpt.write_checkpoint(self.output_dir, self.state.step,
@@ -511,7 +543,8 @@ class Trainer:
                                          self.is_main, barrier=self.accelerator.wait_for_everyone)
         self.accelerator.wait_for_everyone()
         if self.is_main:
-            self.folder.checkpointed(self.state.step, self.cfg.checkpoints_total_limit)
+            self.folder.checkpointed(self.state.step, self.cfg.checkpoints_total_limit,
+                                     keep=self.evaluation.protected(self.output_dir))
         return path
 
     def finish(self) -> Path:
@@ -529,7 +562,9 @@ class Trainer:
                           {"datasets": self.data.summary(self.sampler, self.state, self.accelerator.num_processes),
                            "wall_seconds": {k: round(v, 2) for k, v in self.wall.items() if v is not None},
                            "first_step_s": self.first_step_s, "compiled": self.compiled,
-                           "attention_backend": self.attention.name},
+                           "attention_backend": self.attention.name,
+                           **({"evaluation": e} if (e := self.evaluation.summary(self.output_dir, self.train_seconds))
+                              else {})},
                           steps=self.state.step, final_loss=self.state.last_loss)
         self.accelerator.end_training()
         return final

@@ -59,9 +59,16 @@ def plot_losses(records: List[Dict[str, Any]], path: Path, size: Tuple[float, fl
         for key, (steps, values) in series.items():
             axes.plot(steps, smoothed(values), linewidth=1.5, linestyle="--" if key == "loss/regularization" else "-",
                       label=f"{key} (smoothed)")
+    held_out = [(r["step"], r["eval_loss"]) for r in records
+                if isinstance(r.get("eval_loss"), (int, float)) and math.isfinite(r["eval_loss"])]
+    if held_out:  # the held-out loss (trainer/evaluation.py), its lowest point marked
+        axes.plot(*zip(*held_out), color="#dc2626", marker="o", markersize=3, linewidth=1.5, label="held-out loss")
+        best = min(held_out, key=lambda p: p[1])
+        axes.plot(*best, marker="*", markersize=12, color="#dc2626", linestyle="none",
+                  label=f"best held-out (step {best[0]})")
     axes.set_xlabel("step")
     axes.set_ylabel("loss")
-    axes.set_title("training loss")
+    axes.set_title("training and held-out loss" if held_out else "training loss")
     axes.grid(True, alpha=0.3)
     if axes.lines:
         axes.legend(loc="best", fontsize="small")
@@ -78,7 +85,7 @@ def write_summary(folder: RunFolder, cfg: TrainConfig, seconds: float, memory: D
     may have been cleaned up or rotated meanwhile), time (and ``timing``: start-up phases, first step,
     compile and attention choices, the datasets and what the run drew of each), the smoothed final
     loss of the logged curve, peak memory, output paths."""
-    losses = [r["loss"] for r in read_metrics(folder.metrics)]
+    losses = [r["loss"] for r in read_metrics(folder.metrics) if "loss" in r]  # (evaluation lines have none)
     summary = {
         "config_sha256": hashlib.sha256(config_to_yaml(cfg).encode()).hexdigest(),
         "family": cfg.family,

@@ -26,7 +26,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from loguru import logger
 
@@ -140,9 +140,10 @@ class RunFolder:
             except OSError as exc:
                 logger.warning(f"{self.status_file} not updated: {exc}")
 
-    def checkpointed(self, step: int, limit: Optional[int]) -> None:
-        """After checkpoint-``step`` is saved (main process): prune old ones, update the status."""
-        ckpt.prune_checkpoints(self.path, limit)
+    def checkpointed(self, step: int, limit: Optional[int], keep: Sequence[int] = ()) -> None:
+        """After checkpoint-``step`` is saved (main process): prune old ones (not the steps in ``keep``:
+        the best held-out loss), update the status."""
+        ckpt.prune_checkpoints(self.path, limit, keep)
         self.write_status("running", step, f"saved checkpoint-{step}")
 
     def raise_if_disk_full(self, exc: BaseException) -> None:

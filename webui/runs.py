@@ -5,7 +5,8 @@ and tolerates their absence, since older run folders lack the newer ones:
 
     run.lock           {"host", "pid", "started"} while a run owns the folder
     run_status.json    {"state": running|finished|failed|stopped, "step", "max_steps", "message", "time"}
-    metrics.jsonl      {"step", "loss", "lr", "time", "loss/<dataset>", ...} per line; the last may be torn
+    metrics.jsonl      {"step", "loss", "lr", "time", "loss/<dataset>", ...} per line; the last may be torn;
+                       evaluation lines carry "eval_loss" (and "eval_loss/sigma_<level>") instead of "loss"
     summary.json       at the end (``trainer/reporting.py``)
     webui_launch.json  written by this page for the runs it starts or queues (``webui/runner.py``):
                        {"entry", "overrides", "created", "max_steps", "plan", "queued", "queued_at",
@@ -244,15 +245,22 @@ def _prompt_of(stem: str, prompts: List[str]) -> Optional[str]:
     return prompts[int(index)] if index.isdigit() and int(index) < len(prompts) else None
 
 
-def checkpoints(folder: Path) -> List[Dict[str, Any]]:
-    """Complete checkpoints, oldest first: name, step, size and the weight files inside."""
+def checkpoints(folder: Path, records: List[Dict[str, Any]] = ()) -> List[Dict[str, Any]]:
+    """Complete checkpoints, oldest first: name, step, size, the weight files inside, the held-out
+    loss logged at its step (``eval_loss``) and whether it is the best of them (``best``)."""
+    held_out = {r["step"]: r["eval_loss"] for r in records if isinstance(r.get("eval_loss"), (int, float))}
     out = []
     for path in list_checkpoints(folder):
         files = [p for p in path.rglob("*") if p.is_file()]
-        out.append({"name": path.name, "step": int(path.name.split("-", 1)[1]),
+        step = int(path.name.split("-", 1)[1])
+        out.append({"name": path.name, "step": step,
                     "bytes": sum(p.stat().st_size for p in files),
                     "weights": sorted(p.relative_to(folder).as_posix() for p in files if p.suffix == ".safetensors"
-                                      and "optimizer" not in p.name)})
+                                      and "optimizer" not in p.name),
+                    "eval_loss": held_out.get(step), "best": False})
+    scored = [c for c in out if c["eval_loss"] is not None]
+    if scored:  # the checkpoint to keep (trainer/judge.py): the lowest held-out loss
+        min(scored, key=lambda c: c["eval_loss"])["best"] = True
     return out
 
 
@@ -346,7 +354,7 @@ def detail(folder: Path, records: List[Dict[str, Any]], child_alive: Optional[bo
     return {
         **view, "stopping": stop_pending(folder, launch) and view["state"] in ("starting", "running"),
         "metrics": records[since:], "metrics_total": len(records),
-        "samples": samples(folder, prompt_texts(cfg)), "checkpoint_files": checkpoints(folder),
+        "samples": samples(folder, prompt_texts(cfg)), "checkpoint_files": checkpoints(folder, records),
         "log": log_tail(folder / LOG_NAME), "launcher_log": log_tail(folder / CHILD_LOG),
         "config": cfg, "queued_at": launch.get("queued_at") if view["state"] == "queued" else None,
         "plan": launch.get("plan"), "entry": launch.get("entry"),

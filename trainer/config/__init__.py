@@ -14,13 +14,13 @@ from trainer.config.checks import (OPTIMIZER_KEYS, PRODIGY_LR_RANGE, config_prob
 from trainer.config.loading import MAX_CONFIG_BYTES, config_to_yaml, flymyai_compat, load_config
 from trainer.config.schema import (BUCKET_MODES, DESIGN_NOTE_KEYS, FLYMYAI_KEYS, FOLDER_KEYS, QUANTO_WEIGHTS,
                                    REGULARIZATION, ROLES, TORCHAO_WEIGHTS, WEIGHT_FORMATS, CudaFeatures, DataConfig,
-                                   DatasetEntry, FlyMyAIKeys, FolderKeys, QuantizationConfig, Section, TrainConfig,
+                                   DatasetEntry, EVAL_ROLE, EvaluationConfig, FlyMyAIKeys, FolderKeys, QuantizationConfig, Section, TrainConfig,
                                    ValidationConfig, ValidationPrompt, choice_problems, dataset_name, one_of)
 
 __all__ = [
     "BUCKET_MODES", "DESIGN_NOTE_KEYS", "FLYMYAI_KEYS", "FOLDER_KEYS", "MAX_CONFIG_BYTES", "OPTIMIZER_KEYS",
     "PRODIGY_LR_RANGE", "QUANTO_WEIGHTS", "REGULARIZATION", "ROLES", "TORCHAO_WEIGHTS", "WEIGHT_FORMATS",
-    "ConfigError", "CudaFeatures", "DataConfig", "DatasetEntry", "FlyMyAIKeys", "FolderKeys", "QuantizationConfig",
+    "ConfigError", "CudaFeatures", "DataConfig", "DatasetEntry", "EVAL_ROLE", "EvaluationConfig", "FlyMyAIKeys", "FolderKeys", "QuantizationConfig",
     "Section", "TrainConfig", "ValidationConfig", "ValidationPrompt", "choice_problems", "config_problems",
     "config_to_yaml", "dataset_entries", "dataset_name", "flymyai_compat", "load_config", "one_of",
     "optimizer_warnings", "same_folder_warnings",

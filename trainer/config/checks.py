@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from utils.folders import system_folder
 from trainer.families import SPECS
 from trainer.optimizer_specs import OPTIMIZERS
-from trainer.config.schema import (FOLDER_KEYS, DatasetEntry, FolderKeys, Section, TrainConfig, choice_problems,
-                                   dataset_name, failing)
+from trainer.config.schema import (EVAL_ROLE, FOLDER_KEYS, DatasetEntry, EvaluationConfig, FolderKeys, Section,
+                                   TrainConfig, choice_problems, dataset_name, failing)
 
 
 # --------------------------------------------------------------------------- checks
@@ -31,7 +31,7 @@ def config_problems(cfg: TrainConfig) -> List[str]:
         if isinstance(section, Section):
             problems += section.problems(f"{f.name}.")
     for concern in (_model_problems, _data_problems, _schedule_problems, _optimizer_problems, _lora_problems,
-                    _memory_problems, _platform_problems, _output_problems):
+                    _memory_problems, _platform_problems, _output_problems, _evaluation_problems):
         problems += concern(cfg)
     named = {key for key, _ in nonfinite}
     return [message for _, message in nonfinite] + [p for p in problems if _named_key(p) not in named]
@@ -230,6 +230,21 @@ def _lora_problems(cfg: TrainConfig) -> List[str]:
         (cfg.ema_decay is None or 0 < cfg.ema_decay < 1,
          f"key 'ema_decay': value {cfg.ema_decay} must be in (0, 1) (or null: off)"),
     )
+
+
+def _evaluation_problems(cfg: TrainConfig) -> List[str]:
+    """The evaluation section against the datasets: its keys need held-out images."""
+    e, default = cfg.evaluation, EvaluationConfig()
+    held_out = e.holdout > 0 or any(entry.role == EVAL_ROLE for entry in cfg.datasets)
+    asked = [key for key in ("every_n_steps", "timesteps", "stop_when_overfitting")
+             if getattr(e, key) != getattr(default, key)]
+    scored = [key for key in ("dino_model", "clip_model") if getattr(e, key)]
+    return failing((held_out or not asked, f"key 'evaluation.{asked[0] if asked else ''}': there are no held-out "
+                    "images to evaluate on; set evaluation.holdout: N (images drawn from the training data) or add "
+                    "a datasets entry with role: eval"),
+                   (not scored or cfg.validation.every_n_steps > 0,
+                    f"key 'evaluation.{scored[0] if scored else ''}': image metrics score the validation samples; "
+                    "set validation.every_n_steps (and validation.prompts)"))
 
 
 def _memory_problems(cfg: TrainConfig) -> List[str]:

@@ -73,7 +73,8 @@ class Section:
 
 
 BUCKET_MODES = ("longest_side", "area")
-ROLES = ("train", "regularization")
+EVAL_ROLE = "eval"  # a held-out dataset: evaluated, never trained on (trainer/evaluation.py)
+ROLES = ("train", "regularization", EVAL_ROLE)
 # The loss key of the regularisation datasets (``loss/regularization``): no dataset may take it as its name.
 REGULARIZATION = "regularization"
 
@@ -158,8 +159,8 @@ class DatasetEntry(FolderKeys):
 
     name: Optional[str] = None  # default: the folder's name (made unique with the entry's index)
     repeats: int = 1  # each image is seen this many times per epoch
-    role: str = one_of("train", ROLES, "train, or regularization (prior preservation, weighted by "
-                       "regularization_weight)")
+    role: str = one_of("train", ROLES, "train, regularization (prior preservation, weighted by "
+                       "regularization_weight), or eval (held-out images, never trained on: the evaluation section)")
 
     def problems(self, prefix: str) -> List[str]:
         return super().problems(prefix) + failing(
@@ -230,6 +231,37 @@ class ValidationConfig(Section):
               for ref in self.reference_images],
         ) + [problem for i, p in enumerate(self.prompts) if isinstance(p, ValidationPrompt)
              for problem in p.problems(f"{prefix}prompts[{i}].")]
+
+
+@dataclass
+class EvaluationConfig(Section):
+    """The held-out loss: images never trained on (``holdout`` drawn from the train datasets, or
+    datasets with ``role: eval``), measured at fixed noise levels with fixed noise, so every
+    evaluation of the same weights gives the same number (trainer/evaluation.py)."""
+
+    holdout: int = 0  # images drawn (seeded) from the train datasets and never trained on
+    every_n_steps: Optional[int] = None  # null: with each checkpoint (and at the last step)
+    timesteps: Optional[List[float]] = None  # noise levels in (0, 1); null: 5 spread over the run's schedule
+    seed: int = 0  # the held-out draw and the fixed noise
+    patience: int = 3  # evaluations without a new best (while the training loss falls) before over-fitting is said
+    stop_when_overfitting: bool = False  # stop the run (after saving) when over-fitting is detected
+    keep_best: bool = True  # the best checkpoint is never pruned by checkpoints_total_limit
+    dino_model: Optional[str] = None  # a DINOv2 folder: similarity of validation samples to the training images
+    clip_model: Optional[str] = None  # a CLIP folder: prompt alignment of validation samples
+
+    def problems(self, prefix: str) -> List[str]:
+        return super().problems(prefix) + failing(
+            (self.holdout >= 0, f"key '{prefix}holdout': value {self.holdout} must be >= 0"),
+            (self.every_n_steps is None or self.every_n_steps >= 1,
+             f"key '{prefix}every_n_steps': value {self.every_n_steps} must be >= 1 (or null: with each checkpoint)"),
+            (self.timesteps is None or len(self.timesteps) > 0, f"key '{prefix}timesteps': the list is empty"),
+            *[(0 < t < 1, f"key '{prefix}timesteps': value {t} must be in (0, 1) (a noise level sigma)")
+              for t in self.timesteps or []],
+            (self.patience >= 1, f"key '{prefix}patience': value {self.patience} must be >= 1"),
+            *[(value is None or Path(value).is_dir(),
+               f"key '{prefix}{key}': folder '{value}' does not exist (a local transformers model folder)")
+              for key, value in (("dino_model", self.dino_model), ("clip_model", self.clip_model))],
+        )
 
 
 @dataclass
@@ -369,6 +401,8 @@ class TrainConfig:
 
     # Sample images during training (FlyMyAI's disable_sampling + sample_* keys are translated into it)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    # Held-out loss, over-fitting detection and the best checkpoint (trainer/evaluation.py)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
     # Platform layer (CUDA features, unified memory, loading)
     cuda_features: CudaFeatures = field(default_factory=CudaFeatures)

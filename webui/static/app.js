@@ -269,6 +269,8 @@ function drawPlots() {
   if (keys.length > 1) {  // one dataset's loss is the loss itself: drawn once
     for (const key of keys) loss[key.slice(5)] = metrics.filter(m => typeof m[key] === "number").map(m => [m.step, m[key]]);
   }
+  const heldOut = metrics.filter(m => typeof m.eval_loss === "number").map(m => [m.step, m.eval_loss]);
+  if (heldOut.length) loss["held-out"] = heldOut;  // the evaluation section's loss (trainer/evaluation.py)
   plotLines($("#loss-plot"), loss);
   plotLines($("#lr-plot"), {lr: metrics.filter(m => typeof m.lr === "number").map(m => [m.step, m.lr])});
 }
@@ -337,7 +339,10 @@ function drawCheckpoints(r) {
     const links = el("td");
     for (const w of c.weights) { links.appendChild(el("a", {href: fileUrl(r.id, w), class: "weights"}, w.split("/").pop())); links.appendChild(document.createTextNode(" · ")); }
     links.appendChild(el("a", {href: `/api/runs/${enc(r.id)}/checkpoints/${enc(c.name)}.zip`, class: "zip"}, "whole folder (.zip)"));
-    for (const cell of [el("td", {}, c.name), el("td", {}, c.step), el("td", {}, bytes(c.bytes)), links]) row.appendChild(cell);
+    const name = el("td", {}, c.name);
+    if (c.eval_loss != null) name.appendChild(el("span", {class: "held-out"}, ` held-out ${fmt(c.eval_loss)}`));
+    if (c.best) { row.classList.add("best"); name.appendChild(el("strong", {class: "best-mark", title: "lowest held-out loss: the checkpoint to keep"}, " ★ best")); }
+    for (const cell of [name, el("td", {}, c.step), el("td", {}, bytes(c.bytes)), links]) row.appendChild(cell);
     return row;
   }));
 }
