@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+from safetensors.torch import load_file, save_file
 from loguru import logger
 
 from trainer import disk_full
@@ -192,6 +193,25 @@ def prune_checkpoints(output_dir: Path, limit: Optional[int], keep: Sequence[int
         if any(p.name == f"checkpoint-{step}" for p in found[: max(0, len(found) - max(limit, 1))]):
             logger.info(f"kept checkpoint-{step}: the best held-out loss so far (evaluation.keep_best)")
     return doomed
+
+
+EMA_NAME = "ema_weights.safetensors"
+
+
+def save_ema(ema: Any, folder: Path) -> None:
+    """The EMA's shadow weights and its step (the decay warms up with it) into ``folder``."""
+    save_file({**{f"{i}": t.contiguous() for i, t in enumerate(ema.shadow_params)},
+               "optimization_step": torch.tensor(ema.optimization_step)}, str(folder / EMA_NAME))
+
+
+def load_ema(ema: Any, folder: Path) -> None:
+    """Restore what ``save_ema`` wrote (a checkpoint without it leaves the EMA as it is)."""
+    if not (folder / EMA_NAME).is_file():
+        return
+    shadow = load_file(str(folder / EMA_NAME))
+    for i, param in enumerate(ema.shadow_params):
+        param.data.copy_(shadow[str(i)])
+    ema.optimization_step = int(shadow.get("optimization_step", ema.optimization_step))
 
 
 def load_sharded_state_dict(folder: Path) -> Dict[str, torch.Tensor]:

@@ -152,6 +152,17 @@ class LostProcess:
     line: str
     ranks: List[int]  # the ranks found dead or stopped (empty when none could be told)
 
+    def message(self, step: int, latest: Optional[Path]) -> str:
+        """The one line a survivor ends with: who, at which step, and how to go on."""
+        return f"{self.line} at step {step}; " + (
+            f"the last checkpoint is {latest}: resume with resume_from_checkpoint=latest" if latest else
+            "there is no checkpoint yet: run the same command again") + " once every process can run"
+
+    def records_status(self, rank: int, processes: int) -> bool:
+        """Whether ``rank`` writes run_status.json: the first survivor, when the main process is lost."""
+        survivors = [r for r in range(processes) if r not in self.ranks]
+        return 0 in self.ranks and bool(survivors) and survivors[0] == rank
+
 
 def collective_failure(exc: BaseException) -> Optional[BaseException]:
     """The failed collective in ``exc`` or the errors it was raised while handling (a launcher's

@@ -25,7 +25,6 @@ from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, In
                               ProjectConfiguration, set_seed)
 from diffusers.training_utils import EMAModel
 from loguru import logger
-from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -42,7 +41,7 @@ from trainer.image_metrics import ImageMetrics
 from utils.errors import ProcessLost, TrainingDiverged, TrainingInterrupted, from_loader_worker
 from trainer.families import load_family
 from trainer.families.base import ModelFamily
-from trainer.features import FeatureStore, latent_shape
+from trainer.features import FeatureStore
 from trainer.model_setup import prepare_transformer, transformer_load_device
 from trainer.optim import build_lr_scheduler, build_optimizer, evaluation_weights, step_size, training_weights
 from trainer.platform import RunPolicy, configure_device, prepare_environment
@@ -50,17 +49,16 @@ from trainer.precision import choose_mixed_precision
 from trainer.position import RunState, micro_batches
 from trainer.quantization import check_available, quantization_spec
 from trainer.memory_check import warn_if_it_does_not_fit
-from trainer.reporting import log_wall_time, plot_histogram, plot_losses, process_age_s, write_summary
+from trainer.reporting import (log_train_time, log_wall_time, plot_losses, plot_timestep_density, process_age_s,
+                               write_summary)
 from trainer.run_dir import METRICS_NAME, RunFolder
 from trainer.metric_logging import JsonlLogger, MetricLoggers, TrackerLogger, read_metrics
 from trainer.signals import GracefulStop
 from trainer.tracking import available_trackers, setup_logging
-from trainer.training_step import draw_sigmas, flow_matching_step, seed_global_rngs, step_seed
+from trainer.training_step import flow_matching_step, seed_global_rngs, step_seed
 from trainer.validation import ValidationRenderer, log_images
 from utils.attention import AttentionChoice, sdpa_context
 from utils.memory_monitor import MemoryMonitor
-
-EMA_NAME = "ema_weights.safetensors"
 
 
 class Trainer:
@@ -74,8 +72,7 @@ class Trainer:
         self.stop = GracefulStop()
         self.wall: Dict[str, Optional[float]] = {}  # seconds per phase of the run (start-up included)
         self.first_step_s: Optional[float] = None  # includes compiling the blocks when compiled
-        self.last_step_at = 0.0
-        self.postfix_at = 0.0  # when the progress bar's loss and lr were last set
+        self.last_step_at = self.postfix_at = 0.0  # the last step's end; the bar's last loss and lr
         self.train_seconds = 0.0
         # setup
         self.resume_from: Optional[Path] = None
@@ -144,22 +141,17 @@ class Trainer:
 
     def _raise_if_a_process_was_lost(self, exc: Exception) -> None:
         """Several processes: a collective failed because another process died or stalled. Each
-        surviving process says which rank, in one line; when the main process is the one lost, a
-        survivor records it in run_status.json. The launcher's SIGTERM to the survivors (torchrun
-        stops them all once one fails) is ignored from here on, so the line is not cut short."""
+        survivor says which rank in one line (recorded by a survivor when the main process is the one
+        lost); the launcher's SIGTERM (torchrun stops them all) is ignored so the line is not cut short."""
         several = self.accelerator is not None and self.accelerator.num_processes > 1
         failure = distributed.collective_failure(exc) if several else None
         if failure is None:
             return
         self.stop.ignore_from_now()
-        lost = distributed.lost_process(failure, self.processes, self.accelerator.process_index,
-                                        self.cfg.ddp_timeout)
-        latest = ckpt.latest_checkpoint(self.output_dir)
-        message = f"{lost.line} at step {self.state.step}; " + (
-            f"the last checkpoint is {latest}: resume with resume_from_checkpoint=latest" if latest else
-            "there is no checkpoint yet: run the same command again") + " once every process can run"
-        survivors = [r for r in range(len(self.processes)) if r not in lost.ranks]
-        if 0 in lost.ranks and survivors[0] == self.accelerator.process_index:
+        acc = self.accelerator
+        lost = distributed.lost_process(failure, self.processes, acc.process_index, self.cfg.ddp_timeout)
+        message = lost.message(self.state.step, ckpt.latest_checkpoint(self.output_dir))
+        if lost.records_status(acc.process_index, len(self.processes)):
             self.folder.write_status("failed", self.state.step, message)  # the main process cannot any more
         raise ProcessLost(message) from None
 
@@ -216,9 +208,8 @@ class Trainer:
         self.validation = ValidationRenderer(cfg, self.family, self.output_dir, [s.caption for s in self.samples],
                                              self.data.trigger_word())
         if self.is_main:
-            self._plot_timestep_density()
-            if self.validation.enabled:
-                self.image_metrics = ImageMetrics.from_config(cfg, [s.image_path for s in self.samples])
+            plot_timestep_density(cfg, self.family, [s.size for s in self.samples], self.output_dir)
+            self.image_metrics = ImageMetrics.from_config(cfg, [s.image_path for s in self.samples])  # None: off
         groups = sorted({(s.size, s.reference_sizes) for s in self.samples})
         logger.info(f"sizes (target, references) {groups}")
         self.features = FeatureStore(cfg, self.family, self.samples + self.evaluation.samples, self.accelerator,
@@ -240,14 +231,6 @@ class Trainer:
             dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=d.num_workers,
             pin_memory=self.policy.pin_memory, persistent_workers=d.num_workers > 0)
         self.dataloader = self.accelerator.prepare_data_loader(loader, device_placement=False)  # shards batches
-
-    def _plot_timestep_density(self) -> None:
-        """What the configured sampler and shift draw, at the most common training size."""
-        cfg, size = self.cfg, max({s.size for s in self.samples}, key=[s.size for s in self.samples].count)
-        gen = torch.Generator().manual_seed(0)
-        sigmas = draw_sigmas(cfg, self.family, latent_shape(self.family, size, 20_000), gen)
-        plot_histogram(sigmas.tolist(), self.output_dir / "timestep_density.png",
-                       f"{cfg.timestep_sampling} + shift {cfg.timestep_shift} at {size[0]}x{size[1]}")
 
     # -- model ------------------------------------------------------------------------------------
     def setup_model(self) -> None:
@@ -300,19 +283,14 @@ class Trainer:
         if self.is_main:
             self.weights.save(model, Path(output_dir), trained)
             if self.ema is not None:
-                save_file({**{f"{i}": t.contiguous() for i, t in enumerate(self.ema.shadow_params)},  # + its step:
-                           "optimization_step": torch.tensor(self.ema.optimization_step)},  # the decay warms up
-                          str(Path(output_dir) / EMA_NAME))
+                ckpt.save_ema(self.ema, Path(output_dir))
         weights.clear()
 
     def _load_model_hook(self, models: List[torch.nn.Module], input_dir: str) -> None:
         if not distributed.sharded(self.accelerator):  # FSDP / DeepSpeed: accelerate has restored it
             self.weights.load(self.accelerator.unwrap_model(self.transformer), Path(input_dir))
-        if self.ema is not None and (Path(input_dir) / EMA_NAME).is_file():
-            shadow = load_file(str(Path(input_dir) / EMA_NAME))
-            for i, param in enumerate(self.ema.shadow_params):
-                param.data.copy_(shadow[str(i)])
-            self.ema.optimization_step = int(shadow.get("optimization_step", self.ema.optimization_step))
+        if self.ema is not None:
+            ckpt.load_ema(self.ema, Path(input_dir))
         models.clear()
 
     def _resume(self, path: Path) -> None:
@@ -338,14 +316,8 @@ class Trainer:
             self._loop(progress)
             self._account(self.readout.flush(), progress)
         progress.close()
-        steps = state.step - first_step
-        self.train_seconds = elapsed = time.perf_counter() - start
-        if steps:
-            logger.info(f"trained {steps} steps in {elapsed:.1f} s ({elapsed / steps:.3f} s/step)")
-        if steps > 1 and self.first_step_s is not None:
-            later = (elapsed - self.first_step_s) / (steps - 1)
-            logger.info(f"first step {self.first_step_s:.1f} s"
-                        + (" (compiling the blocks)" if self.compiled else "") + f", then {later:.3f} s/step")
+        self.train_seconds = time.perf_counter() - start
+        log_train_time(state.step - first_step, self.train_seconds, self.first_step_s, self.compiled)
 
     def _loop(self, progress: tqdm) -> None:
         cfg, acc, state = self.cfg, self.accelerator, self.state
@@ -506,17 +478,14 @@ class Trainer:
     def _validate(self) -> None:
         """Render the validation prompts with the current weights (main process; the others wait)."""
         with evaluation_weights(self.raw_optimizer):
-            self._render_validation()
-
-    def _render_validation(self) -> None:
-        if self.is_main:
-            conds = self.features.conditions(self.validation.text_requests())
-            paths = self.validation.render(self.accelerator.unwrap_model(self.transformer), self.state.step,
-                                           conds, self.weight_dtype, self.accelerator.autocast)
-            log_images(self.accelerator.trackers, paths, self.state.step)
-            if self.image_metrics is not None:  # DINOv2 / CLIP scores of the samples (evaluation section)
-                self._log_fields(self.image_metrics.score(paths, self.validation.prompts))
-        self.accelerator.wait_for_everyone()
+            if self.is_main:
+                conds = self.features.conditions(self.validation.text_requests())
+                paths = self.validation.render(self.accelerator.unwrap_model(self.transformer), self.state.step,
+                                               conds, self.weight_dtype, self.accelerator.autocast)
+                log_images(self.accelerator.trackers, paths, self.state.step)
+                if self.image_metrics is not None:  # DINOv2 / CLIP scores of the samples (evaluation section)
+                    self._log_fields(self.image_metrics.score(paths, self.validation.prompts))
+            self.accelerator.wait_for_everyone()
 
     def _evaluate(self) -> None:
         """The held-out loss of the current weights, every process its share; logged by the main one."""
@@ -524,8 +493,7 @@ class Trainer:
                                                  self.raw_optimizer, self.weight_dtype, self.swapper.release_all))
 
     def _log_fields(self, fields: Dict[str, float]) -> None:
-        """Numbers of this step that are not the step's own (evaluations, image metrics): a record of
-        their own for metrics.jsonl and the trackers."""
+        """Numbers beside the step's own (evaluations, image metrics): a record of their own."""
         if fields:
             self.metrics.log_dict({"epoch": self.state.epoch, **fields}, self.state.step)
 

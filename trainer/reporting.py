@@ -120,6 +120,29 @@ def plot_histogram(values: List[float], path: Path, title: str, bins: int = 50, 
     return path
 
 
+def plot_timestep_density(cfg: TrainConfig, family: Any, sizes: List[Tuple[int, int]], output_dir: Path) -> Path:
+    """``timestep_density.png``: what the configured sampler and shift draw, at the most common size."""
+    import torch
+
+    from trainer.features import latent_shape
+    from trainer.training_step import draw_sigmas
+
+    size = max(set(sizes), key=sizes.count)
+    sigmas = draw_sigmas(cfg, family, latent_shape(family, size, 20_000), torch.Generator().manual_seed(0))
+    return plot_histogram(sigmas.tolist(), output_dir / "timestep_density.png",
+                          f"{cfg.timestep_sampling} + shift {cfg.timestep_shift} at {size[0]}x{size[1]}")
+
+
+def log_train_time(steps: int, seconds: float, first_step_s: Optional[float], compiled: bool) -> None:
+    """The loop's time per step, and the first step's apart (compilation, warm-up) when there are more."""
+    if steps:
+        logger.info(f"trained {steps} steps in {seconds:.1f} s ({seconds / steps:.3f} s/step)")
+    if steps > 1 and first_step_s is not None:
+        later = (seconds - first_step_s) / (steps - 1)
+        logger.info(f"first step {first_step_s:.1f} s" + (" (compiling the blocks)" if compiled else "")
+                    + f", then {later:.3f} s/step")
+
+
 def log_wall_time(wall: Dict[str, Optional[float]]) -> None:
     """Where the run's seconds went, start-up included (imports, set-up, cache pass, loading)."""
     shown = ", ".join(f"{name} {secs:.1f} s" for name, secs in wall.items() if secs is not None)
