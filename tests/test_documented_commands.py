@@ -140,7 +140,8 @@ def header_commands(profile: Path) -> List[List[str]]:
 
 
 def _entry_family(script: str) -> str:
-    return re.search(r'default_family="(\w+)"', (ROOT / script).read_text()).group(1)
+    """The family an entry script trains: its ``FAMILY = "..."`` line (webui/runner.py reads the same)."""
+    return re.search(r'^FAMILY = "(\w+)"', (ROOT / script).read_text(), re.MULTILINE).group(1)
 
 
 def all_blocks() -> List[Block]:
