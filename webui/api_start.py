@@ -76,7 +76,8 @@ def _plan_key(body: StartRequest, overrides: List[str]) -> str:
 
 def checked(request: Request, body: StartRequest) -> Tuple[runner.Entry, List[str], TrainConfig]:
     """The entry, overrides and config of a start request, after the page's rules and the CLI's
-    config check (422 with their message otherwise)."""
+    config check (422 with their message otherwise); the config's ``output_dir`` is the one given,
+    which names the run."""
     if body.name:
         try:
             check_name(body.name)
@@ -90,12 +91,16 @@ def checked(request: Request, body: StartRequest) -> Tuple[runner.Entry, List[st
     try:
         rules.refuse_interpolation(body.config, overrides)
         entry = runner.entry_named(body.entry)
-        cfg = runner.check_config(body.config, entry, overrides)
-        written = dataclasses.replace(cfg, output_dir=str(state.runs_dir / (body.name or "new-run")))
-        rules.check_written_paths(written, runner.ROOT, state.write_roots)
+        rules.check_written_paths({"cache_dir": rules.given(body.config, overrides, "cache_dir")}, runner.ROOT,
+                                  state.write_roots)
+        # The run writes into its own folder under the runs folder whatever output_dir says (that names
+        # it): the CLI's check is of the config as it will run.
+        run_folder = state.runs_dir / (body.name or "new-run")
+        cfg = runner.check_config(body.config, entry, [*overrides, *rules.forced_overrides(run_folder)])
     except ConfigError as exc:
         raise config_error(exc) from None
-    return entry, overrides, cfg
+    named = rules.given(body.config, overrides, "output_dir") or TrainConfig.__dataclass_fields__["output_dir"].default
+    return entry, overrides, dataclasses.replace(cfg, output_dir=named)
 
 
 def check_relaunch(request: Request, folder: Path, text: str, entry_name: str, overrides: List[str]) -> TrainConfig:
@@ -104,7 +109,8 @@ def check_relaunch(request: Request, folder: Path, text: str, entry_name: str, o
         rules.refuse_interpolation(text, overrides)
         entry = runner.entry_named(entry_name)
         cfg = runner.check_config(text, entry, [*overrides, *rules.forced_overrides(folder)])
-        rules.check_written_paths(cfg, runner.ROOT, page(request).write_roots)
+        rules.check_written_paths({"output_dir": cfg.output_dir, "cache_dir": cfg.cache_dir}, runner.ROOT,
+                                  page(request).write_roots)
     except ConfigError as exc:
         raise config_error(exc) from None
     return cfg

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 
-from trainer.config import TrainConfig
 from utils.errors import ConfigError
 
 INTERPOLATION = "${"
@@ -87,11 +86,24 @@ def _under(path: Path, roots: Sequence[Path]) -> bool:
     return any(resolved.is_relative_to(root.resolve()) for root in roots)
 
 
-def check_written_paths(cfg: TrainConfig, project_root: Path, roots: Sequence[Path]) -> None:
-    """``ConfigError`` when a folder the run writes is outside ``roots`` (the runs folder and the
-    cache root); relative paths are read from ``project_root``, where the runs start."""
+def given(text: str, overrides: Sequence[str], key: str) -> Optional[str]:
+    """A top-level key's value as the YAML text and the overrides give it, before any check (None when
+    neither does, or when the YAML does not parse: the CLI's check names that)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(text or "{}"), OmegaConf.from_dotlist(list(overrides)))
+        value = OmegaConf.to_container(merged, resolve=False).get(key)
+    except Exception:  # not YAML, or not a mapping
+        return None
+    return None if value is None else str(value)
+
+
+def check_written_paths(paths: Dict[str, Optional[str]], project_root: Path, roots: Sequence[Path]) -> None:
+    """``ConfigError`` when a folder the run writes (``output_dir``, ``cache_dir``) is outside ``roots``
+    (the runs folder and the cache root); relative paths are read from ``project_root``, where the
+    runs start. Checked before the CLI's own checks, so that its answer says where the page's runs
+    may write (a system folder is outside too)."""
     problems = []
-    for key, value in (("output_dir", cfg.output_dir), ("cache_dir", cfg.cache_dir)):
+    for key, value in paths.items():
         if value is None:
             continue
         path = Path(value) if Path(value).is_absolute() else project_root / value
