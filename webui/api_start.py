@@ -91,15 +91,15 @@ def checked(request: Request, body: StartRequest) -> Tuple[runner.Entry, List[st
     try:
         rules.refuse_interpolation(body.config, overrides)
         entry = runner.entry_named(body.entry)
-        rules.check_written_paths({"cache_dir": rules.given(body.config, overrides, "cache_dir")}, runner.ROOT,
-                                  state.write_roots)
+        given = rules.given(body.config, overrides, "output_dir", "cache_dir")
+        rules.check_written_paths({"cache_dir": given["cache_dir"]}, runner.ROOT, state.write_roots)
         # The run writes into its own folder under the runs folder whatever output_dir says (that names
         # it): the CLI's check is of the config as it will run.
         run_folder = state.runs_dir / (body.name or "new-run")
         cfg = runner.check_config(body.config, entry, [*overrides, *rules.forced_overrides(run_folder)])
     except ConfigError as exc:
         raise config_error(exc) from None
-    named = rules.given(body.config, overrides, "output_dir") or TrainConfig.__dataclass_fields__["output_dir"].default
+    named = given["output_dir"] or TrainConfig.__dataclass_fields__["output_dir"].default
     return entry, overrides, dataclasses.replace(cfg, output_dir=named)
 
 

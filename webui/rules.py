@@ -86,15 +86,16 @@ def _under(path: Path, roots: Sequence[Path]) -> bool:
     return any(resolved.is_relative_to(root.resolve()) for root in roots)
 
 
-def given(text: str, overrides: Sequence[str], key: str) -> Optional[str]:
-    """A top-level key's value as the YAML text and the overrides give it, before any check (None when
+def given(text: str, overrides: Sequence[str], *keys: str) -> Dict[str, Optional[str]]:
+    """Top-level keys' values as the YAML text and the overrides give them, before any check (None when
     neither does, or when the YAML does not parse: the CLI's check names that)."""
     try:
         merged = OmegaConf.merge(OmegaConf.create(text or "{}"), OmegaConf.from_dotlist(list(overrides)))
-        value = OmegaConf.to_container(merged, resolve=False).get(key)
+        data = OmegaConf.to_container(merged, resolve=False)
     except Exception:  # not YAML, or not a mapping
-        return None
-    return None if value is None else str(value)
+        data = {}
+    data = data if isinstance(data, dict) else {}
+    return {key: None if data.get(key) is None else str(data[key]) for key in keys}
 
 
 def check_written_paths(paths: Dict[str, Optional[str]], project_root: Path, roots: Sequence[Path]) -> None:

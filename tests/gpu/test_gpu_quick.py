@@ -184,14 +184,7 @@ def test_attention_is_timed_and_the_fastest_correct_kernel_goes_first(where: Whe
 def test_flux2_lora_gradients_and_steps(where: Where) -> None:
     """FLUX.2 [klein] blocks at the real width: every LoRA tensor gets a finite non-zero gradient,
     no base weight one, and steps give finite losses."""
-    with harness.rig_session("flux2", where.device, BF16, scale=where.scale, resolution=where.resolution,
-                             overrides=["compile=false"]) as rig:
-        grads = harness.gradient_flow(rig, where.resolution)
-        steps = harness.run_steps(rig, 3, where.resolution)
-    print(grads.summary())
-    print(steps.summary())
-    assert grads.ok, grads.summary()
-    assert steps.finite, steps.losses
+    _gradients_and_steps(where, "flux2", ["compile=false"])
 
 
 @pytest.mark.timeout(90)
@@ -200,8 +193,13 @@ def test_krea2_lora_gradients_and_steps(where: Where) -> None:
     """Krea 2 blocks at the real width (GQA attention with its output gate, shared modulation, text fusion
     at the real width) with all_linear LoRA: every LoRA tensor gets a finite non-zero gradient, no base weight
     one, and steps give finite losses."""
-    with harness.rig_session("krea2", where.device, BF16, scale=where.scale, resolution=where.resolution,
-                             overrides=["compile=false", "lora_target=all_linear"]) as rig:
+    _gradients_and_steps(where, "krea2", ["compile=false", "lora_target=all_linear"])
+
+
+def _gradients_and_steps(where: Where, family: str, overrides: list) -> None:
+    """Every LoRA tensor gets a finite non-zero gradient, no base weight one; three steps are finite."""
+    with harness.rig_session(family, where.device, BF16, scale=where.scale, resolution=where.resolution,
+                             overrides=overrides) as rig:
         grads = harness.gradient_flow(rig, where.resolution)
         steps = harness.run_steps(rig, 3, where.resolution)
     print(grads.summary())
