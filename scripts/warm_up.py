@@ -17,9 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from anywhere
 
-import accelerate.commands.launch  # noqa: E402,F401  (what `accelerate launch` imports)
-import trainer.cli  # noqa: E402,F401
-import trainer.engine  # noqa: E402,F401
+import accelerate.commands.launch  # noqa: F401  (what `accelerate launch` imports)
+
+import trainer.cli
+import trainer.engine  # noqa: F401
 
 if __name__ == "__main__" and len(sys.argv) > 1:
     from utils.tiny_models.__main__ import main
