@@ -56,6 +56,11 @@ QUICK_TESTS = ("tests/gpu/test_fsdp_smoke.py::test_fsdp2_on_one_gpu_trains_resum
                "tests/gpu/test_gpu_quick.py",
                "tests/gpu/test_int8_gpu.py",  # names why, where the int8 kernel is refused (as at c7bf323)
                "tests/test_train_e2e.py::test_steps_on_cuda_make_no_synchronizing_call")
+# The families no GPU pass has seen yet: their CUDA gradient/step test at the real width, 10 LoRA steps at
+# 1024^2 and the gradient flow on the full-size model (their 24 GB profiles are stages of their own).
+# One process, no xdist: two full-size models side by side on one GPU would measure neither.
+FAMILY_TESTS = ("tests/gpu/test_gpu_quick.py", "tests/gpu/test_gpu_suite.py",
+                "-k", "(krea2 or qwen_image21) and not memory_profile")
 INT8_SCRIPT = "benchmarks/quantized_step.py"  # issue 35's side-by-side bf16 / qfloat8 / int8_w8a8 step
 
 
@@ -99,6 +104,8 @@ STAGES: Sequence[Stage] = (
     Stage("flux2_klein", 4, "FLUX.2 [klein] 4B profile: step, peak, MFU", 65, 120, 20, 120),
     # Not measured yet: the estimate is the 24 GB Qwen-Image profile's scaled to 12.8B parameters.
     Stage("krea2_24gb", 4, "Krea 2 24 GB profile (qfloat8 blocks): step, peak", 70, 140, 20, 120, needs_quanto=True),
+    Stage("families", 4, "new families' GPU tests: real-width gradients, 1024^2 steps, gradient flow", 150, 240,
+          40, 150, kind="tests"),
     Stage("int8", 5, "int8 W8A8 vs bf16 vs qfloat8 LoRA steps (quantized_step.py)", 90, 150, 30, 120,
           kind="int8"),
     Stage("attention", 5, "attention backends (Qwen-Image, FLUX.1-dev)", 25, 60, 15, 60),
@@ -214,11 +221,14 @@ def measure_command(p: Pass, name: str, *extra: str) -> List[str]:
             *(["--dry-run"] if p.dry_run else []), *extra]
 
 
-def tests_command(p: Pass, timeout: float) -> List[str]:
+def tests_command(p: Pass, stage: Stage, timeout: float) -> List[str]:
+    """pytest for a tests stage: the quick subset in xdist workers, or the new families' tests in one process."""
     cmd = [p.python, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rA", "-m", "gpu",
            f"--junitxml={p.out / JUNIT}", "-o", "junit_family=xunit1"]
     if importlib.util.find_spec("pytest_timeout") is not None:
         cmd += ["--timeout", str(int(min(110, timeout)))]
+    if stage.name == "families":
+        return cmd + list(FAMILY_TESTS)
     if importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", "2" if p.dry_run else "4", "--dist", "loadgroup"]
     return cmd + list(QUICK_TESTS)
@@ -395,7 +405,7 @@ def run_stage(p: Pass, stage: Stage) -> None:
     env = p.child_env()
     also = None
     if stage.kind == "tests":
-        cmd = tests_command(p, timeout)
+        cmd = tests_command(p, stage, timeout)
         env["GPU_PASS_QUANTO_DEADLINE"] = str(time.time() + timeout - 25)  # the two quanto tests need ~20 s
         also = open(p.out / TESTS, "a", encoding="utf-8")
     elif stage.kind == "int8":
@@ -410,7 +420,7 @@ def run_stage(p: Pass, stage: Stage) -> None:
         if also is not None:
             also.close()
     if stage.kind == "tests":
-        record_tests(p, done["status"])
+        record_tests(p, stage.name, done["status"])
     if stage.kind == "int8":
         record_int8(p, stage)
     p.record("stage", stage=stage.name, group=stage.group, title=stage.title, command=shlex.join(cmd),
@@ -419,7 +429,7 @@ def run_stage(p: Pass, stage: Stage) -> None:
     p.say(f"<- {stage.name}: {done['status']} in {done['wall_s']} s")
 
 
-def record_tests(p: Pass, status: str) -> None:
+def record_tests(p: Pass, stage_name: str, status: str) -> None:
     """One record per test: from junit.xml when pytest finished, else from its -v lines in tests.txt
     (a stage that timed out); tests never reported are recorded as not finished."""
     tests = parse_junit(p.out / JUNIT) if (p.out / JUNIT).is_file() else None
@@ -428,9 +438,9 @@ def record_tests(p: Pass, status: str) -> None:
         text = (p.out / TESTS).read_text(errors="replace") if (p.out / TESTS).is_file() else ""
         tests, source = parse_verbose(text), "tests.txt"
     for test in tests:
-        p.record("test", stage="tests", source=source, **test)
+        p.record("test", stage=stage_name, source=source, **test)
     if status != "ok" and not tests:
-        p.record("test", stage="tests", source="none", id="(the whole quick subset)", outcome="not finished",
+        p.record("test", stage=stage_name, source="none", id="(the whole subset)", outcome="not finished",
                  message=status)
 
 

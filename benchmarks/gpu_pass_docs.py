@@ -142,9 +142,11 @@ def describe(r: Record) -> str:
     return kind or ""
 
 
-def test_counts(p: Pass) -> str:
+def test_counts(p: Pass, stage: str) -> str:
     counts: Dict[str, int] = {}
     for t in p.of("test"):
+        if t.get("stage") != stage:
+            continue
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no test reported"
 
@@ -158,8 +160,8 @@ def summary(records: List[Record]) -> str:
     for st in p.stages():
         name, status = st["stage"], st.get("status", "")
         short = status.split(":")[0].split(" (what")[0]
-        if name == "tests":
-            results = [test_counts(p)]
+        if any(t.get("stage") == name for t in p.of("test")) or name == "tests":
+            results = [test_counts(p, name)]
         else:
             results = [d for d in (describe(r) for r in records if r.get("stage") == name and r.get("kind") != "stage")
                        if d]
@@ -206,7 +208,7 @@ def tests_md(p: Pass, only: Optional[Sequence[str]] = None) -> str:
         return ""
     rows = [(f"`{t['id']}`", t["outcome"] if t["outcome"] in ("passed", "skipped") else f"**{t['outcome']}**",
              fmt(t.get("duration_s"), ".1f", ""), t.get("message", "")[:160]) for t in tests]
-    return ("#### Quick tests of the CUDA-only paths (stage 1)\n\n"
+    return ("#### Tests on the GPU (stage 1: the CUDA-only paths; `families`: the new families at full size)\n\n"
             + table(("Test", "Outcome", "s", "Message"), rows) + f"\n\nDevice {p.where()}.\n")
 
 

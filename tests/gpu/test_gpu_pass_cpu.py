@@ -164,3 +164,25 @@ def test_results_survive_a_torn_last_line(tmp_path: Path) -> None:
         fh.write('{"kind": "b", "tor')
     assert [r["kind"] for r in gpu_pass.read_records(path)] == ["a"]
     assert json.loads(path.read_text().splitlines()[0].replace("NaN", "null"))["x"] is None
+
+
+def test_the_families_stage_runs_the_new_families_tests_in_one_process_and_counts_them_apart(tmp_path: Path) -> None:
+    """The ``families`` stage's pytest selects the new families' GPU tests (not the quick subset), without
+    xdist workers (two full-size models on one GPU would measure neither); the summary counts each tests
+    stage's outcomes on its own line."""
+    p = gpu_pass.Pass(tmp_path, tmp_path / "work", budget_s=60.0, dry_run=False, t0=0.0)
+    stage = {s.name: s for s in gpu_pass.STAGES}
+    families = gpu_pass.tests_command(p, stage["families"], 200)
+    quick = gpu_pass.tests_command(p, stage["tests"], 120)
+    assert families[-3:] == ["tests/gpu/test_gpu_suite.py", "-k", gpu_pass.FAMILY_TESTS[-1]] and "-n" not in families
+    assert "krea2" in families[-1] and set(gpu_pass.QUICK_TESTS) <= set(quick)
+    records = [{"kind": "pass", "event": "start", "commit": "x", "budget_s": 60},
+               {"kind": "stage", "stage": "tests", "status": "ok", "wall_s": 5},
+               {"kind": "test", "stage": "tests", "id": "a", "outcome": "passed"},
+               {"kind": "stage", "stage": "families", "status": "ok", "wall_s": 9},
+               {"kind": "test", "stage": "families", "id": "b", "outcome": "passed"},
+               {"kind": "test", "stage": "families", "id": "c", "outcome": "failed", "message": "boom"}]
+    table = gpu_pass_docs.summary(records)
+    lines = {line.split()[0]: line for line in table.splitlines()[2:] if line and not line.startswith(" ")}
+    assert lines["tests"].endswith("1 passed") and lines["families"].endswith("1 failed, 1 passed"), table
+    assert "test failed: c boom" in table
