@@ -21,7 +21,7 @@ import io
 import json
 import zipfile
 from pathlib import Path
-from typing import Any, AsyncIterator, Dict, Iterator, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Type
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, StreamingResponse
@@ -32,7 +32,7 @@ from webui import runs
 from webui.api_start import check_relaunch
 from webui.deps import bad_request, entry_of_family, folder_of, page, records
 from webui.paths import OutsideRoot, safe_join
-from webui.scheduler import NameTaken
+from webui.scheduler import NameTaken, Scheduler
 from webui.schema import override_values
 
 EVENT_PERIOD_S = 1.0
@@ -205,21 +205,25 @@ def resume(request: Request, run_id: str, body: Optional[ResumeRequest] = None) 
     return {"id": run_id, "state": state.scheduler.state(run_id)}
 
 
+def scheduler_action(request: Request, run_id: str, action: Callable[[Scheduler, str], None],
+                     refusal: Type[Exception]) -> Scheduler:
+    """Run ``action`` on an existing run; the scheduler's refusal is a 409 carrying its reason."""
+    folder_of(request, run_id)
+    scheduler = page(request).scheduler
+    try:
+        action(scheduler, run_id)
+    except refusal as exc:
+        raise bad_request(str(exc), 409) from None
+    return scheduler
+
+
 @router.post("/api/runs/{run_id}/cancel")
 def cancel(request: Request, run_id: str) -> Dict[str, str]:
-    folder_of(request, run_id)
-    try:
-        page(request).scheduler.cancel(run_id)
-    except LookupError as exc:
-        raise bad_request(str(exc), 409) from None
-    return {"id": run_id, "state": page(request).scheduler.state(run_id)}
+    scheduler = scheduler_action(request, run_id, Scheduler.cancel, LookupError)
+    return {"id": run_id, "state": scheduler.state(run_id)}
 
 
 @router.delete("/api/runs/{run_id}")
 def delete(request: Request, run_id: str) -> Dict[str, Any]:
-    folder_of(request, run_id)
-    try:
-        page(request).scheduler.delete(run_id)
-    except NameTaken as exc:
-        raise bad_request(str(exc), 409) from None
+    scheduler_action(request, run_id, Scheduler.delete, NameTaken)
     return {"id": run_id, "deleted": True}
