@@ -103,9 +103,10 @@ STAGES: Sequence[Stage] = (
     Stage("mem_16gb", 3, "16 GB profile: device peak and s/step", 75, 150, 20, 120, needs_quanto=True),
     Stage("flux2_klein", 4, "FLUX.2 [klein] 4B profile: step, peak, MFU", 65, 120, 20, 120),
     # Not measured yet: the estimate is the 24 GB Qwen-Image profile's scaled to 12.8B parameters.
-    Stage("krea2_24gb", 4, "Krea 2 24 GB profile (qfloat8 blocks): step, peak", 70, 140, 20, 120, needs_quanto=True),
+    # Before the quanto stages of its group: quanto's extension builds meanwhile.
     Stage("families", 4, "new families' GPU tests: real-width gradients, 1024^2 steps, gradient flow", 150, 240,
           40, 150, kind="tests"),
+    Stage("krea2_24gb", 4, "Krea 2 24 GB profile (qfloat8 blocks): step, peak", 70, 140, 20, 120, needs_quanto=True),
     Stage("int8", 5, "int8 W8A8 vs bf16 vs qfloat8 LoRA steps (quantized_step.py)", 90, 150, 30, 120,
           kind="int8"),
     Stage("attention", 5, "attention backends (Qwen-Image, FLUX.1-dev)", 25, 60, 15, 60),
