@@ -5,10 +5,10 @@
 
 The weights are the LoRA matrices the planner counts for ``train_configs/train_lora.yaml`` (Qwen-Image,
 rank 16, ``lora_target: attention``; the shapes from its published config, nothing downloaded), of
-``--blocks`` of its 60 blocks, in fp32 with fixed random gradients. Each optimizer is built by ``trainer.optim.build_optimizer`` as a
+``--blocks`` of its 60 blocks, in fp32 with fixed random gradients. Each optimizer is built by ``trainer.step.optim.build_optimizer`` as a
 run builds it; the optimizers alternate in rounds so drift in the machine's load hits each alike.
 Prints ms/step (median of the rounds), the ratio to AdamW, the state's bytes as measured and as the
-memory planner counts them (``trainer/optimizer_specs.py``).
+memory planner counts them (``trainer/step/optimizer_specs.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 import torch  # noqa: E402
 
 from trainer.config import TrainConfig  # noqa: E402
-from trainer.optim import build_optimizer, training_weights  # noqa: E402
-from trainer.optimizer_specs import OPTIMIZERS, TrainedShapes  # noqa: E402
+from trainer.step.optim import build_optimizer, training_weights  # noqa: E402
+from trainer.step.optimizer_specs import OPTIMIZERS, TrainedShapes  # noqa: E402
 
 LEARNING_RATE = {"prodigy": 1.0, "prodigy_schedulefree": 1.0, "adafactor": 1e-4}
 

@@ -1,5 +1,5 @@
 """Host memory while the streamed transformer leaves the host block by block, side by side for the
-two orders `trainer/quantization.py::place` could use: the small non-block layers last (before) or
+two orders `trainer/model/quantization.py::place` could use: the small non-block layers last (before) or
 first (now).
 
 The streamed loader fills the model with memory-mapped views of the checkpoint's shards; a shard's
@@ -33,7 +33,7 @@ ORDERS = ("rest_last", "rest_first")
 PROBE = """
 import json, sys, torch
 from diffusers import QwenImageTransformer2DModel
-from trainer.quantization import largest_module_list
+from trainer.model.quantization import largest_module_list
 from utils.fast_loading import load_model_streamed
 
 def file_rss():

@@ -8,7 +8,7 @@ Two parts, each row written the moment it is measured (the markdown file is rewr
 so far, and one JSON line per row is appended to ``FILE.jsonl`` and printed):
 
 * **layer**: one linear layer forward + input-gradient backward, bf16 ``nn.Linear`` against
-  ``Int8Linear`` (``trainer/int8_linear.py``), at the widths of the family's attention projection and
+  ``Int8Linear`` (``trainer/model/int8_linear.py``), at the widths of the family's attention projection and
   MLP up-projection and the tokens of one sample at ``--resolution``; eager, and compiled too on
   CUDA (with ``--compile on``: compiled only). Also the int8 layer's relative error against fp32 on this device, for the output
   and the input gradient (the check that the device's int8 kernel returns right numbers).
@@ -51,10 +51,10 @@ for _path in (ROOT, ROOT / "tests" / "gpu"):
 import torch  # noqa: E402
 
 import harness  # noqa: E402
-from trainer.block_swap import inner_tensors  # noqa: E402
+from trainer.model.block_swap import inner_tensors  # noqa: E402
 from trainer.families import SPECS  # noqa: E402
 from benchmarks.gpu_report import quiet_logs  # noqa: E402
-from trainer.int8_linear import int8_matmul_refusal, int8_matmul_works, quantize_int8_w8a8  # noqa: E402
+from trainer.model.int8_linear import int8_matmul_refusal, int8_matmul_works, quantize_int8_w8a8  # noqa: E402
 from utils.memory_monitor import get_memory_stats, reset_peak_memory_stats  # noqa: E402
 
 FORMATS: Dict[str, Tuple[str, ...]] = {

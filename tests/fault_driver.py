@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from trainer import checkpoint as ckpt  # noqa: E402
+from trainer.run_folder import checkpoint as ckpt  # noqa: E402
 from trainer import cli  # noqa: E402
 from trainer.engine import Trainer  # noqa: E402
 

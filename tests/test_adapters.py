@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
 
-from trainer.adapters import add_lora, lora_metadata, lora_state_dict
+from trainer.model.adapters import add_lora, lora_metadata, lora_state_dict
 from trainer.config import TrainConfig
 from utils.errors import ConfigError
 from trainer.families.qwen_image.spec import QWEN_LORA_PRESETS
@@ -77,7 +77,7 @@ def test_lora_input_is_not_upcast_under_autocast() -> None:
     to fp32 and the output is unchanged."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from trainer.adapters import skip_lora_input_upcast
+    from trainer.model.adapters import skip_lora_input_upcast
 
     model = tiny_transformer().to(torch.bfloat16)
     add_lora(model, cfg(lora_target="all_linear", lora_init="gaussian"), QWEN_LORA_PRESETS)

@@ -1,4 +1,4 @@
-"""The pieces that keep a training step free of host syncs (``trainer/async_step.py``). The loop
+"""The pieces that keep a training step free of host syncs (``trainer/step/async_step.py``). The loop
 that uses them is tested end to end in ``test_train_e2e.py``; the CUDA side in
 ``test_steps_on_cuda_make_no_synchronizing_call`` there."""
 
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from trainer.async_step import StepReadout, arm_device_skip, device_skip_supported, step_values, to_device
-from trainer.optim import FusedBackwardOptimizer, adamw
+from trainer.step.async_step import StepReadout, arm_device_skip, device_skip_supported, step_values, to_device
+from trainer.step.optim import FusedBackwardOptimizer, adamw
 
 
 def _params(seed: int = 0) -> list:
@@ -101,7 +101,7 @@ def test_to_device_on_the_cpu_casts_like_to() -> None:
 def test_the_nan_guard_runs_on_the_device_only_off_the_cpu() -> None:
     """Fused AdamW can skip a step itself; on the CPU the host reads the loss instead (it waits for
     nothing there, and an armed optimizer costs a foreach over its step counters each step)."""
-    from trainer.async_step import skips_on_device
+    from trainer.step.async_step import skips_on_device
 
     fused = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=True)
     plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], foreach=False)

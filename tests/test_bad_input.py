@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, run_entry
 from trainer.config import load_config
-from trainer.run_dir import RunFolder
+from trainer.run_folder.run_dir import RunFolder
 from utils.errors import ConfigError
 from utils.folders import writable_folder
 

@@ -107,7 +107,7 @@ def test_an_entry_scripts_default_yields_to_the_profile(tmp_path: Path, logs) ->
     folder = [f"data_config.img_dir={tmp_path}"]
     cfg = load_config(dgx, folder, default_family="qwen_image", profile_defaults=train_4090.LOW_MEMORY)
     assert cfg.disable_gradient_checkpointing and not cfg.gradient_checkpointing_cpu_offload
-    from trainer.quantization import quantization_spec
+    from trainer.model.quantization import quantization_spec
 
     assert quantization_spec(cfg) is None and cfg.optimizer == "adamw8bit", "the rest applies as before"
     assert any("gradient_checkpointing_cpu_offload: False, not the entry script's default True" in r["message"]

@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from trainer import checkpoint as ckpt
-from trainer.disk_full import DiskFullError
-from trainer.run_dir import RunFolder
+from trainer.run_folder import checkpoint as ckpt
+from trainer.run_folder.disk_full import DiskFullError
+from trainer.run_folder.run_dir import RunFolder
 from test_resilience import args, run
 
 LORA = "pytorch_lora_weights.safetensors"

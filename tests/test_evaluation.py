@@ -1,4 +1,4 @@
-"""The held-out loss (trainer/evaluation.py), over-fitting detection, keep_best and the judge
+"""The held-out loss (trainer/evaluation/held_out.py), over-fitting detection, keep_best and the judge
 (trainer/judge.py): unit checks first, then runs of the real engine on the tiny Qwen-Image model."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any, Dict, List
 import pytest
 
 from conftest import ROOT, train_in_process
-from trainer import checkpoint as ckpt
+from trainer.run_folder import checkpoint as ckpt
 from trainer.config import load_config
-from trainer.data_mix import TrainingData
-from trainer.evaluation import overfitting, split_held_out
+from trainer.data.data_mix import TrainingData
+from trainer.evaluation.held_out import overfitting, split_held_out
 from utils.errors import ConfigError, DataError
 
 QUICKSTART = "train_configs/quickstart_tiny.yaml"
@@ -312,7 +312,7 @@ def metric_models(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
 def test_image_metrics_score_samples_against_training_images_and_prompts(metric_models: Dict[str, Path],
                                                                           sample_data: Path) -> None:
     from trainer.config import TrainConfig
-    from trainer.image_metrics import CLIP_KEY, DINO_KEY, ImageMetrics
+    from trainer.evaluation.image_metrics import CLIP_KEY, DINO_KEY, ImageMetrics
 
     cfg = TrainConfig()
     cfg.evaluation.dino_model, cfg.evaluation.clip_model = str(metric_models["dino"]), str(metric_models["clip"])

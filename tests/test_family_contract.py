@@ -23,7 +23,7 @@ from PIL import Image
 
 from conftest import family_pipeline
 from test_family_e2e import E2E_CASES
-from trainer.adapters import add_lora
+from trainer.model.adapters import add_lora
 from trainer.config import TrainConfig
 from trainer.families import SPECS, load_family
 from trainer.families.base import pad_sequences, unpack_latents

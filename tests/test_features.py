@@ -1,4 +1,4 @@
-"""The embedding cache (``trainer.features``) on the real tiny models: keys, the one cache pass for text
+"""The embedding cache (``trainer.data.features``) on the real tiny models: keys, the one cache pass for text
 and latents, and what the dataset serves from it."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from conftest import ROOT
 from image_datasets.dataset import ImageCaptionDataset, collate, load_image, scan_image_folder
 from trainer.config import load_config
 from trainer.families import load_family
-from trainer import features
-from trainer.features import FeatureStore
+from trainer.data import features
+from trainer.data.features import FeatureStore
 
 CONFIGS = {"qwen_image": "train_configs/quickstart_tiny.yaml",
            "qwen_image_edit": "train_configs/quickstart_edit_tiny.yaml"}

@@ -6,16 +6,16 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from trainer.flow_matching import (
-    add_noise,
-    apply_shift,
-    flow_matching_loss,
-    resolution_mu,
-    sample_sigmas,
-    shift_sigmas,
-    time_shift,
-    velocity_target,
-)
+from trainer.step.flow_matching import (
+                                        add_noise,
+                                        apply_shift,
+                                        flow_matching_loss,
+                                        resolution_mu,
+                                        sample_sigmas,
+                                        shift_sigmas,
+                                        time_shift,
+                                        velocity_target,
+                                        )
 
 QWEN_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
                       max_image_seq_len=8192, time_shift_type="exponential", shift=1.0)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, family_pipeline, lora_keys_match, read_losses, train_in_process
 from trainer.config import TrainConfig, load_config
 from trainer.families import check_pipeline, load_family
-from trainer.flow_matching import apply_shift
+from trainer.step.flow_matching import apply_shift
 from utils.errors import ConfigError, ModelNotFoundError
 
 QUICKSTART = "train_configs/quickstart_flux2_tiny.yaml"
@@ -122,7 +122,7 @@ def test_dev_trains_and_its_lora_loads_in_flux2pipeline(tiny_flux2_dev: Path, sa
 
 def test_klein_base_renders_with_cfg_and_a_distilled_klein_warns(tiny_flux2: Path, tmp_path: Path,
                                                                  logs: List[Dict[str, Any]]) -> None:
-    from trainer.validation import ValidationRenderer
+    from trainer.evaluation.validation import ValidationRenderer
 
     cfg = TrainConfig(family="flux2", pretrained_model_name_or_path=str(tiny_flux2))
     cfg.validation.every_n_steps, cfg.validation.prompts = 10, ["a red circle"]
@@ -210,11 +210,11 @@ def test_resume_is_bit_equal(tiny_flux2: Path, sample_data: Path, tmp_path: Path
 
 def test_dev_on_a_card_too_small_is_named_before_loading(sample_data: Path, monkeypatch: pytest.MonkeyPatch,
                                                           logs: List[Dict[str, Any]]) -> None:
-    """The engine logs the planner's verdict on a CUDA device before any weights load (trainer.memory_check):
+    """The engine logs the planner's verdict on a CUDA device before any weights load (trainer.reporting.memory_check):
     the dev profile (qfloat8) on a 24 GiB card does not fit, the klein profile does."""
     from types import SimpleNamespace
 
-    from trainer.memory_check import fit_warning, warn_if_it_does_not_fit
+    from trainer.reporting.memory_check import fit_warning, warn_if_it_does_not_fit
 
     def profile(name: str) -> TrainConfig:
         return load_config(ROOT / "train_configs" / name, [f"data_config.img_dir={sample_data}"],

@@ -18,7 +18,7 @@ from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
 from conftest import ROOT, lora_keys_match, run_entry, train_in_process
 from image_datasets.dataset import SizeGroupedBatchSampler
-from trainer import checkpoint as ckpt
+from trainer.run_folder import checkpoint as ckpt
 
 QUICKSTART = "train_configs/quickstart_tiny.yaml"
 
@@ -168,7 +168,7 @@ def test_fused_backward_matches_the_plain_step_and_frees_gradients(tiny_qwen_ima
 
 def test_fused_backward_steps_inside_backward() -> None:
     from trainer.config import TrainConfig
-    from trainer.optim import build_optimizer
+    from trainer.step.optim import build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))

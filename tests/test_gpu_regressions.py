@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import read_losses, train_in_process
-from trainer.block_swap import BlockSwapper, inner_tensors, map_inner, stream_tensors
-from trainer.quantization import QuantizationChoice, is_quantized, quantize_module
+from trainer.model.block_swap import BlockSwapper, inner_tensors, map_inner, stream_tensors
+from trainer.model.quantization import QuantizationChoice, is_quantized, quantize_module
 
 SPECS = [QuantizationChoice("quanto", "qfloat8"), QuantizationChoice("quanto", "qint8"),
          QuantizationChoice("quanto", "qint4"), QuantizationChoice("torchao", "int8_weight_only")]

@@ -1,4 +1,4 @@
-"""int8 W8A8 linear layers (trainer/int8_linear.py): accuracy against the fp32 layer, the int8 matmuls
+"""int8 W8A8 linear layers (trainer/model/int8_linear.py): accuracy against the fp32 layer, the int8 matmuls
 really run (forward and input gradient), nothing activation-sized is kept for backward, LoRA trains
 through it, torch.compile gives the same numbers.
 
@@ -16,9 +16,9 @@ import pytest
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 
-import trainer.int8_linear as int8
-from trainer.int8_linear import Int8Linear, quantize_int8_w8a8, quantize_rows
-from trainer.quantization import QuantizationChoice, quantize_module, quantized_linears
+import trainer.model.int8_linear as int8
+from trainer.model.int8_linear import Int8Linear, quantize_int8_w8a8, quantize_rows
+from trainer.model.quantization import QuantizationChoice, quantize_module, quantized_linears
 
 TOLERANCE = 0.02  # relative Frobenius error, see the module docstring
 W8A8 = QuantizationChoice("torchao", "int8_w8a8")

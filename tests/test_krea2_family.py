@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, family_pipeline, read_losses, train_in_process
 from trainer.config import TrainConfig, load_config
 from trainer.families import check_pipeline, load_family
-from trainer.flow_matching import apply_shift
+from trainer.step.flow_matching import apply_shift
 from utils.errors import ConfigError
 
 QUICKSTART = "train_configs/quickstart_krea2_tiny.yaml"

@@ -17,7 +17,7 @@ from typing import List
 import pytest
 
 from conftest import ROOT
-from trainer import checkpoint as ckpt
+from trainer.run_folder import checkpoint as ckpt
 from test_resilience import args, losses
 
 pytestmark = pytest.mark.e2e

@@ -134,3 +134,24 @@ def test_the_walk_sees_every_kind_of_import() -> None:
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
     assert upward({"utils.cuda_utils": {"trainer.config": 7}, "trainer.cli": {"utils.quiet": 3}}) == \
         ["utils/cuda_utils.py:7 imports trainer.config"]
+
+
+MAX_LINES = 500
+ENGINE_MAX_LINES = 560  # the recipe reads top to bottom in one file
+
+
+def test_no_trainer_file_is_long() -> None:
+    """Every module of trainer/, its sub-packages included, stays short enough to read in one sitting."""
+    lengths = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
+               for path in (ROOT / "trainer").rglob("*.py")}
+    assert len(lengths) > 60 and "trainer/run_folder/checkpoint.py" in lengths, "the walk must see the sub-packages"
+    too_long = {name: n for name, n in lengths.items()
+                if n > (ENGINE_MAX_LINES if name == "trainer/engine.py" else MAX_LINES)}
+    assert not too_long, f"over {MAX_LINES} lines (engine.py: {ENGINE_MAX_LINES}): {too_long}"
+
+
+def test_each_trainer_package_says_what_it_holds() -> None:
+    """Each package's __init__ opens with a docstring, so a teammate learns its modules from one file."""
+    missing = [init.parent.relative_to(ROOT).as_posix() for init in sorted((ROOT / "trainer").rglob("__init__.py"))
+               if not ast.get_docstring(ast.parse(init.read_text()))]
+    assert not missing, f"packages with no docstring in __init__.py: {missing}"

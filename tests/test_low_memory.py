@@ -15,12 +15,12 @@ from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
 
 from conftest import train_in_process, lora_keys_match, run_entry
-from trainer.block_swap import BlockSwapper
+from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from trainer.engine import Trainer
-from trainer.model_setup import transformer_load_device
-from trainer.optim import build_optimizer
-from trainer.quantization import place, quantization_spec
+from trainer.model.prepare import transformer_load_device
+from trainer.step.optim import build_optimizer
+from trainer.model.quantization import place, quantization_spec
 
 QUICKSTART = "train_configs/quickstart_tiny.yaml"
 
@@ -210,7 +210,7 @@ def test_offloaded_block_keeps_only_a_host_copy_of_its_input(monkeypatch: pytest
 
     from torch.utils.checkpoint import checkpoint
 
-    from trainer.activation_offload import _Offloader, offloading_checkpoint
+    from trainer.model.activation_offload import _Offloader, offloading_checkpoint
 
     copied = []
     pack = _Offloader.pack
@@ -251,7 +251,7 @@ def test_checkpoint_cpu_offload_trains_identically(tiny_qwen_image: Path, sample
     """Same losses and LoRA weights with the block inputs kept in host memory (LoRA dropout on, so
     the recompute must replay the RNG). On a CPU the copies are no-ops: the memory saving is a GPU
     test (tests/gpu); this checks the wiring and that gradients pass through the offloaded path."""
-    import trainer.activation_offload as offload
+    import trainer.model.activation_offload as offload
 
     calls = []
 
@@ -299,7 +299,7 @@ def test_checkpoint_cpu_offload_is_identical_for_every_family(case: str, request
                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each family's blocks take other arguments (rotary tuples, masks, lists, kwargs dicts): the
     offloading checkpoint passes them through and the run stays bit-identical (with block swap too)."""
-    import trainer.activation_offload as offload_module
+    import trainer.model.activation_offload as offload_module
 
     family, model, data, config, extra = OFFLOAD_CASES[case]
     model, data = request.getfixturevalue(model), request.getfixturevalue(data)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from trainer.block_swap import inner_tensors
+from trainer.model.block_swap import inner_tensors
 from trainer.config import QuantizationConfig, TrainConfig
 import trainer.planner as mp
 from trainer.families import SPECS
@@ -147,7 +147,7 @@ def test_int8_w8a8_weights_are_the_bytes_the_quantized_model_holds() -> None:
     the bf16 rest), and are about half of bf16's."""
     import diffusers
 
-    from trainer.quantization import QuantizationChoice, quantize_module
+    from trainer.model.quantization import QuantizationChoice, quantize_module
 
     model = diffusers.QwenImageTransformer2DModel.from_config({**SMALL_QWEN, "num_layers": 2}).to(torch.bfloat16)
     tspec = _transformer_spec(model, SPECS["qwen_image"])
@@ -501,7 +501,7 @@ def test_per_block_formula_matches_saved_tensors(family: str, preset: str, preci
             quanto.quantize(block, weights=quanto.qfloat8)
             quanto.freeze(block)
     elif backend == "int8_w8a8":
-        from trainer.quantization import QuantizationChoice, quantize_module
+        from trainer.model.quantization import QuantizationChoice, quantize_module
 
         for _, block in blocks:
             quantize_module(block, QuantizationChoice("torchao", backend))
@@ -694,9 +694,9 @@ def test_the_plan_takes_each_decision_as_the_trainer_does(keys: Dict[str, Any], 
     memory), so the two cannot drift apart."""
     import trainer.platform as platform
     from image_datasets.dataset import find_control_dirs
-    from trainer.activation_offload import checkpointing_func
-    from trainer.adapters import resolve_lora_targets
-    from trainer.quantization import quantization_spec, text_encoder_spec
+    from trainer.model.activation_offload import checkpointing_func
+    from trainer.model.adapters import resolve_lora_targets
+    from trainer.model.quantization import quantization_spec, text_encoder_spec
 
     monkeypatch.setattr(platform, "is_unified_memory_system", lambda: False)
     monkeypatch.setattr(platform, "setup_unified_memory_env", lambda **kw: None)  # no allocator settings here

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from conftest import ROOT, train_in_process
 from image_datasets.dataset import SizeGroupedBatchSampler
 from image_datasets.sample_data import make_sample_dataset
-from trainer.metric_logging import WALL_CLOCK
+from trainer.reporting.metric_logging import WALL_CLOCK
 from trainer.config import ValidationPrompt, load_config, same_folder_warnings
-from trainer.reporting import loss_series
+from trainer.reporting.summary import loss_series
 from utils.errors import ConfigError, DataError
 
 MULTI = "train_configs/quickstart_multi_tiny.yaml"
@@ -92,7 +92,7 @@ def test_an_entry_without_a_folder_is_named(datasets: str, message: str) -> None
 
 def test_an_empty_dataset_is_named_in_the_error(folders: Dict[str, Path], tmp_path: Path,
                                                 tiny_qwen_image: Path) -> None:
-    from trainer.data_mix import TrainingData
+    from trainer.data.data_mix import TrainingData
     from trainer.families import load_family
 
     (tmp_path / "empty").mkdir()
@@ -203,7 +203,7 @@ def test_multi_dataset_resume_is_bit_identical(multi_run: Path, folders: Dict[st
 
 
 def test_matplotlib_is_imported_only_when_plotting(tmp_path: Path) -> None:
-    code = ("import sys, pathlib; import trainer.reporting as r; assert 'matplotlib' not in sys.modules; "
+    code = ("import sys, pathlib; import trainer.reporting.summary as r; assert 'matplotlib' not in sys.modules; "
             "r.plot_losses([{'step': 1, 'loss': 1.0, 'loss/a': 1.0, 'loss/b': 2.0}], "
             f"pathlib.Path('{tmp_path}/c.png')); assert 'matplotlib' in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).returncode == 0
@@ -264,7 +264,7 @@ def test_cache_keys_follow_each_datasets_settings(multi_run: Path, folders: Dict
 def test_each_validation_prompt_renders_with_its_own_reference(tiny_qwen_image_edit: Path, edit_data: Path,
                                                                 tmp_path: Path) -> None:
     from trainer.families import load_family
-    from trainer.validation import ValidationRenderer
+    from trainer.evaluation.validation import ValidationRenderer
 
     first, second = sorted((edit_data.parent / "control").iterdir())[:2]
     cfg = load_config(None, [f"pretrained_model_name_or_path={tiny_qwen_image_edit}", f"data_config.img_dir={edit_data}",
@@ -277,7 +277,7 @@ def test_each_validation_prompt_renders_with_its_own_reference(tiny_qwen_image_e
 
 
 def test_dataset_losses_average_each_datasets_micro_batches_and_weight_regularization() -> None:
-    from trainer.dataset_losses import DatasetLosses
+    from trainer.reporting.dataset_losses import DatasetLosses
 
     book = DatasetLosses(["a", "b", "r"], ["train", "train", "regularization"], 0.5, torch.device("cpu"))
     assert float(book.weigh(2, torch.tensor(2.0))) == 1.0, "a regularisation batch trains at half weight"

@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 from conftest import lora_keys_match, train_in_process
 from test_resilience import CONFIG, args, losses, run
-from trainer.adapters import lora_state_dict
+from trainer.model.adapters import lora_state_dict
 from trainer.config import TrainConfig, load_config
-from trainer.optim import apply_settings, build_optimizer, evaluation_weights, step_size, training_weights
-from trainer.optimizer_specs import OPTIMIZERS, Matrix, TrainedShapes
+from trainer.step.optim import apply_settings, build_optimizer, evaluation_weights, step_size, training_weights
+from trainer.step.optimizer_specs import OPTIMIZERS, Matrix, TrainedShapes
 from utils.errors import ConfigError
 
 NEW = ("prodigy", "prodigy_schedulefree", "adamw_schedulefree", "muon")

@@ -126,7 +126,7 @@ def test_auto_attention_is_timed_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) 
 def test_compile_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     import trainer.platform as platform
     from utils.errors import ConfigError
-    from trainer.quantization import QuantizationChoice
+    from trainer.model.quantization import QuantizationChoice
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     quanto, torchao = QuantizationChoice("quanto", "qfloat8"), QuantizationChoice("torchao", "int8_weight_only")

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT
-from trainer import checkpoint as ckpt, resume_check
+from trainer.run_folder import checkpoint as ckpt, resume_check
 from trainer.config import load_config
 from utils.errors import ConfigError
 

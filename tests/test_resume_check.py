@@ -10,7 +10,7 @@ from typing import List
 
 import pytest
 
-from trainer import checkpoint as ckpt, resume_check
+from trainer.run_folder import checkpoint as ckpt, resume_check
 from utils.errors import UserError
 
 

@@ -1,4 +1,4 @@
-"""Exact resume wherever a checkpoint falls: the loop's position arithmetic (``trainer/position.py``) on
+"""Exact resume wherever a checkpoint falls: the loop's position arithmetic (``trainer/run_folder/position.py``) on
 accelerate's real loader sharding and gradient accumulation, over a grid of datasets, batch sizes,
 accumulation, processes and every checkpoint step (epoch ends, short last windows, a finished run
 extended). The end-to-end resumes on the tiny model at the critical points are in
@@ -18,8 +18,8 @@ from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader
 
 from image_datasets.dataset import SizeGroupedBatchSampler
-from trainer.data_mix import TrainingData
-from trainer.position import RunState, micro_batches
+from trainer.data.data_mix import TrainingData
+from trainer.run_folder.position import RunState, micro_batches
 
 Event = Tuple[int, int, int, Tuple[int, ...], bool]  # steps done before it, epoch, micro, batch, sync
 

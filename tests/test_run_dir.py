@@ -1,4 +1,4 @@
-"""The output folder (``trainer.run_dir.RunFolder``) and the names of the final trained weights."""
+"""The output folder (``trainer.run_folder.run_dir.RunFolder``) and the names of the final trained weights."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ from typing import Optional
 import pytest
 
 from conftest import ROOT
-from trainer import checkpoint as ckpt, metric_logging, run_dir, run_lock
-from trainer.metric_logging import JsonlLogger, read_metrics
-from trainer.adapters import final_weights_name, trained_weights
+from trainer.run_folder import checkpoint as ckpt, run_dir, run_lock
+from trainer.reporting import metric_logging
+from trainer.reporting.metric_logging import JsonlLogger, read_metrics
+from trainer.model.adapters import final_weights_name, trained_weights
 from trainer.config import load_config
 from utils.errors import ConfigError, TrainingInterrupted
 from trainer.families.qwen_image.spec import SPEC
-from trainer.run_dir import RunFolder
+from trainer.run_folder.run_dir import RunFolder
 
 LORA = "pytorch_lora_weights.safetensors"
 
@@ -180,7 +181,7 @@ def test_a_stale_lock_is_taken_over(tmp_path: Path) -> None:
 
 def test_two_processes_started_together_one_wins(tmp_path: Path) -> None:
     code = ("import sys, time; sys.path.insert(0, {root!r}); from pathlib import Path\n"
-            "from trainer.run_lock import RunLock\n"
+            "from trainer.run_folder.run_lock import RunLock\n"
             "lock = RunLock(Path({out!r})); time.sleep(1.5 - time.time() % 1); lock.acquire(); time.sleep(2); "
             "lock.release()")
     cmd = [sys.executable, "-c", code.format(root=str(ROOT), out=str(tmp_path))]
@@ -239,7 +240,7 @@ def test_latest_without_a_usable_checkpoint_says_so_and_keeps_old_metrics_apart(
 LOCK_SCRIPT = """import os, signal, sys, time
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from trainer import run_lock
+from trainer.run_folder import run_lock
 step = {step!r}
 def die():
     os.kill(os.getpid(), signal.SIGKILL)

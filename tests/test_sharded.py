@@ -26,7 +26,7 @@ from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 from safetensors.torch import load_file
 
 from conftest import ROOT, lora_keys_match
-from trainer import checkpoint as ckpt
+from trainer.run_folder import checkpoint as ckpt
 
 QUICKSTART = "train_configs/quickstart_tiny.yaml"
 FULL, LORA = "train_full_qwen_image.py", "train.py"
@@ -221,7 +221,7 @@ def test_more_processes_than_the_config_expects_are_reported(monkeypatch, logs) 
 
 
 def test_only_the_first_process_creates_or_clears_the_output_folder(monkeypatch, tmp_path: Path) -> None:
-    from trainer.run_dir import RunFolder
+    from trainer.run_folder.run_dir import RunFolder
 
     monkeypatch.setenv("RANK", "1")
     assert RunFolder(tmp_path / "new", "final_model").open(None, overwrite=True) is None

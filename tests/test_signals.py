@@ -14,7 +14,7 @@ SCRIPT = """
 import os, signal, sys, time
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from trainer.run_dir import RunFolder
+from trainer.run_folder.run_dir import RunFolder
 from trainer.signals import GracefulStop, cleanup_on_exit
 from utils.errors import TrainingInterrupted
 

@@ -19,7 +19,7 @@ from trainer.engine import Trainer
 
 pytestmark = pytest.mark.e2e
 QUICKSTART = "train_configs/quickstart_tiny.yaml"
-STEP_PATH = ("trainer/engine.py", "trainer/features.py", "trainer/training_step.py")  # the loop's own code
+STEP_PATH = ("trainer/engine.py", "trainer/data/features.py", "trainer/step/training_step.py")  # the loop's own code
 
 
 def overrides(model: Path, data: Path, out: Path, *extra: str) -> List[str]:
@@ -134,7 +134,7 @@ def test_the_loop_never_waits_for_the_step_it_queued(tiny_qwen_image: Path, samp
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import trainer.engine as engine
-    from trainer.async_step import StepReadout, device_skip_supported
+    from trainer.step.async_step import StepReadout, device_skip_supported
 
     engine_reads: List[str] = []
     # The CUDA decision on the CPU (which reads the loss first: the read costs nothing there).
@@ -263,7 +263,7 @@ def test_steps_on_cuda_make_no_synchronizing_call(tiny_qwen_image: Path, sample_
 
 def _same_metrics(a: List[Dict], b: List[Dict]) -> bool:
     """Equal records, NaN equal to NaN, the wall-clock fields of each line (time, step time, speed) left out."""
-    from trainer.metric_logging import WALL_CLOCK
+    from trainer.reporting.metric_logging import WALL_CLOCK
 
     def norm(r: Dict) -> Dict:
         return {k: ("nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items() if k not in WALL_CLOCK}

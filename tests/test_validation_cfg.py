@@ -19,7 +19,7 @@ from image_datasets.dataset import open_rgb
 from trainer.config import TrainConfig
 from utils.errors import ConfigError
 from trainer.families import load_family
-from trainer.validation import ValidationRenderer
+from trainer.evaluation.validation import ValidationRenderer
 
 PROMPT, NEGATIVE = "a red circle on a yellow background", "blurry, low quality"
 

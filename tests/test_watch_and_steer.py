@@ -18,8 +18,8 @@ from conftest import lora_keys_match, train_in_process
 from image_datasets.dataset import shuffle_tags
 from trainer.config import load_config
 from trainer.engine import Trainer
-from trainer.flow_matching import sample_sigmas
-from trainer.lora_formats import from_comfyui
+from trainer.step.flow_matching import sample_sigmas
+from trainer.model.lora_formats import from_comfyui
 
 QUICKSTART = Path("train_configs/quickstart_tiny.yaml")
 

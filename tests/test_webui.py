@@ -32,7 +32,9 @@ pytest.importorskip("httpx", reason="FastAPI's test client needs httpx (requirem
 import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from trainer import cli, run_lock  # noqa: E402
+from trainer import cli  # noqa: E402
+
+from trainer.run_folder import run_lock
 from webui import runner  # noqa: E402
 from webui.guard import SESSION_COOKIE  # noqa: E402
 from webui.schema import schema_fields, yaml_values  # noqa: E402
@@ -84,7 +86,7 @@ def runs_dir(tmp_path: Path) -> Iterator[Path]:
                      "loss/regularization": 1.1} for s in range(1, 11)])
     (live / "run.lock").write_text(json.dumps({"host": os.uname().nodename, "pid": os.getpid(), "started": 0}))
     held = os.open(live / "run.lock", os.O_RDONLY)
-    fcntl.flock(held, fcntl.LOCK_EX)  # a live owner holds its lock (trainer/run_lock.py)
+    fcntl.flock(held, fcntl.LOCK_EX)  # a live owner holds its lock (trainer/run_folder/run_lock.py)
     (live / "run_status.json").write_text(json.dumps({"state": "running", "step": 10, "max_steps": 110,
                                                       "message": None, "time": 0}))
     (live / "config.yaml").write_text("family: qwen_image\npretrained_model_name_or_path: Qwen/Qwen-Image\n"

@@ -14,7 +14,7 @@ from conftest import family_pipeline
 from trainer.config import TrainConfig
 from trainer.families.base import pad_sequences
 from trainer.families.z_image.model import ZImageFamily
-from trainer.flow_matching import add_noise, apply_shift, velocity_target
+from trainer.step.flow_matching import add_noise, apply_shift, velocity_target
 
 PROMPT = "a red circle on a yellow background"
 

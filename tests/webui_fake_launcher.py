@@ -50,7 +50,7 @@ time.sleep(startup)
 (out / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}))
 import fcntl
 lock_fd = os.open(out / "run.lock", os.O_RDONLY)
-fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held while it runs, as trainer/run_lock.py's owner holds it
+fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held while it runs, as trainer/run_folder/run_lock.py's owner holds it
 status("running", step, "started")
 with open(out / "metrics.jsonl", "a") as fh:
     while step < max_steps:

@@ -1,3 +1,13 @@
-"""The shared training engine: one loop for every model family."""
+"""The shared training engine: one loop for every model family.
+
+- ``engine.py``: the recipe (setup -> data + cache pass -> model -> loop -> finish);
+- ``cli.py``, ``launch.py``, ``judge.py``: the commands (entry scripts' ``--config``, ``python -m
+  trainer.launch``, ``python -m trainer.judge``); ``planner/``: ``python -m trainer.planner``;
+- ``distributed.py``, ``signals.py``, ``platform.py``, ``precision.py``: what applies to the whole process;
+- ``config/``: the typed config; ``families/``: one package per model family;
+- ``run_folder/``: what a run keeps on disk and how it survives; ``model/``: the loaded model made
+  ready to train; ``step/``: one optimizer step; ``data/``: the engine's side of data;
+  ``reporting/``: what a run tells the user; ``evaluation/``: samples and the held-out loss.
+"""
 
 import utils.quiet  # noqa: F401  (first: it silences known-harmless third-party warnings before they load)

@@ -34,9 +34,9 @@ from accelerate.utils import DistributedType, gather_object
 from loguru import logger
 
 from trainer.families.base import ModelFamily
-from trainer.adapters import adapter_parameters
+from trainer.model.adapters import adapter_parameters
 from trainer.config import TrainConfig
-from trainer.optimizer_specs import OPTIMIZERS
+from trainer.step.optimizer_specs import OPTIMIZERS
 from utils.errors import ConfigError
 
 SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED)

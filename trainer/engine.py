@@ -3,8 +3,8 @@
 Reads top to bottom: ``setup`` (output folder, accelerator, family) -> ``prepare_data`` (samples,
 cache pass, loader) -> ``setup_model`` (transformer, trained weights, optimizer, resume) -> ``train``
 (the loop) -> ``finish`` (the final LoRA file or full pipeline folder). Each step is a short method.
-The embedding cache is ``trainer/features.py``, the output folder ``trainer/run_dir.py`` and a
-step's maths ``trainer/training_step.py``.
+The embedding cache is ``trainer/data/features.py``, the output folder ``trainer/run_folder/run_dir.py`` and a
+step's maths ``trainer/step/training_step.py``.
 """
 
 from __future__ import annotations
@@ -29,34 +29,34 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from image_datasets.dataset import ImageCaptionDataset, Sample, SizeGroupedBatchSampler, collate, shuffle_tags
-from trainer import checkpoint as ckpt, distributed, resume_check
-from trainer.adapters import TrainedWeights, final_weights_name, trained_weights
-from trainer.async_step import StepReadout, StepRecord, arm_device_skip, skips_on_device, step_values
-from trainer.block_swap import BlockSwapper
+from trainer.run_folder import checkpoint as ckpt, resume_check
+from trainer import distributed, signals
+from trainer.model.adapters import TrainedWeights, final_weights_name, trained_weights
+from trainer.step.async_step import StepReadout, StepRecord, arm_device_skip, skips_on_device, step_values
+from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig
-from trainer.dataset_losses import DatasetLosses
-from trainer.data_mix import TrainingData
-from trainer.evaluation import STATE_KEY as EVAL_STATE, Evaluation
-from trainer.image_metrics import ImageMetrics
+from trainer.reporting.dataset_losses import DatasetLosses
+from trainer.data.data_mix import TrainingData
+from trainer.evaluation.held_out import STATE_KEY as EVAL_STATE, Evaluation
+from trainer.evaluation.image_metrics import ImageMetrics
 from utils.errors import ProcessLost, TrainingDiverged, TrainingInterrupted, from_loader_worker
 from trainer.families import load_family
 from trainer.families.base import ModelFamily
-from trainer.features import FeatureStore
-from trainer.model_setup import prepare_transformer, transformer_load_device
-from trainer.optim import build_lr_scheduler, build_optimizer, evaluation_weights, step_size, training_weights
+from trainer.data.features import FeatureStore
+from trainer.model.prepare import prepare_transformer, transformer_load_device
+from trainer.step.optim import build_lr_scheduler, build_optimizer, evaluation_weights, step_size, training_weights
 from trainer.platform import RunPolicy, configure_device, prepare_environment
 from trainer.precision import choose_mixed_precision
-from trainer.position import RunState, micro_batches
-from trainer.quantization import check_available, quantization_spec
-from trainer.memory_check import warn_if_it_does_not_fit
-from trainer.reporting import (log_train_time, log_wall_time, plot_losses, plot_timestep_density, process_age_s,
-                               write_summary)
-from trainer.run_dir import METRICS_NAME, RunFolder
-from trainer.metric_logging import JsonlLogger, MetricLoggers, TrackerLogger, read_metrics
-from trainer.signals import GracefulStop
-from trainer.tracking import available_trackers, setup_logging
-from trainer.training_step import flow_matching_step, seed_global_rngs, step_seed
-from trainer.validation import ValidationRenderer, log_images
+from trainer.run_folder.position import RunState, micro_batches
+from trainer.model.quantization import check_available, quantization_spec
+from trainer.reporting.memory_check import warn_if_it_does_not_fit
+from trainer.reporting.summary import (log_train_time, log_wall_time, plot_losses, plot_timestep_density, process_age_s,
+                                       write_summary)
+from trainer.run_folder.run_dir import METRICS_NAME, RunFolder
+from trainer.reporting.metric_logging import JsonlLogger, MetricLoggers, TrackerLogger, read_metrics
+from trainer.reporting.tracking import available_trackers, setup_logging
+from trainer.step.training_step import flow_matching_step, seed_global_rngs, step_seed
+from trainer.evaluation.validation import ValidationRenderer, log_images
 from utils.attention import AttentionChoice, sdpa_context
 from utils.memory_monitor import MemoryMonitor
 
@@ -69,7 +69,7 @@ class Trainer:
         self.folder = RunFolder(cfg.output_dir, final_weights_name(cfg), cfg.max_train_steps)
         self.output_dir = self.folder.path
         self.state = RunState()
-        self.stop = GracefulStop()
+        self.stop = signals.GracefulStop()
         self.wall: Dict[str, Optional[float]] = {}  # seconds per phase of the run (start-up included)
         self.first_step_s: Optional[float] = None  # includes compiling the blocks when compiled
         self.last_step_at = self.postfix_at = 0.0  # the last step's end; the bar's last loss and lr
@@ -86,14 +86,14 @@ class Trainer:
         self.metrics = MetricLoggers()  # metrics.jsonl (main process) and the trackers: one record per step
         self.family: Optional[ModelFamily] = None
         # prepare_data
-        self.data: Optional[TrainingData] = None  # every dataset's samples (trainer/data_mix.py)
+        self.data: Optional[TrainingData] = None  # every dataset's samples (trainer/data/data_mix.py)
         self.samples: List[Sample] = []
         self.dataset_losses: Optional[DatasetLosses] = None
         self.validation: Optional[ValidationRenderer] = None
         self.features: Optional[FeatureStore] = None
         self.sampler: Optional[SizeGroupedBatchSampler] = None
         self.dataloader: Optional[DataLoader] = None  # accelerate's, sharding batches across processes
-        self.evaluation: Optional[Evaluation] = None  # the held-out loss (trainer/evaluation.py)
+        self.evaluation: Optional[Evaluation] = None  # the held-out loss (trainer/evaluation/held_out.py)
         self.image_metrics: Optional[ImageMetrics] = None  # scores of the validation samples (main process)
         # setup_model
         self.weights: Optional[TrainedWeights] = None

@@ -3,7 +3,7 @@
 Prints a table of the run's checkpoints (step, smoothed training loss, held-out loss, image metrics
 when the run logged them) from its ``metrics.jsonl``, and names the checkpoint with the lowest
 held-out loss. With ``--holdout DIR`` it evaluates every checkpoint on the images (and captions) in
-DIR itself, with the run's own evaluation code (trainer/evaluation.py): for a finished run that had
+DIR itself, with the run's own evaluation code (trainer/evaluation/held_out.py): for a finished run that had
 no evaluation section, or to judge on other images.
 """
 
@@ -20,12 +20,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from utils.errors import UserError
 
-IMAGE_METRIC_PREFIX = "eval/"  # DINOv2 / CLIP scores of the validation samples (trainer/image_metrics.py)
+IMAGE_METRIC_PREFIX = "eval/"  # DINOv2 / CLIP scores of the validation samples (trainer/evaluation/image_metrics.py)
 
 
 def checkpoint_steps(run_dir: Path) -> List[int]:
     """The steps of the run's complete checkpoints, oldest first."""
-    from trainer.checkpoint import list_checkpoints
+    from trainer.run_folder.checkpoint import list_checkpoints
 
     return [int(p.name.split("-", 1)[1]) for p in list_checkpoints(run_dir)]
 
@@ -48,7 +48,7 @@ def table(run_dir: Path, records: Sequence[Dict[str, Any]], steps: Sequence[int]
           evaluated: Optional[Dict[int, Dict[str, float]]] = None) -> List[Dict[str, Any]]:
     """One row per checkpoint step: its smoothed training loss (the tensorboard smoothing of every
     logged step up to it), its held-out loss (``evaluated``, else the run's own) and image metrics."""
-    from trainer.reporting import smoothed
+    from trainer.reporting.summary import smoothed
 
     losses = [(r["step"], float(r["loss"])) for r in records if isinstance(r.get("loss"), (int, float))]
     curve = dict(zip([s for s, _ in losses], smoothed([v for _, v in losses])))
@@ -94,13 +94,13 @@ def evaluate_checkpoints(run_dir: Path, holdout: Path, steps: Sequence[int]) -> 
     import torch
     from accelerate import Accelerator
 
-    from trainer.adapters import trained_weights
+    from trainer.model.adapters import trained_weights
     from trainer.config import dataset_entries, load_config
-    from trainer.data_mix import TrainingData, scan_dataset
-    from trainer.evaluation import Evaluator, default_levels, split_held_out
+    from trainer.data.data_mix import TrainingData, scan_dataset
+    from trainer.evaluation.held_out import Evaluator, default_levels, split_held_out
     from trainer.families import load_family
-    from trainer.features import FeatureStore
-    from trainer.model_setup import prepare_transformer, transformer_load_device
+    from trainer.data.features import FeatureStore
+    from trainer.model.prepare import prepare_transformer, transformer_load_device
     from trainer.precision import choose_mixed_precision
     from image_datasets.dataset import ImageCaptionDataset
 

@@ -16,7 +16,7 @@ from loguru import logger
 from trainer.config import TrainConfig
 from trainer.families.spec import FamilySpec
 from utils.errors import ConfigError
-from trainer.quantization import QuantizationChoice
+from trainer.model.quantization import QuantizationChoice
 from utils.attention import AttentionChoice, apply_attention_backend, measured_choice, select_attention_backend
 from utils.compat import show_compatibility_warnings
 from utils.device_facts import enable_tf32, supports_feature

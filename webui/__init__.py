@@ -4,7 +4,7 @@ clone and delete runs, browse samples and checkpoints, edit the dataset's captio
 The page is a window onto the same things as the command line, never a second engine: runs are
 started as ``python -m trainer.launch <entry script> --config ...`` child processes, configs are
 checked by ``trainer.config.load_config`` (the CLI's own errors), and everything shown is read from
-the run folders the engine writes (``trainer/run_dir.py``). docs/WEBUI.md is the user's side.
+the run folders the engine writes (``trainer/run_folder/run_dir.py``). docs/WEBUI.md is the user's side.
 
     paths.py      the only way a request names a file: inside --runs-dir or train_configs/, nowhere else
     guard.py      every request first: other sites refused, body size, the token and its cookie

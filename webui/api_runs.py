@@ -27,7 +27,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel
 
-from trainer import checkpoint as ckpt
+from trainer.run_folder import checkpoint as ckpt
 from webui import runs
 from webui.api_start import check_relaunch
 from webui.deps import bad_request, entry_of_family, folder_of, page, records

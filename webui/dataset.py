@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from image_datasets.dataset import IMAGE_EXTENSIONS
 from trainer.config import FOLDER_KEYS
-from trainer.run_dir import write_text_atomic
+from trainer.run_folder.run_dir import write_text_atomic
 from webui.paths import OutsideRoot, safe_join
 
 MAX_ITEMS = 500  # images listed per folder (a page of thumbnails, not a browser for 100k images)

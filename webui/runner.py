@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from trainer.config import TrainConfig, load_config
-from trainer.run_dir import write_text_atomic
-from trainer.run_lock import live_owner
+from trainer.run_folder.run_dir import write_text_atomic
+from trainer.run_folder.run_lock import live_owner
 from utils.errors import ConfigError
 from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, launched_alive, read_json, stop_pending
 

@@ -1,13 +1,13 @@
 """What a run folder holds, read for the page: state, progress, metrics, samples, checkpoints, logs.
 
-Everything is read from the files the engine writes (``trainer/run_dir.py``, ``trainer/run_lock.py``)
+Everything is read from the files the engine writes (``trainer/run_folder/run_dir.py``, ``trainer/run_folder/run_lock.py``)
 and tolerates their absence, since older run folders lack the newer ones:
 
     run.lock           {"host", "pid", "started"} while a run owns the folder
     run_status.json    {"state": running|finished|failed|stopped, "step", "max_steps", "message", "time"}
     metrics.jsonl      {"step", "loss", "lr", "time", "loss/<dataset>", ...} per line; the last may be torn;
                        evaluation lines carry "eval_loss" (and "eval_loss/sigma_<level>") instead of "loss"
-    summary.json       at the end (``trainer/reporting.py``)
+    summary.json       at the end (``trainer/reporting/summary.py``)
     webui_launch.json  written by this page for the runs it starts or queues (``webui/runner.py``):
                        {"entry", "overrides", "created", "max_steps", "plan", "queued", "queued_at",
                         "cancelled", "argv", "pid", "started", "device", "returncode", "ended",
@@ -30,10 +30,10 @@ from typing import Any, Dict, List, Optional
 import psutil
 from omegaconf import OmegaConf
 
-from trainer.checkpoint import list_checkpoints
-from trainer.reporting import smoothed
-from trainer.run_dir import CONFIG_NAME, LOG_NAME, METRICS_NAME, STATUS_NAME, SUMMARY_NAME
-from trainer.run_lock import LOCK_NAME, live_owner
+from trainer.run_folder.checkpoint import list_checkpoints
+from trainer.reporting.summary import smoothed
+from trainer.run_folder.run_dir import CONFIG_NAME, LOG_NAME, METRICS_NAME, STATUS_NAME, SUMMARY_NAME
+from trainer.run_folder.run_lock import LOCK_NAME, live_owner
 from webui.paths import NAME
 
 LAUNCH_NAME = "webui_launch.json"

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from trainer.run_dir import write_text_atomic
+from trainer.run_folder.run_dir import write_text_atomic
 from webui import runs
 from webui.runner import RELAUNCH_KEYS, Launcher, entry_named, update_record
 from webui.paths import NAME, check_name

@@ -5,9 +5,9 @@ and ``vae/`` configs, ``scheduler/scheduler_config.json``; FLUX adds its two sma
 family reads at construction), so ``trainer.families.load_family`` builds the real family object. The transformer is
 built on the meta device from ``transformer/config.json`` and *materialised* block by block with
 random weights (in host memory when the engine would load it there: quantization, block swap); then
-the engine's own set-up runs on it (``trainer.model_setup.prepare_transformer``: placement,
+the engine's own set-up runs on it (``trainer.model.prepare.prepare_transformer``: placement,
 checkpointing, attention timed on the GPU, compile, fp8, LoRA, block swap) and ``build_optimizer``,
-and each step is the engine's own step function (``trainer.training_step.flow_matching_step``).
+and each step is the engine's own step function (``trainer.step.training_step.flow_matching_step``).
 
 ``Scale`` shrinks the architecture (fewer blocks, narrower heads) so that every function here runs
 in seconds on a CPU (``TINY``) and unchanged at full size on a GPU (``FULL``).
@@ -35,19 +35,19 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from trainer.adapters import trained_weights
-from trainer.async_step import StepReadout, arm_device_skip, device_skip_supported, step_values
-from trainer.block_swap import BlockSwapper
+from trainer.model.adapters import trained_weights
+from trainer.step.async_step import StepReadout, arm_device_skip, device_skip_supported, step_values
+from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig, load_config
 from trainer.families import SPECS, load_family
 from trainer.families.spec import FamilySpec
-from trainer.model_setup import prepare_transformer, transformer_load_device
-from trainer.optim import build_optimizer
+from trainer.model.prepare import prepare_transformer, transformer_load_device
+from trainer.step.optim import build_optimizer
 from trainer.planner import plan_memory
 from trainer.planner.activations import outer_slot
 from trainer.platform import choose_attention
-from trainer.quantization import check_available, quantization_spec
-from trainer.training_step import draw_sigmas as engine_sigmas, flow_matching_step
+from trainer.model.quantization import check_available, quantization_spec
+from trainer.step.training_step import draw_sigmas as engine_sigmas, flow_matching_step
 from utils.attention import AttentionChoice, BackendTiming, available_backends, sdpa_context, time_backends
 from utils.cuda_utils import read_device_facts, supports_feature
 
@@ -364,7 +364,7 @@ def build_rig(family: str, device: torch.device | str = "cuda", dtype: torch.dty
               overrides: Sequence[str] = (), profile: Optional[str] = None, seed: int = 0,
               resolution: int = 1024) -> Rig:
     """Build a random-weight ``family`` transformer and set it up for LoRA training the engine's way
-    (``trainer.model_setup.prepare_transformer``: placement, checkpointing, attention timed at
+    (``trainer.model.prepare.prepare_transformer``: placement, checkpointing, attention timed at
     ``resolution``, compile, fp8, LoRA, block swap). ``model_dir`` defaults to a written config-only
     folder at ``scale``; a tiny pipeline folder (``utils.tiny_models.build_tiny_pipeline``) works as well."""
     device = torch.device(device)
@@ -414,13 +414,13 @@ def autocast(rig: Rig) -> contextlib.AbstractContextManager:
 
 
 def draw_sigmas(rig: Rig, batch: Batch, gen: torch.Generator) -> torch.Tensor:
-    """The engine's noise levels (``trainer.training_step.draw_sigmas``) on the rig's device."""
+    """The engine's noise levels (``trainer.step.training_step.draw_sigmas``) on the rig's device."""
     return engine_sigmas(rig.cfg, rig.family, batch.latents.shape, gen).to(rig.device)
 
 
 def step_loss(rig: Rig, batch: Batch, gen: torch.Generator, noise: Optional[torch.Tensor] = None,
               sigmas: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The engine's step (``trainer.training_step.flow_matching_step``) on a ready batch (fresh noise
+    """The engine's step (``trainer.step.training_step.flow_matching_step``) on a ready batch (fresh noise
     and sigmas unless given)."""
     return flow_matching_step(rig.cfg, rig.family, rig.transformer, batch.latents, batch.text, batch.references,
                               gen, rig.dtype, lambda: autocast(rig), noise, sigmas)

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 import harness
-from trainer.async_step import arm_device_skip, step_values
+from trainer.step.async_step import arm_device_skip, step_values
 from trainer.config import TrainConfig
-from trainer.optim import build_optimizer
+from trainer.step.optim import build_optimizer
 from trainer.platform import choose_attention
-from trainer.quantization import is_quantized
+from trainer.model.quantization import is_quantized
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cpu_dry_run]
 BF16 = torch.bfloat16

@@ -14,8 +14,8 @@ from PIL import Image
 
 from image_datasets.captioning import CaptionOptions, Captioner, caption_folder, read_caption
 from trainer.config import TrainConfig
-from trainer.optim import build_optimizer, evaluation_weights, training_weights
-from trainer.optimizer_specs import OPTIMIZERS
+from trainer.step.optim import build_optimizer, evaluation_weights, training_weights
+from trainer.step.optimizer_specs import OPTIMIZERS
 from utils.tiny_models import build_tiny_vlm
 
 pytestmark = pytest.mark.gpu

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from utils.folders import system_folder
 from trainer.families import SPECS
-from trainer.optimizer_specs import OPTIMIZERS
+from trainer.step.optimizer_specs import OPTIMIZERS
 from trainer.config.schema import (EVAL_ROLE, FOLDER_KEYS, DatasetEntry, EvaluationConfig, FolderKeys, Section,
                                    TrainConfig, choice_problems, dataset_name, failing)
 

@@ -22,9 +22,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 
 from trainer.families import SPECS
-from trainer.optimizer_specs import OPTIMIZERS
+from trainer.step.optimizer_specs import OPTIMIZERS
 
-# Weight formats of each quantization backend (their implementations: trainer/quantization.py).
+# Weight formats of each quantization backend (their implementations: trainer/model/quantization.py).
 QUANTO_WEIGHTS = ("qfloat8", "qint8", "qint4")
 TORCHAO_WEIGHTS = ("int8_weight_only", "int4_weight_only", "float8_weight_only", "int8_w8a8")
 WEIGHT_FORMATS = {"quanto": QUANTO_WEIGHTS, "torchao": TORCHAO_WEIGHTS}
@@ -73,7 +73,7 @@ class Section:
 
 
 BUCKET_MODES = ("longest_side", "area")
-EVAL_ROLE = "eval"  # a held-out dataset: evaluated, never trained on (trainer/evaluation.py)
+EVAL_ROLE = "eval"  # a held-out dataset: evaluated, never trained on (trainer/evaluation/held_out.py)
 ROLES = ("train", "regularization", EVAL_ROLE)
 # The loss key of the regularisation datasets (``loss/regularization``): no dataset may take it as its name.
 REGULARIZATION = "regularization"
@@ -237,7 +237,7 @@ class ValidationConfig(Section):
 class EvaluationConfig(Section):
     """The held-out loss: images never trained on (``holdout`` drawn from the train datasets, or
     datasets with ``role: eval``), measured at fixed noise levels with fixed noise, so every
-    evaluation of the same weights gives the same number (trainer/evaluation.py)."""
+    evaluation of the same weights gives the same number (trainer/evaluation/held_out.py)."""
 
     holdout: int = 0  # images drawn (seeded) from the train datasets and never trained on
     every_n_steps: Optional[int] = None  # null: with each checkpoint (and at the last step)
@@ -401,7 +401,7 @@ class TrainConfig:
 
     # Sample images during training (FlyMyAI's disable_sampling + sample_* keys are translated into it)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
-    # Held-out loss, over-fitting detection and the best checkpoint (trainer/evaluation.py)
+    # Held-out loss, over-fitting detection and the best checkpoint (trainer/evaluation/held_out.py)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
     # Platform layer (CUDA features, unified memory, loading)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
 from trainer.families.spec import BlockLayout
-from trainer.optimizer_specs import Matrix, TrainedShapes
+from trainer.step.optimizer_specs import Matrix, TrainedShapes
 from trainer.planner.model import BlockKind, LinearInfo, TransformerSizes
 from trainer.planner.settings import INT8_SCRATCH_IN, INT8_SCRATCH_OUT, Settings
 

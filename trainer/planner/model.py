@@ -302,7 +302,7 @@ def _encoder_spec(component: str, library_class: Sequence[str], config: Mapping[
 
 
 def _layer_linear_weights(model) -> int:
-    """Linear weights inside the largest ``ModuleList`` (the unit ``trainer.quantization.place`` quantizes)."""
+    """Linear weights inside the largest ``ModuleList`` (the unit ``trainer.model.quantization.place`` quantizes)."""
     import torch
 
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]

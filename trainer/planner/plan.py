@@ -10,7 +10,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from utils.errors import UserError
 from trainer.families import SPECS
 from trainer.families.components import VAE_ACTIVATION_FACTORS
-from trainer.optimizer_specs import OPTIMIZERS
+from trainer.step.optimizer_specs import OPTIMIZERS
 from trainer.planner.activations import (LoraLayout, Tokens, block_input_bytes, estimate_activations, int8_scratch_bytes,
                                          lora_layout)
 from trainer.planner.model import EncoderSizes, ModelSizes, TransformerSizes, model_sizes
@@ -151,7 +151,7 @@ def _training_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[Mem
 
 
 def _optimizer_item(t: TransformerSizes, lora: LoraLayout, s: Settings) -> MemoryItem:
-    """The optimizer's state for the LoRA weights, by its own formula (``trainer/optimizer_specs.py``):
+    """The optimizer's state for the LoRA weights, by its own formula (``trainer/step/optimizer_specs.py``):
     AdamW two fp32 moments (8 B/param), 8-bit AdamW 2 B/param, Adafactor a factored second moment,
     Prodigy 16 B/param, schedule-free AdamW 8, Prodigy + schedule-free about 4, Muon 4 in the blocks."""
     spec = OPTIMIZERS[s.optimizer]

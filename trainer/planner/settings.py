@@ -1,9 +1,9 @@
 """The plan's inputs: the assumptions it rests on, and the run's settings resolved from the config.
 
 Every decision the run makes is asked of the trainer's own rule, not worked out again here: the
-quantization (``trainer.quantization``), the LoRA targets (``trainer.adapters``), the reference
+quantization (``trainer.model.quantization``), the LoRA targets (``trainer.model.adapters``), the reference
 folders (``image_datasets.dataset``), whether the encoders stay loaded (``trainer.platform``) and
-whether checkpointed block inputs go to host memory (``trainer.activation_offload``). The family's
+whether checkpointed block inputs go to host memory (``trainer.model.activation_offload``). The family's
 facts (text tokens, references, presets) come from its spec.
 """
 
@@ -18,16 +18,16 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 from omegaconf import OmegaConf
 
 from image_datasets.dataset import IMAGE_EXTENSIONS, find_control_dirs
-from trainer.activation_offload import offloads_block_inputs
-from trainer.adapters import resolve_lora_targets
+from trainer.model.activation_offload import offloads_block_inputs
+from trainer.model.adapters import resolve_lora_targets
 from trainer.config import TORCHAO_WEIGHTS, TrainConfig, dataset_entries, load_config
 from utils.errors import ConfigError
 from trainer.families import family_spec
 from trainer.families.spec import IMAGE_PIXELS_PER_TOKEN, FamilySpec, ReferenceTokens
-from trainer.features import ENCODE_BATCH  # the cache pass's prompts per encoder call
+from trainer.data.features import ENCODE_BATCH  # the cache pass's prompts per encoder call
 from trainer.planner.model import ModelSizes
 from trainer.platform import keeps_encoders
-from trainer.quantization import QuantizationChoice, quantization_spec, text_encoder_spec
+from trainer.model.quantization import QuantizationChoice, quantization_spec, text_encoder_spec
 
 GIB = 2**30
 
@@ -45,11 +45,11 @@ DEFAULT_SHARD_GIB = 5.0  # a safetensors shard, when the checkpoint's index is n
 QUANT_BYTES: Dict[str, float] = {
     "qfloat8": 1.0, "qint8": 1.0, "qint4": 0.5 + 4 / 128,  # quanto: int4 in groups of 128, bf16 scale+shift
     "float8_weight_only": 1.0, "int8_weight_only": 1.0, "int4_weight_only": 0.5 + 4 / 128,  # torchao
-    "int8_w8a8": 1.0,  # torchao Int8Tensor, multiplied in int8 (trainer/int8_linear.py)
+    "int8_w8a8": 1.0,  # torchao Int8Tensor, multiplied in int8 (trainer/model/int8_linear.py)
 }
 # Bytes of each output channel's scale of an 8-bit weight: bf16, but fp32 in torchao's Int8Tensor.
 SCALE_BYTES: Dict[str, int] = {"int8_w8a8": 4}
-# The int8 matmul's scratch per token (trainer/int8_linear.py): the input quantized (an fp32 copy and
+# The int8 matmul's scratch per token (trainer/model/int8_linear.py): the input quantized (an fp32 copy and
 # its int8 values, 5 B per input feature) and the product (int32, then fp32: 8 B per output feature).
 INT8_SCRATCH_IN, INT8_SCRATCH_OUT = 5, 8
 
@@ -89,7 +89,7 @@ class Settings:
     checkpointing: bool
     quantization: Optional[str]  # None, or a QUANT_BYTES key
     text_encoder_quantization: Optional[str]
-    optimizer: str  # a key of trainer.optimizer_specs.OPTIMIZERS
+    optimizer: str  # a key of trainer.step.optimizer_specs.OPTIMIZERS
     blocks_to_swap: int
     precompute_text: bool
     precompute_image: bool

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from trainer.optimizer_specs import OPTIMIZERS, Matrix, TrainedShapes
+from trainer.step.optimizer_specs import OPTIMIZERS, Matrix, TrainedShapes
 from trainer.planner.model import TransformerSizes, model_sizes
 
 GIB = 1024 ** 3
@@ -61,7 +61,7 @@ def full_shapes(spec: TransformerSizes) -> TrainedShapes:
 
 def optimizer_bytes(spec: TransformerSizes, optimizer: str) -> float:
     """Optimizer state of every transformer weight, by the optimizer's own formula
-    (``trainer/optimizer_specs.py``): AdamW two fp32 moments, 8-bit AdamW two 8-bit moments,
+    (``trainer/step/optimizer_specs.py``): AdamW two fp32 moments, 8-bit AdamW two 8-bit moments,
     Adafactor a factored fp32 second moment (rows + columns of each matrix, whole vectors), ..."""
     return OPTIMIZERS[optimizer].state_bytes(full_shapes(spec))
 

@@ -270,7 +270,7 @@ function drawPlots() {
     for (const key of keys) loss[key.slice(5)] = metrics.filter(m => typeof m[key] === "number").map(m => [m.step, m[key]]);
   }
   const heldOut = metrics.filter(m => typeof m.eval_loss === "number").map(m => [m.step, m.eval_loss]);
-  if (heldOut.length) loss["held-out"] = heldOut;  // the evaluation section's loss (trainer/evaluation.py)
+  if (heldOut.length) loss["held-out"] = heldOut;  // the evaluation section's loss (trainer/evaluation/held_out.py)
   plotLines($("#loss-plot"), loss);
   plotLines($("#lr-plot"), {lr: metrics.filter(m => typeof m.lr === "number").map(m => [m.step, m.lr])});
 }

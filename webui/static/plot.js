@@ -40,7 +40,7 @@ function plotLines(svg, series) {
   });
 }
 
-function smoothSeries(points, beta = 0.9) {  // bias-corrected EMA, as trainer/reporting.py smooths
+function smoothSeries(points, beta = 0.9) {  // bias-corrected EMA, as trainer/reporting/summary.py smooths
   let avg = 0;
   return points.map(([x, y], i) => { avg = beta * avg + (1 - beta) * y; return [x, avg / (1 - beta ** (i + 1))]; });
 }

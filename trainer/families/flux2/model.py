@@ -26,11 +26,11 @@ from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Pipeline, Flu
 from loguru import logger
 from transformers import AutoModel, AutoTokenizer
 
-from trainer.async_step import to_device
+from trainer.step.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, Tensors
 from trainer.families.flux2.spec import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS, MAX_SEQUENCE_LENGTH, SPEC
-from trainer.quantization import place, text_encoder_spec
+from trainer.model.quantization import place, text_encoder_spec
 from utils.errors import ConfigError, ModelNotFoundError
 
 _patchify = Flux2KleinPipeline._patchify_latents  # (B, C, H, W) -> (B, 4C, H/2, W/2)

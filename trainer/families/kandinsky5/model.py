@@ -14,11 +14,11 @@ from diffusers import (
 )
 from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
 
-from trainer.async_step import to_device
+from trainer.step.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, Tensors, pad_sequences
 from trainer.families.kandinsky5.spec import SPEC
-from trainer.quantization import place, text_encoder_spec
+from trainer.model.quantization import place, text_encoder_spec
 from utils.qwen_processor import load_qwen_vl_processor
 
 class Kandinsky5Family(FamilyBase):

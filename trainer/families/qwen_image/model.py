@@ -12,7 +12,7 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from trainer.async_step import to_device
+from trainer.step.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import (
     FamilyBase,
@@ -23,7 +23,7 @@ from trainer.families.base import (
     unpack_latents,
 )
 from trainer.families.qwen_image.spec import SPEC
-from trainer.quantization import place, text_encoder_spec
+from trainer.model.quantization import place, text_encoder_spec
 
 class QwenImageFamily(FamilyBase):
     """Qwen-Image text-to-image (``Qwen/Qwen-Image`` or a folder of the same layout)."""

@@ -11,11 +11,11 @@ import torch
 from diffusers import AutoencoderKL, ZImagePipeline, ZImageTransformer2DModel
 from transformers import AutoModel, AutoTokenizer
 
-from trainer.async_step import to_device
+from trainer.step.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, ShiftScaleLatents, Tensors, pad_sequences
 from trainer.families.z_image.spec import SPEC
-from trainer.quantization import place, text_encoder_spec
+from trainer.model.quantization import place, text_encoder_spec
 
 class ZImageFamily(ShiftScaleLatents, FamilyBase):
     """Z-Image text-to-image (``Tongyi-MAI/Z-Image-Turbo`` or a folder of the same layout)."""

@@ -1,7 +1,7 @@
 """Weight quantization of frozen models, one block at a time, with optimum-quanto or torchao.
 
 torchao's ``int8_w8a8`` also quantizes the activations, and multiplies in int8 forward and for the
-input gradient in backward (``trainer/int8_linear.py``); the other formats store 8- or 4-bit weights
+input gradient in backward (``trainer/model/int8_linear.py``); the other formats store 8- or 4-bit weights
 and multiply in the compute dtype.
 
 Moving a block to the GPU and quantizing it there before the next one means the GPU never holds the
@@ -26,13 +26,13 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm.auto import tqdm
 
 from trainer.config import TrainConfig
-from trainer.int8_linear import Int8Linear, quantize_int8_w8a8
+from trainer.model.int8_linear import Int8Linear, quantize_int8_w8a8
 from utils.errors import ConfigError
 
-INT8_W8A8 = "int8_w8a8"  # torchao weights, int8 activations and matmuls (trainer/int8_linear.py)
+INT8_W8A8 = "int8_w8a8"  # torchao weights, int8 activations and matmuls (trainer/model/int8_linear.py)
 
 # The torchao config class of each weight-only format the schema offers (config.TORCHAO_WEIGHTS; the
-# other, int8_w8a8, is trainer/int8_linear.py); quanto's formats are the names of its own qtypes.
+# other, int8_w8a8, is trainer/model/int8_linear.py); quanto's formats are the names of its own qtypes.
 TORCHAO_CONFIGS = {"int8_weight_only": "Int8WeightOnlyConfig", "int4_weight_only": "Int4WeightOnlyConfig",
                    "float8_weight_only": "Float8WeightOnlyConfig"}
 

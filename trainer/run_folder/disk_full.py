@@ -77,7 +77,7 @@ def message(what: str, folder: Path, last_checkpoint: Optional[Path], needed: Op
 def where(exc: BaseException) -> str:
     """The innermost function of this project that ``exc`` passed through, e.g.
     ``FeatureCache.put in image_datasets/cache.py``: safetensors' and torch's errors name no file."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # trainer/run_folder/ -> the project
     found = "the run"
     tb = exc.__traceback__
     while tb is not None:

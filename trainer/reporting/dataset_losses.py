@@ -1,9 +1,9 @@
 """Per-dataset loss of each optimizer step (``loss/<name>``, ``loss/regularization``), and the weight of
 regularisation batches.
 
-A batch belongs to one dataset (``trainer/data_mix.py``), so a dataset's loss in a step is the mean
+A batch belongs to one dataset (``trainer/data/data_mix.py``), so a dataset's loss in a step is the mean
 of its micro-batches' losses. The sums stay on the device until the step is logged, and reach the
-host through a non-blocking copy, as the step's own loss does (``trainer/async_step.py``): no host
+host through a non-blocking copy, as the step's own loss does (``trainer/step/async_step.py``): no host
 sync is added to the step. A one-dataset run needs none of it: its dataset's loss is the step's.
 """
 
@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from trainer.async_step import copy_to_host
+from trainer.step.async_step import copy_to_host
 from trainer.config import REGULARIZATION
 
 

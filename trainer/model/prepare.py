@@ -17,13 +17,13 @@ import torch
 from loguru import logger
 
 from trainer.families.base import ModelFamily
-from trainer.activation_offload import checkpointing_func
-from trainer.adapters import TrainedWeights, skip_lora_input_upcast
-from trainer.block_swap import BlockSwapper
+from trainer.model.activation_offload import checkpointing_func
+from trainer.model.adapters import TrainedWeights, skip_lora_input_upcast
+from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from utils.errors import ConfigError
 from trainer.platform import attention_shape, choose_attention, compile_blocks, compile_decision, maybe_fp8
-from trainer.quantization import place, quantization_spec
+from trainer.model.quantization import place, quantization_spec
 from utils.attention import AttentionChoice
 
 

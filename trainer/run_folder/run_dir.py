@@ -1,16 +1,16 @@
 """A run's output folder: whether a run starts fresh, resumes or replaces the one there, and the files
-the engine keeps in it besides checkpoints (``trainer/checkpoint.py``) and the trained weights
-(``trainer/adapters.py``).
+the engine keeps in it besides checkpoints (``trainer/run_folder/checkpoint.py``) and the trained weights
+(``trainer/model/adapters.py``).
 
     output_dir/
-      run.lock                    the run that owns the folder (``trainer/run_lock.py``)
+      run.lock                    the run that owns the folder (``trainer/run_folder/run_lock.py``)
       run_status.json             {"state", "step", "max_steps", "message", "time"}: running | finished |
                                   failed | stopped, rewritten at start, at each checkpoint and at exit
       config.yaml                 the resolved config of the run
-      metrics.jsonl               one JSON line per logged step (``trainer/metric_logging.py``);
+      metrics.jsonl               one JSON line per logged step (``trainer/reporting/metric_logging.py``);
                                   truncated to the checkpoint on resume, moved aside on a fresh start
       train.log                   the full log
-      summary.json                written at the end (``trainer/reporting.py``)
+      summary.json                written at the end (``trainer/reporting/summary.py``)
       checkpoint-N/               complete checkpoints only
       pytorch_lora_weights.safetensors | adapter_model.safetensors | final_model/   the final artefact
 
@@ -30,10 +30,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from loguru import logger
 
-from trainer import checkpoint as ckpt, disk_full
+from trainer.run_folder import checkpoint as ckpt, disk_full
 from trainer.config import TrainConfig, config_to_yaml
 from utils.files import write_text_atomic  # noqa: F401  (also imported from here by webui/runner.py)
-from trainer.run_lock import RunLock
+from trainer.run_folder.run_lock import RunLock
 from trainer.signals import register_cleanup
 from utils.errors import ConfigError, TrainingInterrupted, UserError
 from utils.folders import writable_folder
@@ -174,7 +174,7 @@ class RunFolder:
         return write_text_atomic(self.path / CONFIG_NAME, config_to_yaml(cfg))
 
     def write_summary(self, summary: Dict[str, Any]) -> Path:
-        """``summary.json`` (its contents: ``trainer/reporting.py``)."""
+        """``summary.json`` (its contents: ``trainer/reporting/summary.py``)."""
         return write_text_atomic(self.summary, json.dumps(summary, indent=2))
 
 

@@ -13,8 +13,8 @@ from loguru import logger
 from PIL import Image, ImageDraw
 
 from trainer.config import TrainConfig, config_to_yaml
-from trainer.metric_logging import read_metrics
-from trainer.run_dir import RunFolder
+from trainer.reporting.metric_logging import read_metrics
+from trainer.run_folder.run_dir import RunFolder
 
 
 def smoothed(values: List[float], beta: float = 0.9) -> List[float]:
@@ -61,7 +61,7 @@ def plot_losses(records: List[Dict[str, Any]], path: Path, size: Tuple[float, fl
                       label=f"{key} (smoothed)")
     held_out = [(r["step"], r["eval_loss"]) for r in records
                 if isinstance(r.get("eval_loss"), (int, float)) and math.isfinite(r["eval_loss"])]
-    if held_out:  # the held-out loss (trainer/evaluation.py), its lowest point marked
+    if held_out:  # the held-out loss (trainer/evaluation/held_out.py), its lowest point marked
         axes.plot(*zip(*held_out), color="#dc2626", marker="o", markersize=3, linewidth=1.5, label="held-out loss")
         best = min(held_out, key=lambda p: p[1])
         axes.plot(*best, marker="*", markersize=12, color="#dc2626", linestyle="none",
@@ -124,8 +124,8 @@ def plot_timestep_density(cfg: TrainConfig, family: Any, sizes: List[Tuple[int, 
     """``timestep_density.png``: what the configured sampler and shift draw, at the most common size."""
     import torch
 
-    from trainer.features import latent_shape
-    from trainer.training_step import draw_sigmas
+    from trainer.data.features import latent_shape
+    from trainer.step.training_step import draw_sigmas
 
     size = max(set(sizes), key=sizes.count)
     sigmas = draw_sigmas(cfg, family, latent_shape(family, size, 20_000), torch.Generator().manual_seed(0))

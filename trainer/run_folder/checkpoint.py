@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from loguru import logger
 
-from trainer import disk_full
+from trainer.run_folder import disk_full
 from trainer.signals import cleanup_on_exit
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"

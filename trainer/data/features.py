@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from image_datasets.cache import FeatureCache, Tensors, cache_key
 from image_datasets.dataset import Sample, file_hash, open_rgb, pixels_at
 from trainer.families.base import ModelFamily
-from trainer.async_step import to_device
+from trainer.step.async_step import to_device
 from trainer.config import TrainConfig, dataset_entries
 from utils.folders import writable_folder
 

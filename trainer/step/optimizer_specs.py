@@ -1,6 +1,6 @@
 """The facts of each ``optimizer:`` choice, in one table: its package and pip line, whether it is
 schedule-free or adapts its own step size, whether it runs on sharded weights, and the bytes of state
-it keeps (the memory planner's figure). ``trainer/optim.py`` builds them; ``trainer/config/checks.py`` checks
+it keeps (the memory planner's figure). ``trainer/step/optim.py`` builds them; ``trainer/config/checks.py`` checks
 the keys against this table. Nothing here imports an optimizer package.
 """
 

@@ -1,6 +1,6 @@
 """Optimizers and learning-rate schedules.
 
-Each ``optimizer:`` value (their facts: ``trainer/optimizer_specs.py``) is built here from its own
+Each ``optimizer:`` value (their facts: ``trainer/step/optimizer_specs.py``) is built here from its own
 package. Two kinds need more than ``step()``:
 
 - **Schedule-free** optimizers (``adamw_schedulefree``, ``prodigy_schedulefree``) take their steps at
@@ -108,7 +108,7 @@ def _muon(params: List[torch.nn.Parameter], hidden: set, adam: Dict[str, Any]) -
 
 def adamw(params: List[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
     """torch's AdamW, fused where its kernel runs: one kernel per step instead of several per tensor
-    group, and it can skip a non-finite step on the device (``trainer.async_step``)."""
+    group, and it can skip a non-finite step on the device (``trainer.step.async_step``)."""
     if all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params):
         return torch.optim.AdamW(params, fused=True, **kwargs)
     return torch.optim.AdamW(params, **kwargs)

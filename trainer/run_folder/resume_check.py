@@ -24,9 +24,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from loguru import logger
 
 from image_datasets.dataset import Sample
-from trainer import checkpoint as ckpt
+from trainer.run_folder import checkpoint as ckpt
 from trainer.config import TrainConfig
-from trainer.optim import apply_settings
+from trainer.step.optim import apply_settings
 from utils.errors import ConfigError, UserError
 
 # What the trained weights are: a resume with another value would train something else.

@@ -1,5 +1,5 @@
 """Where a run reports: the console and ``train.log`` (loguru), and which experiment trackers are
-installed (the numbers they get: ``trainer/metric_logging.py``)."""
+installed (the numbers they get: ``trainer/reporting/metric_logging.py``)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from loguru import logger
 from peft import LoHaConfig, LoKrConfig, LoraConfig, PeftConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
-from trainer.checkpoint import LORA_WEIGHTS_NAME, load_sharded_state_dict, replace_folder, save_lora_file
+from trainer.run_folder.checkpoint import LORA_WEIGHTS_NAME, load_sharded_state_dict, replace_folder, save_lora_file
 from trainer.config import TrainConfig
 from utils.errors import ConfigError, UserError
 from trainer.families.spec import TargetSpec
@@ -182,7 +182,7 @@ class LoraWeights:
         output_dir.mkdir(parents=True, exist_ok=True)
         if "comfyui" in self.cfg.lora_export_formats:
             from trainer.families import family_spec
-            from trainer.lora_formats import save_comfyui_lora
+            from trainer.model.lora_formats import save_comfyui_lora
 
             save_comfyui_lora(output_dir / COMFYUI_NAME, lora_state_dict(transformer, trained),
                               lora_metadata(transformer), family_spec(self.cfg.family).comfyui_names)

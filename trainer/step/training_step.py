@@ -14,9 +14,9 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
 import torch
 
 from trainer.families.base import ModelFamily
-from trainer.async_step import to_device
+from trainer.step.async_step import to_device
 from trainer.config import TrainConfig
-from trainer.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
+from trainer.step.flow_matching import add_noise, apply_shift, flow_matching_loss, sample_sigmas, velocity_target
 
 
 def step_seed(seed: int, epoch: int, micro_step: int, rank: int) -> int:

@@ -29,13 +29,13 @@ import torch
 from loguru import logger
 
 from image_datasets.dataset import ImageCaptionDataset, Sample, collate, file_hash
-from trainer.async_step import to_device
-from trainer.checkpoint import list_checkpoints
+from trainer.step.async_step import to_device
+from trainer.run_folder.checkpoint import list_checkpoints
 from trainer.config import EVAL_ROLE, TrainConfig, dataset_entries
-from trainer.data_mix import TrainingData, scan_dataset
-from trainer.features import latent_shape
-from trainer.optim import evaluation_weights
-from trainer.training_step import draw_sigmas, flow_matching_step
+from trainer.data.data_mix import TrainingData, scan_dataset
+from trainer.data.features import latent_shape
+from trainer.step.optim import evaluation_weights
+from trainer.step.training_step import draw_sigmas, flow_matching_step
 from utils.errors import DataError
 
 QUANTILES = (0.1, 0.3, 0.5, 0.7, 0.9)  # the default noise levels: these quantiles of the run's own draw
@@ -163,7 +163,7 @@ class Evaluator:
 
     cfg: TrainConfig
     family: Any
-    features: Any  # trainer.features.FeatureStore
+    features: Any  # trainer.data.features.FeatureStore
     dataset: ImageCaptionDataset
     first: int
     samples: List[Sample]

@@ -59,7 +59,7 @@ class TrainingData:
         every = dataset_entries(cfg)
         for warning in same_folder_warnings(every):
             logger.warning(warning)
-        entries = [e for e in every if e.role != EVAL_ROLE]  # held-out sets: trainer/evaluation.py
+        entries = [e for e in every if e.role != EVAL_ROLE]  # held-out sets: trainer/evaluation/held_out.py
         samples: List[Sample] = []
         dataset_of: List[int] = []
         for index, entry in enumerate(entries):

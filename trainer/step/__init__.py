@@ -1,0 +1,10 @@
+"""One optimizer step: its maths, its optimizer, and what keeps it free of host syncs.
+
+- ``training_step.py``: tensors in, loss out (seeds, noise levels, forward, loss), shared with the GPU harness;
+- ``flow_matching.py``: rectified-flow maths: timestep sampling and shifts, noising, target, loss weights;
+- ``async_step.py``: non-blocking input copies, the NaN guard on the device, numbers read a step late;
+- ``optim.py``: the optimizers, schedule-free evaluation weights, learning-rate schedules;
+- ``optimizer_specs.py``: each ``optimizer:`` choice's facts (package, pip line, kind, state bytes).
+
+Nothing is imported here: import the module you need (``from trainer.step.optim import ...``).
+"""
