@@ -31,7 +31,7 @@ def scan_dataset(entry: DatasetEntry, family: ModelFamily) -> List[Sample]:
         edit = as_reference_family(family)
         reference_size = edit.reference_size
         control_dirs = find_control_dirs(entry.img_dir, entry.control_dir, entry.control_dirs)
-        if not control_dirs:
+        if not control_dirs and not family.spec.references_optional:
             raise DataError(f"{family.name} trains on reference images: set data_config.control_dir (or "
                             f"control_dirs), or put them in a control/ folder beside {entry.img_dir}")
         edit.check_references(len(control_dirs))

@@ -122,6 +122,8 @@ class FamilySpec:
     text: TextTokens = field(default_factory=TextTokens)
     # pipeline class -> what a reference image adds (empty: the family takes no references)
     references: Mapping[str, ReferenceTokens] = field(default_factory=dict)
+    # With references, whether a dataset without control folders trains too (text-to-image: Qwen-Image-2.1).
+    references_optional: bool = False
     # The planner's layout of the linears outside the blocks: name prefix -> (stream, group).
     outer_layout: BlockLayout = field(default_factory=dict)
     # Pipeline components that are Qwen2-VL processors (``utils.qwen_processor`` loads them
