@@ -29,8 +29,9 @@ VAE = dict(base_dim=8, decoder_base_dim=12, z_dim=Z_DIM,
            num_res_blocks=1,
            # not 0/1, and not the published ones: the normalisation must come from this file
            latents_mean=[0.1 * (i - 4) for i in range(Z_DIM)], latents_std=[0.5 + 0.25 * i for i in range(Z_DIM)])
-# One <|image_pad|> per 32x32 px, as published; references of 32^2..256^2 px pass the processor unchanged.
-IMAGE_SIZE = {"shortest_edge": 32 * 32, "longest_edge": 256 * 256}
+# One <|image_pad|> per 32x32 px, as published; references of 32^2..1024^2 px pass the processor unchanged (the
+# pipeline's default output_resolution sizes them at 1024^2).
+IMAGE_SIZE = {"shortest_edge": 32 * 32, "longest_edge": 1024 * 1024}
 
 
 def build(out_dir: str | Path, seed: int = 0, checkpoint: Optional[str] = None) -> Path:
