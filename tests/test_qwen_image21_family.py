@@ -294,8 +294,9 @@ def test_lora_with_references_loads_in_the_pipeline_and_changes_its_render(tiny_
     missing keys and alpha kept, and the LoRA changes a render with a reference."""
     out = tmp_path / "run"
     train_in_process(QUICKSTART, "qwen_image21", f"pretrained_model_name_or_path={tiny_qwen_image21}",
-                     f"data_config.img_dir={edit_data}", f"output_dir={out}", "report_to=none", "max_train_steps=3",
-                     "learning_rate=1e-2", "rank=4", "lora_alpha=2", "checkpointing_steps=100")
+                     f"data_config.img_dir={edit_data}", f"output_dir={out}", "report_to=none",
+                     "learning_rate=5e-2", "rank=4", "lora_alpha=2", "checkpointing_steps=100", "max_train_steps=6",
+                     "lora_target=all_linear")
     pipe = family_pipeline("qwen_image21", tiny_qwen_image21)
     image = Image.open(sorted((edit_data.parent / "control").iterdir())[0])
     call = dict(prompt="make it blue", image=image, height=64, width=64, num_inference_steps=2, output_resolution=64,
