@@ -99,6 +99,9 @@ STAGES: Sequence[Stage] = (
     Stage("flux2_klein", 4, "FLUX.2 [klein] 4B profile: step, peak, MFU", 65, 120, 20, 120),
     # Not measured yet: the estimate is the 24 GB Qwen-Image profile's scaled to 12.8B parameters.
     Stage("krea2_24gb", 4, "Krea 2 24 GB profile (qfloat8 blocks): step, peak", 70, 140, 20, 120, needs_quanto=True),
+    # Not measured yet: the estimate is Krea 2's scaled to 7.1B parameters (plus the 8B encoder's cache pass).
+    Stage("qwen21_24gb", 4, "Qwen-Image-2.1 24 GB profile (qfloat8 blocks): step, peak", 60, 130, 20, 120,
+          needs_quanto=True),
     Stage("int8", 5, "int8 W8A8 vs bf16 vs qfloat8 LoRA steps (quantized_step.py)", 90, 150, 30, 120,
           kind="int8"),
     Stage("attention", 5, "attention backends (Qwen-Image, FLUX.1-dev)", 25, 60, 15, 60),

@@ -121,10 +121,11 @@ SPEC = FamilySpec(
     text=TextTokens(max_length=1024, template=13, kept=8, prompts_per_call=1,
                     conditions={"prompt_embeds": ("context_in_dim", True), "image_pad_mask": ("", True)}),
     # Up to 3 references (as Qwen-Image-Edit-2509); each is resized once to the reference area and feeds both the
-    # vision tower and the VAE. Its slots become image tokens in the DiT: the planner counts them as text tokens
-    # too (an overcount of area / 1024 tokens per reference; docs/QWEN_IMAGE21.md).
+    # vision tower and the VAE. The transformer writes its latents into its slots (4 per slot): in the DiT the
+    # slots are the reference's image tokens, the markers around them ("<imageN><|vision_start|>", ...) text.
     references={"QwenImage21Pipeline": ReferenceTokens(max_references=3, condition_area=REFERENCE_AREA,
-                                                       markers=8, vae_area=REFERENCE_AREA, pixels_per_token=32)},
+                                                       markers=8, vae_area=REFERENCE_AREA, pixels_per_token=32,
+                                                       slots_hold_latents=True)},
     references_optional=True,  # a dataset without control/ folders trains text-to-image
     outer_layout=_OUTER_LAYOUT,
     vl_processors=("processor",),
