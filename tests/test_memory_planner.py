@@ -362,8 +362,6 @@ def traced_training_bytes(class_name: str, config: Dict[str, Any], targets: Any,
     exactly the tensors the real code allocates, with no allocator or kernel workspaces."""
     model, mode = fake_lora_transformer(class_name, config, targets)
     side = int(n_img ** 0.5)
-    # Qwen-Image-2.1's slot mask: a real tensor (the model reads shapes from its values)
-    slots = torch.cat([torch.zeros(1, n_txt, dtype=torch.bool), torch.ones(1, n_img // 4, dtype=torch.bool)], dim=1)
     with mode:
         params = [p for p in model.parameters() if p.requires_grad]
         if checkpointing:
@@ -375,7 +373,7 @@ def traced_training_bytes(class_name: str, config: Dict[str, Any], targets: Any,
             frozen += 0 if p.requires_grad else p.numel() * p.element_size()
         x = torch.randn(1, n_img, config["in_channels"], dtype=torch.bfloat16)
         width = (config["num_text_layers"], config["text_hidden_dim"]) if class_name.startswith("Krea2") \
-            else (config.get("joint_attention_dim") or config["context_in_dim"],)  # Krea 2: each token stacks taps
+            else (config["joint_attention_dim"],)  # Krea 2: each token stacks its encoder taps
         text = torch.randn(1, n_txt, *width, dtype=torch.bfloat16)
         with tracker:
             for _ in range(2):  # the second step has the optimizer state
@@ -383,9 +381,6 @@ def traced_training_bytes(class_name: str, config: Dict[str, Any], targets: Any,
                     if class_name.startswith("Krea2"):
                         out = model(hidden_states=x, encoder_hidden_states=text, timestep=torch.rand(1),
                                     position_ids=torch.zeros(n_txt + n_img, 3), return_dict=False)[0]
-                    elif class_name.startswith("QwenImage21"):  # unpatched; one slot per 2x2 target tokens
-                        out = model(hidden_states=x, encoder_hidden_states=text, timestep=torch.rand(1),
-                                    img_shapes=[[(1, side, side)]], img_mask=slots, return_dict=False)[0]
                     elif class_name.startswith("Qwen"):
                         out = model(hidden_states=x, encoder_hidden_states=text, encoder_hidden_states_mask=None,
                                     timestep=torch.rand(1), img_shapes=[[(1, side, side)]], return_dict=False)[0]
@@ -414,7 +409,6 @@ def planned_training_bytes(family: str, class_name: str, config: Dict[str, Any],
 QWEN_FULL = published_configs("Qwen/Qwen-Image")["transformer/config.json"]
 FLUX_FULL = published_configs("black-forest-labs/FLUX.1-dev")["transformer/config.json"]
 KREA2_FULL = published_configs("krea/Krea-2-Raw")["transformer/config.json"]
-QWEN21_FULL = published_configs("Qwen/Qwen-Image-2.1")["transformer/config.json"]
 TRACE_CASES = [
     # full-width blocks (only a few of them, which is what the per-block formulas need)
     ("qwen_image", "QwenImageTransformer2DModel", {**QWEN_FULL, "num_layers": 3}, "attention", 4096, 128, True),
@@ -426,10 +420,6 @@ TRACE_CASES = [
      False),
     ("krea2", "Krea2Transformer2DModel", {**KREA2_FULL, "num_layers": 2}, "attention", 4096, 128, True),
     ("krea2", "Krea2Transformer2DModel", {**KREA2_FULL, "num_layers": 2}, "all_linear", 1024, 128, False),
-    ("qwen_image21", "QwenImage21Transformer2DModel", {**QWEN21_FULL, "num_layers": 2}, "attention", 4096, 128,
-     True),
-    ("qwen_image21", "QwenImage21Transformer2DModel", {**QWEN21_FULL, "num_layers": 2}, "all_linear", 1024, 128,
-     False),
 ]
 
 

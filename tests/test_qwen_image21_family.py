@@ -307,3 +307,74 @@ def test_lora_with_references_loads_in_the_pipeline_and_changes_its_render(tiny_
     assert {m.scaling["trained"] for m in pipe.transformer.modules() if hasattr(m, "scaling")} == {0.5}
     changed = pipe(generator=torch.Generator().manual_seed(0), **call).images
     assert np.abs(changed - base).mean() > 1e-3
+
+
+@pytest.mark.parametrize("preset", ["attention", "attention_mlp", "all_linear"])
+def test_the_planners_block_formula_matches_the_saved_tensors(preset: str) -> None:
+    """A real QwenImage21TransformerBlock (small width, bf16 autocast, LoRA): the bytes autograd saves in one
+    block forward over the joint sequence equal the planner's per-block formula (SavedActivations in spec.py)."""
+    import diffusers
+    from peft import LoraConfig
+
+    import trainer.planner as mp
+    from test_memory_planner import saved_block_bytes, train_config
+    from trainer.block_swap import inner_tensors
+    from trainer.families import SPECS
+    from trainer.planner.model import _build, _transformer_spec
+
+    torch.manual_seed(0)
+    config = {"_class_name": "QwenImage21Transformer2DModel", "patch_size": 1, "in_channels": 16,
+              "out_channels": 16, "num_layers": 1, "attention_head_dim": 64, "num_attention_heads": 2,
+              "context_in_dim": 32, "axes_dims_rope": [16, 24, 24]}
+    model = diffusers.QwenImage21Transformer2DModel.from_config(config).to(torch.bfloat16).requires_grad_(False)
+    model.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=SPECS["qwen_image21"].lora_presets[preset]))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    n_img, n_txt = 256, 32
+    seen: Dict[str, Any] = {}
+    handle = model.transformer_blocks[0].register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    with torch.no_grad():
+        model(hidden_states=torch.randn(1, n_img, 16, dtype=torch.bfloat16),
+              encoder_hidden_states=torch.randn(1, n_txt, 32, dtype=torch.bfloat16), timestep=torch.rand(1),
+              img_shapes=[[(1, 16, 16)]], img_mask=torch.cat([torch.zeros(1, n_txt, dtype=torch.bool),
+                                                              torch.ones(1, n_img // 4, dtype=torch.bool)], 1),
+              return_dict=False)
+    handle.remove()
+    kwargs = {**seen, "hidden_states": seen["hidden_states"].detach().requires_grad_(True),
+              # a LoRA on the timestep embedder gives the shared modulation a gradient
+              "modulation": seen["modulation"].detach().requires_grad_(preset == "all_linear")}
+    exclude = [*model.parameters(), *(t for p in model.parameters() for t in inner_tensors(p)), *model.buffers(),
+               *(t for t in seen.values() if isinstance(t, torch.Tensor) and t is not seen["hidden_states"]
+                 and t is not seen["modulation"])]
+    measured = saved_block_bytes(model.transformer_blocks[0], kwargs, exclude, True)
+
+    tspec = _transformer_spec(_build(["diffusers", config["_class_name"]], config), SPECS["qwen_image21"])
+    spec = mp.ModelSizes("small", "test", "", tspec, (), None, 0)
+    cfg = train_config("qwen_image21", mixed_precision="bf16", rank=8, lora_target=preset, data_img_size=256)
+    s = mp.resolve_settings(cfg, spec, text_tokens=n_txt, device="cpu")
+    planned = mp.estimate_activations(tspec, mp.lora_layout(tspec, s.lora_targets), s).per_block[0]
+    assert planned == pytest.approx(measured, rel=0.03), f"saved {measured}, planned {planned}"
+
+
+def test_published_sizes_and_the_profiles_plans() -> None:
+    """Qwen/Qwen-Image-2.1's published configs (built in): a 7.1B transformer of 32 blocks, the 8.8B Qwen3-VL-8B
+    encoder, the RGBA VAE at 16x; the 24 GB profile plans inside 24 GiB at 1024^2 (text-to-image without a
+    dataset), and a reference adds its latents as image tokens (not its slots as text)."""
+    import dataclasses
+
+    import trainer.planner as mp
+    from trainer.config import load_config as load
+
+    sizes = mp.model_sizes("Qwen/Qwen-Image-2.1")
+    assert sizes.transformer.params == 7_115_124_736 and {k.prefix: k.count for k in sizes.transformer.blocks} == \
+        {"transformer_blocks": 32}
+    assert sizes.text_encoders[0].params == 8_767_123_696 and sizes.vae.scale_factor == 16
+    cfg = load(ROOT / "train_configs/train_qwen_image21_lora_24gb.yaml", ["data_config.img_dir=train_configs"],
+               default_family="qwen_image21")
+    plan = mp.plan_memory(cfg, 24.0)
+    assert plan.fits and plan.settings.image_tokens == 4096 and plan.settings.references == 0, plan.format()
+    with_ref = mp.plan_memory(dataclasses.replace(cfg, data_config=dataclasses.replace(
+        cfg.data_config, control_dir="train_configs")), 24.0)
+    assert with_ref.settings.references == 1 and with_ref.settings.image_tokens == 2 * 4096
+    assert with_ref.settings.text_tokens == plan.settings.text_tokens + 8, "the markers, not 1024 slots"

@@ -35,10 +35,11 @@ _BLOCK_LAYOUT: BlockLayout = {
     "img_mlp.proj": ("joint", "mlp_in"), "img_mlp.gate_layer": ("joint", "mlp_in"),
     "img_mlp.out": ("joint", "mlp_hidden"),
 }
-# What a QwenImage21TransformerBlock keeps for backward per token (bf16, counted with saved-tensor hooks on the
-# real block: tests/test_qwen_image21_family.py): hidden-width tensors in bf16 (the two modulated norms' outputs,
-# the q/k/v and attention output), norm_q/norm_k's fp32 copies of q and k, and the SwiGLU's three of the MLP width.
-_BLOCK_SAVED = SavedActivations(half_hidden=5, fp32_hidden=2, half_mlp=3, fp32_outputs=("attn.to_q", "attn.to_k"),
+# What a QwenImage21TransformerBlock keeps for backward per token, counted with saved-tensor hooks on the real block
+# (bf16 autocast; tests/test_qwen_image21_family.py): 12 tensors of the hidden width in bf16 (the two modulated
+# norms' outputs and gates, q/k after their norms and rotary, q/k/v as the segment-wise attention keeps them, its
+# output, the residual branches), norm_q/norm_k's fp32 copies of q and k, and the SwiGLU's three of the MLP width.
+_BLOCK_SAVED = SavedActivations(half_hidden=12, fp32_hidden=0, half_mlp=3, fp32_outputs=("attn.to_q", "attn.to_k"),
                                 modulated_hidden=4)
 _OUTER_LAYOUT: BlockLayout = {"txt_in": ("txt", "in"), "time_text_embed": ("img", "temb"),
                               "modulation": ("joint", "mod"), "norm_out": ("img", "mod")}
