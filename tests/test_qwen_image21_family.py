@@ -378,3 +378,20 @@ def test_published_sizes_and_the_profiles_plans() -> None:
         cfg.data_config, control_dir="train_configs")), 24.0)
     assert with_ref.settings.references == 1 and with_ref.settings.image_tokens == 2 * 4096
     assert with_ref.settings.text_tokens == plan.settings.text_tokens + 8, "the markers, not 1024 slots"
+
+
+def test_a_changed_reference_area_encodes_the_text_again(tiny_qwen_image21: Path, edit_data: Path,
+                                                         tmp_path: Path) -> None:
+    """The text condition holds the reference's slots, whose count follows the reference area: the cached
+    condition of another area is not reused (its slots would not match the latents)."""
+    from trainer.features import FeatureStore
+
+    def key(area: int) -> str:
+        cfg = load_config(ROOT / QUICKSTART, [f"pretrained_model_name_or_path={tiny_qwen_image21}",
+                                              f"data_config.img_dir={edit_data}", f"output_dir={tmp_path / 'o'}",
+                                              f"data_config.reference_vae_area={area}"], default_family="qwen_image21")
+        store = FeatureStore.__new__(FeatureStore)  # only the key's inputs: no cache folder, no accelerator
+        store.cfg, store.family, store.dtype, store.hashes = cfg, family_for(tiny_qwen_image21, area), "fp32", {}
+        return store.text_key("a cat", (sorted((edit_data.parent / "control").iterdir())[0],))
+
+    assert key(64 * 64) == key(64 * 64) != key(128 * 128)
