@@ -35,7 +35,7 @@ def scan_dataset(entry: DatasetEntry, family: ModelFamily) -> List[Sample]:
             raise DataError(f"{family.name} trains on reference images: set data_config.control_dir (or "
                             f"control_dirs), or put them in a control/ folder beside {entry.img_dir}")
         edit.check_references(len(control_dirs))
-        logger.info(f"reference folders: {', '.join(map(str, control_dirs))}")
+        logger.info(f"reference folders: {', '.join(map(str, control_dirs)) or 'none (text-to-image)'}")
     skip = check_before_training(entry.img_dir, entry.caption_type, entry.img_size, family.pixel_multiple,
                                  control_dirs, skip_bad=entry.skip_bad_samples)
     samples = scan_image_folder(entry.img_dir, entry.caption_type, entry.img_size, family.pixel_multiple,

@@ -218,13 +218,9 @@ class QwenImage21Family(FamilyBase):
         mean, std = self._latent_stats(latents)
         return (latents - mean) / std
 
-    @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised latents -> RGB images in [-1, 1] (the VAE's alpha channel left out)."""
-        assert self.vae is not None, "load_vae() first"
-        latents = latents.to(self.vae.device, self.vae.dtype)
-        mean, std = self._latent_stats(latents)
-        return self.vae.decode((latents * std + mean).unsqueeze(2)).sample[:, :3, 0]
+        """Normalised latents -> RGB images in [-1, 1] (Qwen-Image's decode; the VAE's alpha channel left out)."""
+        return QwenImageFamily.decode_latents(self, latents)[:, :3]
 
     # -- transformer ------------------------------------------------------------------------------
     def image_seq_len(self, latent_shape: Sequence[int]) -> int:
