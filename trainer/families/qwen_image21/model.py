@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -104,6 +105,7 @@ class QwenImage21Family(FamilyBase):
         self.encoder_quantization = text_encoder_spec(cfg)
         self.text_pipe: Optional[QwenImage21Pipeline] = None
         self.vae: Optional[AutoencoderKLQwenImage21] = None
+        self.processor: Any = None
 
     def _check_reference_area(self) -> None:
         """A reference outside the processor's pixel bounds is resized again by it, and its slots would no longer
@@ -118,7 +120,7 @@ class QwenImage21Family(FamilyBase):
                 f"outside the {low}..{high} px the checkpoint's processor keeps "
                 f"({Path(self.model_path) / 'processor' / 'preprocessor_config.json'}); choose an area inside them")
 
-    @property
+    @cached_property
     def processor_config(self) -> Mapping[str, Any]:
         """The checkpoint's ``processor/preprocessor_config.json``."""
         found = from_pretrained(lambda path, subfolder, revision: cached_file(
@@ -156,7 +158,11 @@ class QwenImage21Family(FamilyBase):
                                              processor=self._processor())
 
     def _processor(self) -> Any:
-        return from_pretrained(load_qwen_vl_processor, self.model_path, "processor", revision=self.revision)
+        """The checkpoint's Qwen3-VL processor (tokenizer and image processor: small), loaded once."""
+        if self.processor is None:
+            self.processor = from_pretrained(load_qwen_vl_processor, self.model_path, "processor",
+                                             revision=self.revision)
+        return self.processor
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str],
