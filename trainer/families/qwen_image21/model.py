@@ -151,6 +151,9 @@ class QwenImage21Family(FamilyBase):
     # -- text -------------------------------------------------------------------------------------
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
         encoder = self._load(Qwen3VLForConditionalGeneration.from_pretrained, "text_encoder", dtype=dtype)
+        # Only hidden states are read: the LM head (0.6B parameters, logits over 152k tokens per prompt token)
+        # would cost memory and time in the cache pass for nothing.
+        encoder.lm_head = torch.nn.Identity()
         encoder = place(encoder.requires_grad_(False).eval(), device, self.encoder_quantization, what="text encoder")
         # The pipeline's own encode_prompt holds the template, the slots, the hook that reads the last layer
         # before its norm and the system-turn drop: reuse, don't copy.
