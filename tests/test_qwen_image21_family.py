@@ -395,3 +395,23 @@ def test_a_changed_reference_area_encodes_the_text_again(tiny_qwen_image21: Path
         return store.text_key("a cat", (sorted((edit_data.parent / "control").iterdir())[0],))
 
     assert key(64 * 64) == key(64 * 64) != key(128 * 128)
+
+
+@pytest.mark.e2e
+def test_text_to_image_and_reference_datasets_in_one_run(tiny_qwen_image21: Path, sample_data: Path,
+                                                         edit_data: Path, tmp_path: Path) -> None:
+    """A dataset without control folders (text-to-image) beside one with references: both train in one run,
+    each dataset's loss logged."""
+    import yaml
+
+    profile = tmp_path / "mixed.yaml"
+    profile.write_text("# mixed\n#   accelerate launch train_qwen_image21_lora.py --config mixed.yaml\n" + yaml.safe_dump({
+        "family": "qwen_image21", "pretrained_model_name_or_path": str(tiny_qwen_image21),
+        "data_config": {"img_size": 64, "train_batch_size": 2, "num_workers": 0, "reference_vae_area": AREA},
+        "datasets": [{"name": "plain", "img_dir": str(sample_data)}, {"name": "edit", "img_dir": str(edit_data)}],
+        "output_dir": str(tmp_path / "run"), "max_train_steps": 6, "learning_rate": 1e-3, "mixed_precision": "no",
+        "rank": 4, "checkpointing_steps": 100, "report_to": "none"}))
+    train_in_process(profile, "qwen_image21")
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 6 and all(math.isfinite(m["loss"]) for m in lines)
+    assert {"loss/plain", "loss/edit"} <= {k for m in lines for k in m}
