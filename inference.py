@@ -30,7 +30,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="diffusers folder or hub id")
     p.add_argument("--family", choices=list(SPECS), help="default: from the model's model_index.json")
     p.add_argument("--image", action="append", type=Path, default=[],
-                   help="reference image for Qwen-Image-Edit (repeat for Edit-2509/2511, up to 3)")
+                   help="reference image for Qwen-Image-Edit or Qwen-Image-2.1 (repeat for Edit-2509/2511 and "
+                        "2.1, up to 3)")
     p.add_argument("--lora", help="LoRA file (pytorch_lora_weights.safetensors) or its folder")
     p.add_argument("--lora-scale", type=float, default=1.0)
     p.add_argument("--base-out", type=Path, default=None,
@@ -122,9 +123,11 @@ def reference_images(pipe, paths: List[Path]):
             users = ", ".join(s.title for s in SPECS.values() if s.uses_references)
             raise SystemExit(f"error: --image is for {users} models; {name} takes no reference")
         return None
-    limit = facts.max_references
-    if not 1 <= len(paths) <= limit:
-        raise SystemExit(f"error: {name} takes 1 to {limit} --image reference(s), got {len(paths)}")
+    limit, least = facts.max_references, 0 if spec.references_optional else 1
+    if not least <= len(paths) <= limit:
+        raise SystemExit(f"error: {name} takes {least} to {limit} --image reference(s), got {len(paths)}")
+    if not paths:  # text-to-image (Qwen-Image-2.1)
+        return None
     for path in paths:
         if not path.is_file():
             raise SystemExit(f"error: reference image '{path}' does not exist")

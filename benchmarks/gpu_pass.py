@@ -107,6 +107,9 @@ STAGES: Sequence[Stage] = (
     Stage("families", 4, "new families' GPU tests: real-width gradients, 1024^2 steps, gradient flow", 150, 240,
           40, 150, kind="tests"),
     Stage("krea2_24gb", 4, "Krea 2 24 GB profile (qfloat8 blocks): step, peak", 70, 140, 20, 120, needs_quanto=True),
+    # Not measured yet: the estimate is Krea 2's scaled to 7.1B parameters (plus the 8B encoder's cache pass).
+    Stage("qwen21_24gb", 4, "Qwen-Image-2.1 24 GB profile (qfloat8 blocks): step, peak", 60, 130, 20, 120,
+          needs_quanto=True),
     Stage("int8", 5, "int8 W8A8 vs bf16 vs qfloat8 LoRA steps (quantized_step.py)", 90, 150, 30, 120,
           kind="int8"),
     Stage("attention", 5, "attention backends (Qwen-Image, FLUX.1-dev)", 25, 60, 15, 60),

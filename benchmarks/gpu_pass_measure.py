@@ -297,6 +297,7 @@ MEASUREMENTS: Dict[str, Callable[[Ctx], None]] = {
     "mem_16gb": lambda ctx: memory(ctx, "16gb", 5),
     "flux2_klein": lambda ctx: memory(ctx, "flux2_klein", 8),
     "krea2_24gb": lambda ctx: memory(ctx, "krea2_24gb", 5),
+    "qwen21_24gb": lambda ctx: memory(ctx, "qwen21_24gb", 5),
     "attention": attention,
     "flux_step": lambda ctx: step(ctx, "flux", "auto"),
     # FLUX.1-dev compiled with the cuDNN kernel hit an illegal memory access on an H200 (a8112a6): the

@@ -277,6 +277,7 @@ MEMORY_ROWS: Tuple[Tuple[str, Tuple[str, ...], str], ...] = (
     ("24gb", ("quantize=false",), "bf16 blocks, none swapped"),
     ("flux2_klein", (), "FLUX.2 [klein] base 4B profile, as shipped (bf16)"),
     ("krea2_24gb", (), "Krea 2 Raw 24 GB profile, as shipped (qfloat8 blocks)"),
+    ("qwen21_24gb", (), "Qwen-Image-2.1 24 GB profile, as shipped (qfloat8 blocks)"),
 )
 
 

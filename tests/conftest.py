@@ -42,7 +42,8 @@ def _tiny_fixture(name: str) -> Callable[..., Path]:
     return fixture
 
 
-# tiny_qwen_image, tiny_qwen_image_edit, tiny_qwen_image_edit_plus, tiny_flux, tiny_flux2, tiny_kandinsky5, tiny_z_image, tiny_krea2
+# tiny_qwen_image, tiny_qwen_image_edit, tiny_qwen_image_edit_plus, tiny_flux, tiny_flux2, tiny_kandinsky5, tiny_z_image, tiny_krea2,
+# tiny_qwen_image21
 for _name in TINY_BUILDERS:
     globals()[f"tiny_{_name}"] = _tiny_fixture(_name)
 

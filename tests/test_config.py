@@ -29,7 +29,8 @@ def base(data_dir: Path) -> list:
 
 ENTRY_FAMILIES = {"train.py": "qwen_image", "train_4090.py": "qwen_image", "train_full_qwen_image.py": "qwen_image",
                   "train_flux_lora.py": "flux", "train_flux2_lora.py": "flux2",
-                  "train_qwen_edit_lora.py": "qwen_image_edit", "train_krea2_lora.py": "krea2"}
+                  "train_qwen_edit_lora.py": "qwen_image_edit", "train_krea2_lora.py": "krea2",
+                  "train_qwen_image21_lora.py": "qwen_image21"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])

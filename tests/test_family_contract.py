@@ -26,7 +26,7 @@ from test_family_e2e import E2E_CASES
 from trainer.model.adapters import add_lora
 from trainer.config import TrainConfig
 from trainer.families import SPECS, load_family
-from trainer.families.base import pad_sequences, unpack_latents
+from trainer.families.base import FamilyBase, pad_sequences, unpack_latents
 from utils.tiny_models import FAMILIES as TINY_BUILDERS
 
 PROMPT = "a red circle on a yellow background"
@@ -106,6 +106,25 @@ def _krea2_call(call: Call, pipe: Any) -> Prediction:
     return unpack(kw["hidden_states"]), kw["timestep"], text, [], unpack(out[0])
 
 
+def _qwen21_call(call: Call, pipe: Any) -> Prediction:
+    """QwenImage21Pipeline (uncached): unpatched latents, references first and the target last (img_shapes), the
+    text's slots in img_mask, t / 1000; the output covers the joint sequence, the target's rows last."""
+    _, kw, out = call
+    grids, start = [], 0
+    for _, h, w in kw["img_shapes"][0]:
+        x = kw["hidden_states"][:, start:start + h * w]
+        grids.append(x.transpose(1, 2).reshape(x.shape[0], -1, h, w))
+        start += h * w
+    target = grids[-1]
+    n = target.shape[-2] * target.shape[-1]
+    expected = out[0][:, -n:].transpose(1, 2).reshape(target.shape)
+    length = kw["encoder_hidden_states"].shape[1]
+    assert kw["encoder_hidden_states_mask"] is None, "one prompt: no padding"
+    text = {"prompt_embeds": kw["encoder_hidden_states"], "image_pad_mask": kw["img_mask"][:, :length],
+            "layout": torch.zeros(1, dtype=torch.long), "text_length": torch.tensor([length])}
+    return target, kw["timestep"], text, grids[:-1], expected
+
+
 def _qwen_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
     extra = {"image": refs[0]} if refs else {}
     embeds, mask = pipe.encode_prompt([prompt], max_sequence_length=512, **extra)
@@ -135,6 +154,20 @@ def _z_image_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensor
 def _krea2_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
     embeds, mask = pipe.encode_prompt([prompt], max_sequence_length=512)
     return {"prompt_embeds": embeds[0][mask[0]]}  # (tokens, taps, width)
+
+
+def _qwen21_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
+    """The references as the pipeline resizes them (64x64 stays 64x64 at a 64^2 area), in RGBA."""
+    images = [pipe.image_processor.resize(r.convert("RGBA"), height=r.height, width=r.width) for r in refs]
+    embeds, _, pad = pipe.encode_prompt([prompt], image=images or None)
+    return {"prompt_embeds": embeds[0], "image_pad_mask": pad[0]}
+
+
+def _qwen21_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The RGBA VAE on one frame (opaque alpha), normalised per channel; decoded RGB (the alpha left out)."""
+    rgba = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
+    latents, decoded = _qwen_vae(pipe, rgba)
+    return latents, decoded[:, :3]
 
 
 def _qwen_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +213,7 @@ class FamilyCase:
     pipeline_vae: Callable[[Any, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]  # (latents, decoded)
     all_linear_skips: Set[str] = field(default_factory=set)  # linears all_linear leaves out, besides modulation
     references: int = 0  # reference images per sample in the pipeline calls
+    pipeline_kwargs: Mapping[str, Any] = field(default_factory=dict)  # more arguments of every pipeline run
 
 
 _QWEN_IMG_ATTN = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"}
@@ -215,6 +249,9 @@ _Z_BOTH = _Z_ATTN | {"feed_forward.w1", "feed_forward.w2", "feed_forward.w3"}
 
 _KREA2_ATTN = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_gate", "attn.to_out.0"}
 _KREA2_BOTH = _KREA2_ATTN | {"ff.gate", "ff.up", "ff.down"}
+
+_QWEN21_ATTN = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"}
+_QWEN21_BOTH = _QWEN21_ATTN | {"img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"}
 
 FAMILY_CASES: Dict[str, FamilyCase] = {
     "qwen_image": FamilyCase(_QWEN_PRESETS, _QWEN_MODULATION, _qwen_call, _qwen_text, _qwen_vae),
@@ -265,6 +302,17 @@ FAMILY_CASES: Dict[str, FamilyCase] = {
         # The text fusion (every caption token's 12 taps run through it): a custom target, unplanned.
         all_linear_skips={f"text_fusion.{kind}_blocks.0.{layer}" for kind in ("layerwise", "refiner")
                           for layer in _KREA2_BOTH} | {"text_fusion.projector"}),
+    "qwen_image21": FamilyCase(
+        {"attention": ({"transformer_blocks": _QWEN21_ATTN}, set()),
+         "attention_mlp": ({"transformer_blocks": _QWEN21_BOTH}, set()),
+         "all_linear": ({"transformer_blocks": _QWEN21_BOTH},
+                        {"img_in", "txt_in.in_layer", "txt_in.out_layer", "proj_out",
+                         "time_text_embed.timestep_embedder.linear_1", "time_text_embed.timestep_embedder.linear_2"})},
+        # The shared modulation of every block, and the output norm's.
+        lambda name: name.endswith(("modulation.1", "norm_out.linear")), _qwen21_call, _qwen21_text, _qwen21_vae,
+        references=1,
+        # Uncached, so the second step's call holds the whole sequence; references sized as the tests' 64x64.
+        pipeline_kwargs={"use_kv_cache": False, "output_resolution": 64}),
 }
 FAMILIES = list(FAMILY_CASES)
 
@@ -302,7 +350,7 @@ def pipeline_run(pipe: Any, family: Any, case: FamilyCase, **call: Any) -> Any:
     extra = {"image": refs[0]} if refs else {}
     if family.distilled_guidance:
         extra["guidance_scale"] = family.guidance
-    call = {"prompt": PROMPT, family.cfg_argument: family.cfg_off_value, **extra, **call}
+    call = {"prompt": PROMPT, family.cfg_argument: family.cfg_off_value, **extra, **case.pipeline_kwargs, **call}
     return pipe(height=64, width=64, num_inference_steps=2, generator=torch.Generator().manual_seed(0), **call)
 
 
@@ -410,6 +458,9 @@ def test_text_conditions_match_the_pipeline(name: str, pipeline: Callable[[str],
         theirs = case.pipeline_text(pipe, prompt, refs)
         assert set(cond) == set(theirs) == set(spec.text.conditions)
         for key, (width, per_token) in spec.text.conditions.items():
+            if not width:  # a per-token mask (Qwen-Image-2.1's image_pad_mask): one entry per token
+                assert cond[key].shape == cond["prompt_embeds"].shape[:1] and torch.equal(cond[key], theirs[key])
+                continue
             # per token: (tokens, width), or (tokens, taps, width) where each token stacks several hidden states
             stacked = (config[spec.text.stacked],) if spec.text.stacked and per_token else ()
             assert cond[key].shape[-1] == config[width] and cond[key].shape[1:-1] == stacked
@@ -420,8 +471,11 @@ def test_text_conditions_match_the_pipeline(name: str, pipeline: Callable[[str],
     batch = family.collate_text(conds, CPU, torch.bfloat16)
     assert all(v.dtype == torch.bfloat16 for v in batch.values() if v is not None and v.is_floating_point())
     defaults = inspect.signature(pipe.__call__).parameters
-    assert defaults["max_sequence_length"].default == spec.text.max_length
-    assert getattr(pipe, "prompt_template_encode_start_idx", 0) == spec.text.template
+    if hasattr(pipe, "_drop_idx"):  # Qwen-Image-2.1: no length limit; the drop comes from the tokenizer's template
+        assert "max_sequence_length" not in defaults
+    else:
+        assert defaults["max_sequence_length"].default == spec.text.max_length
+        assert getattr(pipe, "prompt_template_encode_start_idx", 0) == spec.text.template
     family.unload_text_encoder()
     assert family.text_pipe is None
 
@@ -429,7 +483,7 @@ def test_text_conditions_match_the_pipeline(name: str, pipeline: Callable[[str],
 def _reference_area(area: int) -> Any:
     from trainer.config import DataConfig
 
-    return DataConfig(reference_condition_area=area)
+    return DataConfig(reference_condition_area=area, reference_vae_area=area)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -454,11 +508,16 @@ def test_validation_renders_from_cached_embeddings(name: str, pipeline: Callable
                                                    tiny_model: Callable[[str], Path]) -> None:
     """A render from cached embeddings (``render_kwargs``) is the pipeline's render of the prompt."""
     pipe, case = pipeline(name), FAMILY_CASES[name]
-    family = family_for(name, tiny_model(name))
+    side = case.pipeline_kwargs.get("output_resolution")  # the references' size in the runs (Qwen-Image-2.1)
+    family = family_for(name, tiny_model(name), **({"data_config": _reference_area(side * side)} if side else {}))
     family.load_text_encoder(CPU, torch.float32)
     refs = reference_images(case)
     cond = family.encode_prompts([PROMPT], [refs] if refs else None)[0]
     kwargs = family.render_kwargs(cond, torch.float32, CPU)
-    ours = pipeline_run(pipe, family, case, output_type="np", return_dict=False, **kwargs, prompt=None)[0]
+    render = pipe
+    if type(family).render_pipeline is not FamilyBase.render_pipeline:  # its own (Qwen-Image-2.1's slots)
+        family.load_vae(CPU, torch.float32)
+        render = family.render_pipeline(pipe.transformer)
+    ours = pipeline_run(render, family, case, output_type="np", return_dict=False, **kwargs, prompt=None)[0]
     theirs = pipeline_run(pipe, family, case, output_type="np", return_dict=False)[0]
     np.testing.assert_allclose(ours, theirs, atol=1e-4)

@@ -39,6 +39,8 @@ E2E_CASES: Dict[str, E2ECase] = {
     "kandinsky5": E2ECase("train_configs/train_kandinsky5_lora.yaml", modulation="modulation"),
     "z_image": E2ECase("train_configs/train_z_image_lora.yaml", modulation="adaLN_modulation"),
     "krea2": E2ECase("train_configs/quickstart_krea2_tiny.yaml", modulation="time_mod_proj"),
+    "qwen_image21": E2ECase("train_configs/quickstart_qwen_image21_tiny.yaml", data="edit_data",
+                            modulation="modulation.1"),
 }
 
 

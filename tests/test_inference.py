@@ -103,7 +103,8 @@ def test_bad_inputs_are_one_line_errors(tiny_qwen_image: Path, tmp_path: Path) -
 @pytest.mark.parametrize("fixture, pipeline", [("tiny_z_image", "ZImagePipeline"),
                                                ("tiny_kandinsky5", "Kandinsky5T2IPipeline"),
                                                ("tiny_flux2", "Flux2KleinPipeline"),
-                                               ("tiny_krea2", "Krea2Pipeline")])
+                                               ("tiny_krea2", "Krea2Pipeline"),
+                                               ("tiny_qwen_image21", "QwenImage21Pipeline")])
 def test_newer_families_render(fixture: str, pipeline: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     model = request.getfixturevalue(fixture)
     out = tmp_path / "x.png"

@@ -109,6 +109,7 @@ FAMILY_PROFILES = {
     "flux": "train_configs/quickstart_flux_tiny.yaml", "flux2": "train_configs/quickstart_flux2_tiny.yaml",
     "kandinsky5": "train_configs/train_kandinsky5_lora.yaml", "z_image": "train_configs/train_z_image_lora.yaml",
     "krea2": "train_configs/quickstart_krea2_tiny.yaml",
+    "qwen_image21": "train_configs/quickstart_qwen_image21_tiny.yaml",
 }
 
 

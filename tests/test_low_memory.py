@@ -288,6 +288,10 @@ OFFLOAD_CASES = {
     # Krea 2's blocks take a shared modulation tensor and a bool key mask; GQA attention.
     "krea2+swap+qfloat8": ("krea2", "tiny_krea2", "sample_data", "train_configs/quickstart_krea2_tiny.yaml",
                            ["blocks_to_swap=1", "quantize=true", "data_config.train_batch_size=2"]),
+    # Qwen-Image-2.1's blocks take Python lists (segments) and a shared modulation; a reference in the sequence.
+    "qwen_image21+swap+qfloat8": ("qwen_image21", "tiny_qwen_image21", "edit_data",
+                                  "train_configs/quickstart_qwen_image21_tiny.yaml",
+                                  ["blocks_to_swap=1", "quantize=true", "data_config.train_batch_size=2"]),
     "qwen_image+swap": ("qwen_image", "tiny_qwen_image", "sample_data", QUICKSTART, ["blocks_to_swap=1"]),
     "qwen_image+qfloat8": ("qwen_image", "tiny_qwen_image", "sample_data", QUICKSTART, ["quantize=true"]),
 }

@@ -63,7 +63,8 @@ def test_fp8_without_support_says_so(logs: list) -> None:
 
 @pytest.mark.parametrize("family, blocks_named", [("flux", ("transformer_blocks", "single_transformer_blocks")),
                                                   ("z_image", ("noise_refiner", "context_refiner", "layers")),
-                                                  ("krea2", ("transformer_blocks",))])
+                                                  ("krea2", ("transformer_blocks",)),
+                                                  ("qwen_image21", ("transformer_blocks",))])
 def test_fp8_converts_the_linears_of_the_familys_blocks(family: str, blocks_named: tuple,
                                                         request: pytest.FixtureRequest) -> None:
     """fp8 picks the linears inside ``family.blocks`` (full-size, meta device): every block list's,

@@ -12,6 +12,7 @@ from diffusers import (
     FluxPipeline,
     Kandinsky5T2IPipeline,
     Krea2Pipeline,
+    QwenImage21Pipeline,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
@@ -40,6 +41,7 @@ PIPELINES = {
     "z_image": ZImagePipeline,
     "krea2": Krea2Pipeline,
     "krea2_turbo": Krea2Pipeline,
+    "qwen_image21": QwenImage21Pipeline,
 }
 QWEN_FAMILIES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
 
@@ -53,7 +55,7 @@ def built(tmp_path_factory) -> dict[str, Path]:
 def load(family: str, folder: Path):
     """Load as a user would; the Edit pipelines need the processor passed in without torchvision, and so
     does Kandinsky 5 (its `tokenizer/` is a Qwen2-VL processor)."""
-    extra = {"processor": load_qwen_vl_processor(folder)} if "edit" in family else {}
+    extra = {"processor": load_qwen_vl_processor(folder)} if "edit" in family or family == "qwen_image21" else {}
     if family == "kandinsky5":
         extra = {"tokenizer": load_qwen_vl_processor(folder, "tokenizer")}
     pipe = PIPELINES[family].from_pretrained(folder, **extra)
@@ -80,7 +82,7 @@ def render(family: str, pipe, height: int = 64, width: int = 64) -> np.ndarray:
 
 
 def assert_image(images: np.ndarray, height: int, width: int) -> None:
-    assert images.shape == (1, height, width, 3)
+    assert images.shape[:3] == (1, height, width) and images.shape[3] in (3, 4)  # Qwen-Image-2.1: RGBA
     assert np.isfinite(images).all()
     assert images.std() > 1e-4, "constant image"
 
@@ -126,7 +128,7 @@ def weights(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))}
 
 
-@pytest.mark.parametrize("family", ["qwen_image", "flux", "kandinsky5", "z_image", "krea2"])
+@pytest.mark.parametrize("family", ["qwen_image", "flux", "kandinsky5", "z_image", "krea2", "qwen_image21"])
 def test_same_seed_same_bytes_other_seed_differs(built, tmp_path, family):
     rng_state = torch.get_rng_state()
     again = weights(build_tiny_pipeline(family, tmp_path / "again", seed=0))

@@ -31,6 +31,7 @@ CASES = {
     "kandinsky5": ("tiny_kandinsky5", "kandinsky5", 3.5, "guidance_scale"),
     "z_image": ("tiny_z_image", "z_image", 2.0, "guidance_scale"),
     "krea2": ("tiny_krea2", "krea2", 3.0, "guidance_scale"),
+    "qwen_image21": ("tiny_qwen_image21", "qwen_image21", 3.0, "true_cfg_scale"),
 }
 
 
@@ -58,7 +59,7 @@ def test_cfg_render_matches_the_pipeline(case: str, request: pytest.FixtureReque
     fixture, family_name, scale, argument = CASES[case]
     model: Path = request.getfixturevalue(fixture)
     extra: dict[str, Any] = {}
-    if family_name == "qwen_image_edit":
+    if family_name in ("qwen_image_edit", "qwen_image21"):
         extra["reference_images"] = [str(sorted((edit_data.parent / "control").iterdir())[0])]
     cfg = _config(model, family_name, cfg_scale=scale, negative_prompt=NEGATIVE, **extra)
     family = load_family(cfg)

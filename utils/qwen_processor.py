@@ -1,9 +1,11 @@
-"""Load the Qwen2-VL processor that the Qwen-Image-Edit pipelines need, with or without torchvision.
+"""Load the Qwen-VL processor that the Qwen-Image-Edit (Qwen2-VL) and Qwen-Image-2.1 (Qwen3-VL) pipelines
+need, with or without torchvision.
 
-`Qwen2VLProcessor` always builds a video processor, and transformers' Qwen2-VL video processor imports
-torchvision. Where torchvision is missing (or broken beside a CPU torch), `load_qwen_vl_processor` falls
-back to `Qwen2VLImageTextProcessor`: the same processor without the video part, which is all the Edit
-pipelines use. Works for real checkpoints (their `processor/` folder) and for the tiny test models.
+`Qwen2VLProcessor` and `Qwen3VLProcessor` always build a video processor, and transformers' video processors
+import torchvision. Where torchvision is missing (or broken beside a CPU torch), `load_qwen_vl_processor`
+falls back to `Qwen2VLImageTextProcessor` / `Qwen3VLImageTextProcessor` (the class the folder's
+`preprocessor_config.json` names): the same processor without the video part, which is all the pipelines
+use. Works for real checkpoints (their `processor/` folder) and for the tiny test models.
 
 Saving: a pipeline that holds the fallback processor records `utils.qwen_processor` in its
 model_index.json and writes transformers 5's `processor_config.json`; write the processor with
@@ -17,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, Qwen2VLProcessor
+from transformers import AutoTokenizer, Qwen2VLProcessor, Qwen3VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,18 @@ class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
     def __init__(self, image_processor=None, tokenizer=None, chat_template: str | None = None, **kwargs: Any):
         # ProcessorMixin reads the sub-processors from this signature, so the video processor is not expected.
         super().__init__(image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+
+
+class Qwen3VLImageTextProcessor(Qwen3VLProcessor):
+    """`Qwen3VLProcessor` with only the image processor and the tokenizer (no torchvision needed)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template: str | None = None, **kwargs: Any):
+        super().__init__(image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+
+
+# the standard class a processor folder names -> its image-and-text twin
+_IMAGE_TEXT = {"Qwen2VLProcessor": (Qwen2VLProcessor, Qwen2VLImageTextProcessor),
+               "Qwen3VLProcessor": (Qwen3VLProcessor, Qwen3VLImageTextProcessor)}
 
 
 def torchvision_usable() -> bool:
@@ -71,19 +85,32 @@ def load_qwen_vl_processor(
     (e.g. `local_files_only=True`, `revision=`).
     """
     path, subfolder = _resolve(path, subfolder)
+    standard, image_text = _IMAGE_TEXT[_named_processor(path, subfolder, kwargs)]
     if torchvision_usable():
-        return Qwen2VLProcessor.from_pretrained(path, subfolder=subfolder, **kwargs)
-    logger.info("torchvision unavailable: loading the Qwen2-VL processor without its video processor")
+        return standard.from_pretrained(path, subfolder=subfolder, **kwargs)
+    logger.info(f"torchvision unavailable: loading {standard.__name__} without its video processor")
     # Pil backend explicitly: the config names the torchvision class, which would only warn and fall back.
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, subfolder=subfolder, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(path, subfolder=subfolder, **kwargs)
     local = Path(path) / subfolder
     chat_template = _read_chat_template(local) if local.is_dir() else None
-    return Qwen2VLImageTextProcessor(
+    return image_text(
         image_processor=image_processor,
         tokenizer=tokenizer,
         chat_template=chat_template or getattr(tokenizer, "chat_template", None),
     )
+
+
+def _named_processor(path: str, subfolder: str, kwargs: dict) -> str:
+    """The Qwen-VL processor class the folder's ``preprocessor_config.json`` names (Qwen2-VL when it names
+    neither: the Qwen-Image-Edit checkpoints' layout)."""
+    from transformers.utils import cached_file
+
+    hub = {k: v for k, v in kwargs.items() if k in ("revision", "local_files_only", "token", "cache_dir")}
+    found = cached_file(path, "preprocessor_config.json", subfolder=subfolder,
+                        _raise_exceptions_for_missing_entries=False, **hub)
+    name = json.loads(Path(found).read_text()).get("processor_class") if found else None
+    return name if name in _IMAGE_TEXT else "Qwen2VLProcessor"
 
 
 def load_vl_processor(model: str | Path, **kwargs: Any) -> Any:
@@ -136,10 +163,16 @@ def _processor_class(model: str | Path, kwargs: dict) -> type | None:
     return processor_class_from_name(found) if found else None
 
 
-def save_qwen_vl_processor(processor: Qwen2VLProcessor, folder: str | Path) -> Path:
-    """Write `processor` in the layout of Qwen/Qwen-Image-Edit's `processor/` folder, naming the standard
-    `Qwen2VLProcessor`: tokenizer files + chat template, `preprocessor_config.json` and a
-    `video_preprocessor_config.json` (only read where torchvision exists)."""
+def standard_processor_name(processor: Any) -> str:
+    """The transformers class a checkpoint names for ``processor`` (our image-and-text twins included)."""
+    return "Qwen3VLProcessor" if isinstance(processor, Qwen3VLProcessor) else "Qwen2VLProcessor"
+
+
+def save_qwen_vl_processor(processor: Qwen2VLProcessor | Qwen3VLProcessor, folder: str | Path) -> Path:
+    """Write `processor` in the layout of a checkpoint's `processor/` folder (Qwen/Qwen-Image-Edit's, or
+    Qwen-Image-2.1's), naming the standard `Qwen2VLProcessor` / `Qwen3VLProcessor`: tokenizer files + chat
+    template, `preprocessor_config.json` and a `video_preprocessor_config.json` (only read where torchvision
+    exists)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     # transformers 5's own processor save writes this instead, naming the helper class when it is one.
@@ -151,23 +184,27 @@ def save_qwen_vl_processor(processor: Qwen2VLProcessor, folder: str | Path) -> P
     config_path = folder / "preprocessor_config.json"
     config = json.loads(config_path.read_text())
     # The torchvision class name, as in the real checkpoint; transformers falls back to the Pil one itself.
-    config.update(image_processor_type="Qwen2VLImageProcessor", processor_class="Qwen2VLProcessor")
+    name = standard_processor_name(processor)
+    config.update(image_processor_type="Qwen2VLImageProcessor", processor_class=name)
     _write_json(config_path, config)
-    video_config = {key: config[key] for key in ("size", "image_mean", "image_std", "patch_size", "merge_size")}
+    video_config = {key: config[key] for key in ("image_mean", "image_std", "patch_size", "merge_size")}
+    if name == "Qwen2VLProcessor":  # Qwen3-VL's video processor keeps its own size defaults
+        video_config["size"] = config["size"]
     video_config.update(
-        video_processor_type="Qwen2VLVideoProcessor",
-        processor_class="Qwen2VLProcessor",
+        video_processor_type=name.replace("Processor", "VideoProcessor"),
+        processor_class=name,
         temporal_patch_size=config["temporal_patch_size"],
     )
     _write_json(folder / "video_preprocessor_config.json", video_config)
     return folder
 
 
-def record_standard_processor(model_dir: str | Path, component: str = "processor") -> None:
-    """Make a pipeline folder's model_index.json name transformers' `Qwen2VLProcessor` for `component`."""
+def record_standard_processor(model_dir: str | Path, component: str = "processor",
+                              name: str = "Qwen2VLProcessor") -> None:
+    """Make a pipeline folder's model_index.json name transformers' processor class ``name`` for `component`."""
     index_path = Path(model_dir) / "model_index.json"
     index = json.loads(index_path.read_text())
-    index[component] = ["transformers", "Qwen2VLProcessor"]
+    index[component] = ["transformers", name]
     _write_json(index_path, index)
 
 

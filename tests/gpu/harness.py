@@ -67,9 +67,10 @@ PROFILES: Dict[str, Tuple[str, float]] = {
     "16gb": ("train_configs/train_lora_16gb.yaml", 15.0),
     "flux2_klein": ("train_configs/train_flux2_klein_lora.yaml", 22.0),  # klein base 4B, bf16, 24 GB class
     "krea2_24gb": ("train_configs/train_krea2_lora_24gb.yaml", 22.0),  # Krea 2 Raw 12B, qfloat8 blocks
+    "qwen21_24gb": ("train_configs/train_qwen_image21_lora_24gb.yaml", 22.0),  # Qwen-Image-2.1 7B, qfloat8 blocks
 }
 # The family of a profile whose entry script is not train.py's default (Qwen-Image).
-PROFILE_FAMILIES: Dict[str, str] = {"flux2_klein": "flux2", "krea2_24gb": "krea2"}
+PROFILE_FAMILIES: Dict[str, str] = {"flux2_klein": "flux2", "krea2_24gb": "krea2", "qwen21_24gb": "qwen_image21"}
 
 
 # =========================================================================== scale and model folders
@@ -117,7 +118,8 @@ def transformer_config(family: str, scale: Scale = FULL) -> Dict[str, Any]:
     changes = {"num_layers": scale.layers, "num_single_layers": scale.single_layers,
                "num_attention_heads": scale.heads, "attention_head_dim": scale.head_dim,
                "joint_attention_dim": scale.text_dim, "pooled_projection_dim": scale.pooled_dim,
-               "text_hidden_dim": scale.text_dim, "text_num_attention_heads": scale.heads}  # Krea 2's text fusion
+               "text_hidden_dim": scale.text_dim, "text_num_attention_heads": scale.heads,  # Krea 2's text fusion
+               "context_in_dim": scale.text_dim}  # Qwen-Image-2.1's text input
     # Grouped-query attention keeps its ratio of query to key-value heads (at least one key-value head).
     for heads, kv in (("num_attention_heads", "num_key_value_heads"),
                       ("text_num_attention_heads", "text_num_key_value_heads")):
@@ -272,9 +274,15 @@ def text_tokens(family: str, caption_tokens: Optional[int] = None) -> int:
     references (the model folder's pipeline, the family's first)."""
     spec = SPECS[family]
     seen = spec.text.seen(spec.text.default_caption if caption_tokens is None else caption_tokens)
-    if spec.uses_references:
+    if with_reference(spec):
         seen += spec.references[spec.pipelines[0]].prompt_tokens()
     return seen
+
+
+def with_reference(spec: FamilySpec) -> bool:
+    """Whether random batches carry one reference: for a family that needs them (Edit). Qwen-Image-2.1's are
+    optional and run text-to-image here (a random reference would need its slots in the random text)."""
+    return spec.uses_references and not spec.references_optional
 
 
 @dataclass
@@ -291,8 +299,9 @@ class Batch:
 def _text_cond(spec: FamilySpec, config: Dict[str, Any], tokens: int, gen: torch.Generator) -> Dict[str, torch.Tensor]:
     """One random cached text condition: each tensor of the family's condition at its width."""
     stacked = (config[spec.text.stacked],) if spec.text.stacked else ()  # Krea 2: (tokens, taps, width)
-    return {name: torch.randn(*((tokens, *stacked) if per_token else ()), config[width], generator=gen)
-            for name, (width, per_token) in spec.text.conditions.items()}
+    # A width-less per-token condition is a mask of reference slots (Qwen-Image-2.1): none, text-to-image.
+    return {name: torch.randn(*((tokens, *stacked) if per_token else ()), config[width], generator=gen) if width
+            else torch.zeros(tokens, dtype=torch.bool) for name, (width, per_token) in spec.text.conditions.items()}
 
 
 def random_batch(family: Any, config: Dict[str, Any], resolution: int, device: torch.device | str,
@@ -302,11 +311,12 @@ def random_batch(family: Any, config: Dict[str, Any], resolution: int, device: t
     shapes, collated by the family itself. ``config`` is the transformer's config."""
     gen = torch.Generator().manual_seed(seed)
     side = resolution // (family.pixel_multiple // 2)  # the VAE's downsampling factor
-    channels = config["in_channels"] // 4  # 2x2 packing
+    # in_channels over the latent pixels per token: 2x2 packing (4), or unpatched (Qwen-Image-2.1: 1)
+    channels = config["in_channels"] * family.image_seq_len((1, 1, side, side)) // (side * side)
     latents = torch.randn(batch_size, channels, side, side, generator=gen)
     tokens = text_tokens(family.name, caption_tokens)
     conds = [_text_cond(family.spec, config, tokens, gen) for _ in range(batch_size)]
-    refs = [torch.randn(latents.shape, generator=gen).to(device, dtype)] if family.uses_references else []
+    refs = [torch.randn(latents.shape, generator=gen).to(device, dtype)] if with_reference(family.spec) else []
     image = family.image_seq_len(latents.shape) * (1 + len(refs))
     return Batch(latents.to(device), family.collate_text(conds, torch.device(device), dtype), refs, image, tokens)
 
@@ -707,7 +717,7 @@ class AttentionReport:
 def attention_shape(family: str, resolution: int, scale: Scale = FULL, batch_size: int = 1) -> Tuple[int, int, int, int]:
     """(B, heads, joint tokens, head_dim) of the family's attention at ``resolution``."""
     config = transformer_config(family, scale)
-    image = (resolution // 16) ** 2 * (2 if SPECS[family].uses_references else 1)  # random_batch: one reference
+    image = (resolution // 16) ** 2 * (2 if with_reference(SPECS[family]) else 1)  # random_batch: one reference
     return batch_size, config["num_attention_heads"], image + text_tokens(family), config["attention_head_dim"]
 
 

@@ -55,6 +55,19 @@ def test_full_size_folder_family_and_conditions(family: str, params: float, bloc
     assert flops.frozen_forward > 2 * 0.3 * params * batch.image_tokens  # at least the image stream
 
 
+def test_qwen_image21_full_size_folder_and_text_to_image_batches() -> None:
+    """Qwen-Image-2.1's config-only folder: the 7.1B transformer, unpatched 64-channel latents at 16x, and random
+    text with an image_pad_mask of no slots (its references are optional: the batches are text-to-image)."""
+    folder = harness.model_folder("qwen_image21")
+    fam = load_family(harness.train_config("qwen_image21", folder, ["mixed_precision=bf16"]))
+    model = harness.build_meta_transformer(folder)
+    assert sum(p.numel() for p in model.parameters()) == 7_115_124_736 and len(fam.blocks(model)) == 32
+    batch = harness.random_batch(fam, dict(model.config), 1024, CPU, torch.bfloat16)
+    assert batch.latents.shape == (1, 64, 64, 64) and batch.image_tokens == 4096 and not batch.references
+    assert batch.text["prompt_embeds"].shape == (1, batch.text_tokens, 4096)
+    assert batch.text["image_pad_mask"].dtype == torch.bool and not batch.text["image_pad_mask"].any()
+
+
 def test_flops_formula_and_mfu() -> None:
     """Qwen-Image at 1024^2: ~57 TFLOP forward through the frozen linears, ~155 TFLOP per LoRA step."""
     flops = harness.family_flops("qwen_image", 1024)

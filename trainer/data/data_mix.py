@@ -31,11 +31,11 @@ def scan_dataset(entry: DatasetEntry, family: ModelFamily) -> List[Sample]:
         edit = as_reference_family(family)
         reference_size = edit.reference_size
         control_dirs = find_control_dirs(entry.img_dir, entry.control_dir, entry.control_dirs)
-        if not control_dirs:
+        if not control_dirs and not family.spec.references_optional:
             raise DataError(f"{family.name} trains on reference images: set data_config.control_dir (or "
                             f"control_dirs), or put them in a control/ folder beside {entry.img_dir}")
         edit.check_references(len(control_dirs))
-        logger.info(f"reference folders: {', '.join(map(str, control_dirs))}")
+        logger.info(f"reference folders: {', '.join(map(str, control_dirs)) or 'none (text-to-image)'}")
     skip = check_before_training(entry.img_dir, entry.caption_type, entry.img_size, family.pixel_multiple,
                                  control_dirs, skip_bad=entry.skip_bad_samples)
     samples = scan_image_folder(entry.img_dir, entry.caption_type, entry.img_size, family.pixel_multiple,

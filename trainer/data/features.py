@@ -97,9 +97,13 @@ class FeatureStore:
 
     # -- keys -------------------------------------------------------------------------------------
     def text_key(self, caption: str, references: Tuple[Path, ...] = ()) -> str:
-        """A text condition depends on the caption and, for Edit, on the reference images it sees."""
-        refs = [self._file_hash(p) for p in references] if self.family.uses_references else []
-        return self._key("text", caption, *refs)
+        """A text condition depends on the caption and, for Edit, on the reference images it sees and the
+        areas they are resized to (where set: the default areas keep the keys caches already hold)."""
+        if not self.family.uses_references:
+            return self._key("text", caption)
+        d = self.cfg.data_config
+        areas = [area for area in (d.reference_condition_area, d.reference_vae_area) if area is not None]
+        return self._key("text", caption, *[self._file_hash(p) for p in references], *areas)
 
     def image_key(self, path: Path, size: Tuple[int, int]) -> str:
         """Latents depend on the image file's bytes and the size it is encoded at."""

@@ -136,12 +136,8 @@ class ValidationRenderer:
         return kwargs
 
     def _pipeline(self, transformer: torch.nn.Module):
-        """The family's pipeline around the live transformer and VAE; encoders left out."""
-        cls = self.family.pipeline_class
-        expected, _ = cls._get_signature_keys(cls)
-        absent = {name: None for name in expected if name not in ("transformer", "vae", "scheduler")}
-        pipe = cls.from_pretrained(self.family.model_path, transformer=transformer, vae=self.family.vae,
-                                   revision=self.cfg.revision, **absent)
+        """The family's render pipeline around the live transformer and VAE."""
+        pipe = self.family.render_pipeline(transformer)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

@@ -19,6 +19,7 @@ from trainer.families.krea2.spec import SPEC as KREA2
 from trainer.families.model_index import read_model_index
 from trainer.families.qwen_image.spec import SPEC as QWEN_IMAGE
 from trainer.families.qwen_image_edit.spec import SPEC as QWEN_IMAGE_EDIT
+from trainer.families.qwen_image21.spec import SPEC as QWEN_IMAGE21
 from trainer.families.spec import FamilySpec
 from trainer.families.z_image.spec import SPEC as Z_IMAGE
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from trainer.families.base import ModelFamily
 
 SPECS: Dict[str, FamilySpec] = {spec.name: spec for spec in (QWEN_IMAGE, QWEN_IMAGE_EDIT, FLUX, FLUX2, KANDINSKY5,
-                                                              Z_IMAGE, KREA2)}
+                                                              Z_IMAGE, KREA2, QWEN_IMAGE21)}
 
 
 def family_spec(name: str) -> FamilySpec:

@@ -65,7 +65,7 @@ class ModelFamily(Protocol):
         """The transformer's velocity prediction in the latents' own ``(B, C, H, W)`` layout;
         ``references`` are clean reference latents, one ``(B, C, h, w)`` tensor per reference slot."""
 
-    # Validation renders through ``pipeline_class`` from cached conditions.
+    # Validation renders through ``render_pipeline`` (``pipeline_class`` for most) from cached conditions.
     cfg_argument: ClassVar[str]  # the pipeline's classifier-free-guidance scale argument
     cfg_off_value: ClassVar[float]  # CFG runs when the scale is above this (1.0; Z-Image: 0.0)
     default_cfg_scale: ClassVar[float]  # validation's scale when the config leaves it unset
@@ -73,6 +73,8 @@ class ModelFamily(Protocol):
     def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
         """A cached condition as the pipeline's prompt-embedding arguments; each name with
         ``negative_`` in front is the argument for the negative prompt."""
+    def render_pipeline(self, transformer: torch.nn.Module) -> Any:
+        """The pipeline validation renders with, around the live transformer and the loaded VAE."""
 
 
 class ReferenceFamily(ModelFamily, Protocol):
@@ -185,6 +187,15 @@ class FamilyBase:
 
     def unused_modules(self, transformer: torch.nn.Module) -> List[str]:
         return []
+
+    def render_pipeline(self, transformer: torch.nn.Module) -> Any:
+        """``pipeline_class`` around the live transformer and VAE, the encoders left out (renders read cached
+        conditions)."""
+        cls = self.pipeline_class
+        expected, _ = cls._get_signature_keys(cls)
+        absent = {name: None for name in expected if name not in ("transformer", "vae", "scheduler")}
+        return cls.from_pretrained(self.model_path, transformer=transformer, vae=self.vae, revision=self.revision,
+                                   **absent)
 
     def predict(self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
                 references: Sequence[torch.Tensor] = ()) -> torch.Tensor:

@@ -109,6 +109,7 @@ FLUX2_VAE: Dict[str, Any] = {
 # and Decoder as AutoencoderKL (its BatchNorm acts on the small latents): the same factors.
 VAE_ACTIVATION_FACTORS: Dict[str, Tuple[float, float]] = {
     "AutoencoderKLQwenImage": (10.1, 18.0),
+    "AutoencoderKLQwenImage21": (11.1, 33.5),  # RGBA in and out, five levels, a 144-wide decoder
     "AutoencoderKL": (5.0, 6.0),
     "AutoencoderKLFlux2": (5.0, 6.0),
 }

@@ -68,6 +68,7 @@ class ReferenceTokens:
     markers: int  # prompt tokens around each reference's vision tokens ("Picture N: ", start/end)
     vae_area: int = 1024 * 1024  # the reference latents' area (diffusers' VAE_IMAGE_SIZE)
     pixels_per_token: int = 28  # Qwen2.5-VL: 14-pixel patches merged 2x2 -> one token per 28x28 pixels
+    slots_hold_latents: bool = False  # the transformer writes the latents into the vision slots (Qwen-Image-2.1)
 
     def prompt_tokens(self, condition_area: Optional[int] = None) -> int:
         """Prompt tokens of one reference seen at ``condition_area`` pixels (default: the pipeline's)."""
@@ -122,6 +123,8 @@ class FamilySpec:
     text: TextTokens = field(default_factory=TextTokens)
     # pipeline class -> what a reference image adds (empty: the family takes no references)
     references: Mapping[str, ReferenceTokens] = field(default_factory=dict)
+    # With references, whether a dataset without control folders trains too (text-to-image: Qwen-Image-2.1).
+    references_optional: bool = False
     # The planner's layout of the linears outside the blocks: name prefix -> (stream, group).
     outer_layout: BlockLayout = field(default_factory=dict)
     # Pipeline components that are Qwen2-VL processors (``utils.qwen_processor`` loads them

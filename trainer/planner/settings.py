@@ -180,12 +180,12 @@ def _count_images(folders: Sequence[str]) -> Optional[int]:
     return sum(1 for root in roots for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
 
 
-def _reference_count(cfg: TrainConfig) -> int:
-    """Reference folders as the trainer finds them, the most of any dataset (one when there is no
-    dataset to look at)."""
+def _reference_count(cfg: TrainConfig, least: int = 1) -> int:
+    """Reference folders as the trainer finds them, the most of any dataset (``least`` when there is no
+    dataset to look at: 0 where references are optional)."""
     counts = [len(find_control_dirs(d.img_dir, d.control_dir, d.control_dirs)) for d in dataset_entries(cfg)
               if d.img_dir or d.control_dir or d.control_dirs]
-    return max([1, *counts])
+    return max([least, *counts])
 
 
 def _side_tokens(side: int, pixels_per_token: int = IMAGE_PIXELS_PER_TOKEN) -> int:
@@ -220,11 +220,13 @@ def _token_counts(cfg: TrainConfig, spec: ModelSizes, family: FamilySpec, side: 
     # markers) to the prompt; the vision tower sees 4 patches per merged token.
     d = cfg.data_config
     facts = _reference_facts(family, spec.pipeline_class)
-    refs = _reference_count(cfg)
+    refs = _reference_count(cfg, 0 if family.references_optional else 1)
     per_ref = facts.prompt_tokens(d.reference_condition_area)
-    seen = refs * per_ref + caption
+    encoded = refs * per_ref + caption
+    # Qwen-Image-2.1 writes each reference's latents into its vision slots: the transformer sees the markers only.
+    seen = refs * facts.markers + caption if facts.slots_hold_latents else encoded
     return _TokenCounts(target + refs * facts.image_tokens(d.reference_vae_area), target, seen, caption, refs,
-                        seen + text.template, batch, refs * per_ref * 4)
+                        encoded + text.template, batch, refs * per_ref * 4)
 
 
 def _reference_facts(family: FamilySpec, pipeline: str) -> ReferenceTokens:
