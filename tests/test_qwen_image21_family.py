@@ -24,7 +24,7 @@ from conftest import ROOT, family_pipeline, lora_keys_match, read_losses, train_
 from trainer.config import TrainConfig, load_config
 from trainer.config.schema import DataConfig
 from trainer.families import check_pipeline, load_family
-from trainer.flow_matching import apply_shift
+from trainer.step.flow_matching import apply_shift
 from utils.errors import ConfigError
 
 QUICKSTART = "train_configs/quickstart_qwen_image21_tiny.yaml"
@@ -318,7 +318,7 @@ def test_the_planners_block_formula_matches_the_saved_tensors(preset: str) -> No
 
     import trainer.planner as mp
     from test_memory_planner import saved_block_bytes, train_config
-    from trainer.block_swap import inner_tensors
+    from trainer.model.block_swap import inner_tensors
     from trainer.families import SPECS
     from trainer.planner.model import _build, _transformer_spec
 
@@ -384,7 +384,7 @@ def test_a_changed_reference_area_encodes_the_text_again(tiny_qwen_image21: Path
                                                          tmp_path: Path) -> None:
     """The text condition holds the reference's slots, whose count follows the reference area: the cached
     condition of another area is not reused (its slots would not match the latents)."""
-    from trainer.features import FeatureStore
+    from trainer.data.features import FeatureStore
 
     def key(area: int) -> str:
         cfg = load_config(ROOT / QUICKSTART, [f"pretrained_model_name_or_path={tiny_qwen_image21}",

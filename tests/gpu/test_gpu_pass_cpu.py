@@ -175,7 +175,7 @@ def test_the_families_stage_runs_the_new_families_tests_in_one_process_and_count
     families = gpu_pass.tests_command(p, stage["families"], 200)
     quick = gpu_pass.tests_command(p, stage["tests"], 120)
     assert families[-3:] == ["tests/gpu/test_gpu_suite.py", "-k", gpu_pass.FAMILY_TESTS[-1]] and "-n" not in families
-    assert "krea2" in families[-1] and set(gpu_pass.QUICK_TESTS) <= set(quick)
+    assert "qwen_image21" in families[-1] and set(gpu_pass.QUICK_TESTS) <= set(quick)
     records = [{"kind": "pass", "event": "start", "commit": "x", "budget_s": 60},
                {"kind": "stage", "stage": "tests", "status": "ok", "wall_s": 5},
                {"kind": "test", "stage": "tests", "id": "a", "outcome": "passed"},

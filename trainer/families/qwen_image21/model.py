@@ -31,12 +31,12 @@ from PIL import Image
 from transformers import Qwen3VLForConditionalGeneration
 from transformers.utils import cached_file
 
-from trainer.async_step import to_device
+from trainer.step.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, Tensors, from_pretrained
 from trainer.families.qwen_image.model import QwenImageFamily
 from trainer.families.qwen_image21.spec import REFERENCE_AREA, SPEC
-from trainer.quantization import place, text_encoder_spec
+from trainer.model.quantization import place, text_encoder_spec
 from utils.errors import ConfigError
 from utils.qwen_processor import load_qwen_vl_processor
 
