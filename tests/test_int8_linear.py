@@ -216,3 +216,19 @@ def test_quantize_module_converts_every_plain_linear_of_a_block() -> None:
     assert len(linears) == 3 and all(type(m) is Int8Linear for m in linears)
     assert all(m.weight.dtype == torch.bfloat16 for m in linears), "the weight reports the dtype it came from"
     assert not any(getattr(m, "_casts_input", False) for m in linears), "Int8Linear casts its own input"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 23, 24, 77, 4173])
+@pytest.mark.parametrize("cols", [40, 44, 48])
+def test_operands_are_padded_to_what_cublas_int8_takes_and_the_product_is_unchanged(rows: int, cols: int) -> None:
+    """On CUDA both operands go to ``torch._int_mm`` padded: more than 16 rows and both sizes multiples of
+    8 (an H200 refused 17 rows with CUBLAS_STATUS_NOT_SUPPORTED, which made the layer's one-time check
+    refuse int8 on the whole device). The padding path is the CUDA one; the product is checked here on
+    the CPU kernel."""
+    gen = torch.Generator().manual_seed(rows * cols)
+    a = torch.randint(-127, 128, (rows, 64), generator=gen, dtype=torch.int8)
+    b = torch.randint(-127, 128, (64, cols), generator=gen, dtype=torch.int8)
+    pa, pb = int8.pad_for_cublas(a, b)
+    assert pa.shape[0] > 16 and pa.shape[0] % 8 == 0 and pa.shape[0] - rows < 8 + 16
+    assert pb.shape[1] % 8 == 0 and pb.shape[1] - cols < 8 and pa.shape[1] == pb.shape[0] == 64
+    assert torch.equal(torch._int_mm(pa, pb)[:rows, :cols], a.int() @ b.int())

@@ -31,11 +31,12 @@ from typing import Dict, Optional, Tuple
 import torch
 from loguru import logger
 
-# cuBLAS's int8 kernel refuses fewer rows than this (``self.size(0) needs to be greater than 16``) and
-# output columns that are not a multiple of 8: the left operand is padded with zero rows, the right
-# one with zero columns, and the padding is cut from the result.
+# cuBLAS's int8 kernel refuses fewer rows than this (``self.size(0) needs to be greater than 16``), and
+# row counts and output widths that are not a multiple of 8 (CUBLAS_STATUS_NOT_SUPPORTED for 17 rows on
+# an H200, CUDA 13, torch 2.11, where 24, 32 and 64 rows ran exact): the left operand is padded with zero
+# rows, the right one with zero columns, and the padding is cut from the result.
 CUDA_MIN_ROWS = 17
-CUDA_COL_MULTIPLE = 8
+CUDA_MULTIPLE = 8
 
 
 def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -53,11 +54,25 @@ def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     copies it for the same reason). Callers pass a row-major weight, so only activations are copied."""
     rows, cols = a.shape[0], b.shape[1]
     if a.is_cuda:
-        if rows < CUDA_MIN_ROWS:
-            a = torch.nn.functional.pad(a, (0, 0, 0, CUDA_MIN_ROWS - rows))
-        if cols % CUDA_COL_MULTIPLE:
-            b = torch.nn.functional.pad(b, (0, CUDA_COL_MULTIPLE - cols % CUDA_COL_MULTIPLE))
+        a, b = pad_for_cublas(a, b)
     return torch._int_mm(a.contiguous(), b.contiguous())[:rows, :cols]
+
+
+def cublas_int8_sizes(rows: int, cols: int) -> Tuple[int, int]:
+    """The (rows, output columns) cuBLAS's int8 kernel takes for ``rows`` x ``cols``: more than 16 rows,
+    both multiples of 8."""
+    def up(n: int) -> int:
+        return -(-n // CUDA_MULTIPLE) * CUDA_MULTIPLE
+
+    return up(max(rows, CUDA_MIN_ROWS)), up(cols)
+
+
+def pad_for_cublas(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``a`` with zero rows below and ``b`` with zero columns to the right, to ``cublas_int8_sizes``
+    (zeros add nothing to the products the caller keeps)."""
+    rows, cols = cublas_int8_sizes(a.shape[0], b.shape[1])
+    return (torch.nn.functional.pad(a, (0, 0, 0, rows - a.shape[0])),
+            torch.nn.functional.pad(b, (0, cols - b.shape[1])))
 
 
 class Int8MatmulFunction(torch.autograd.Function):
@@ -161,9 +176,10 @@ def _probe_int8_matmul(device: torch.device) -> str:
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         return f"compute capability {torch.cuda.get_device_capability(device)} is below sm_80"
     gen = torch.Generator().manual_seed(0)
-    # The layer's two uses: 64 outputs by tokens (the forward, transposed), and few rows against an
-    # output width that needs padding on CUDA (a modulation linear's input gradient).
-    for rows, inner, cols in ((64, 96, 40), (3, 64, 44)):
+    # The layer's uses: 64 outputs by tokens (the forward, transposed), few rows against an output width
+    # that needs padding on CUDA (a modulation linear's input gradient), and a token count that is not a
+    # multiple of 8 (an input gradient: image plus caption tokens).
+    for rows, inner, cols in ((64, 96, 40), (3, 64, 44), (77, 64, 48)):
         a = torch.randint(-127, 128, (rows, inner), generator=gen, dtype=torch.int8)
         b = torch.randint(-127, 128, (inner, cols), generator=gen, dtype=torch.int8)
         try:
