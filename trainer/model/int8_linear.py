@@ -31,12 +31,13 @@ from typing import Dict, Optional, Tuple
 import torch
 from loguru import logger
 
-# cuBLAS's int8 kernel refuses fewer rows than this (``self.size(0) needs to be greater than 16``), and
-# row counts and output widths that are not a multiple of 8 (CUBLAS_STATUS_NOT_SUPPORTED for 17 rows on
-# an H200, CUDA 13, torch 2.11, where 24, 32 and 64 rows ran exact): the left operand is padded with zero
-# rows, the right one with zero columns, and the padding is cut from the result.
+# cuBLAS's int8 kernel refuses fewer rows than this (``self.size(0) needs to be greater than 16``) and
+# output widths that are not a multiple of 8; on an H200 (CUDA 13, torch 2.11) it also refused 17 and 24
+# rows (CUBLAS_STATUS_NOT_SUPPORTED) where 32, 64 and 128 ran exact. The left operand is padded with zero
+# rows to a multiple of 32, the right one with zero columns, and the padding is cut from the result.
 CUDA_MIN_ROWS = 17
-CUDA_MULTIPLE = 8
+CUDA_ROW_MULTIPLE = 32
+CUDA_COL_MULTIPLE = 8
 
 
 def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -59,12 +60,11 @@ def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def cublas_int8_sizes(rows: int, cols: int) -> Tuple[int, int]:
-    """The (rows, output columns) cuBLAS's int8 kernel takes for ``rows`` x ``cols``: more than 16 rows,
-    both multiples of 8."""
-    def up(n: int) -> int:
-        return -(-n // CUDA_MULTIPLE) * CUDA_MULTIPLE
+    """The (rows, output columns) cuBLAS's int8 kernel takes for ``rows`` x ``cols`` (see CUDA_MIN_ROWS)."""
+    def up(n: int, multiple: int) -> int:
+        return -(-n // multiple) * multiple
 
-    return up(max(rows, CUDA_MIN_ROWS)), up(cols)
+    return up(max(rows, CUDA_MIN_ROWS), CUDA_ROW_MULTIPLE), up(cols, CUDA_COL_MULTIPLE)
 
 
 def pad_for_cublas(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
