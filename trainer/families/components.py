@@ -62,6 +62,31 @@ QWEN3_4B: Dict[str, Any] = {
 }
 
 
+def qwen3_vl(hidden: int, intermediate: int, tied: bool, vision_depth: int, vision_hidden: int,
+             vision_intermediate: int, deepstack: Tuple[int, ...]) -> Dict[str, Any]:
+    """A Qwen/Qwen3-VL-*-Instruct config.json (Krea 2's 4B, Qwen-Image-2.1's 8B text encoder): what differs
+    between the sizes is given, what the family shares (36 layers, token ids, interleaved mRoPE, the vision
+    tower's patching) is written once here."""
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+        "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653, "tie_word_embeddings": tied,
+        "text_config": {"model_type": "qwen3_vl_text", "hidden_act": "silu", "hidden_size": hidden,
+                        "intermediate_size": intermediate, "num_hidden_layers": 36, "num_attention_heads": 32,
+                        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": tied,
+                        "bos_token_id": 151643, "eos_token_id": 151645,
+                        "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20],
+                                         "mrope_interleaved": True},
+                        "rope_theta": 5000000},
+        "vision_config": {"model_type": "qwen3_vl", "depth": vision_depth, "hidden_size": vision_hidden,
+                          "intermediate_size": vision_intermediate, "num_heads": 16, "out_hidden_size": hidden,
+                          "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+                          "num_position_embeddings": 2304, "deepstack_visual_indexes": list(deepstack),
+                          "hidden_act": "gelu_pytorch_tanh"},
+    }
+
+
 def model_index(pipeline: str, **components: str) -> Dict[str, Any]:
     """A ``model_index.json``: ``component="library.Class"`` for each component of ``pipeline``."""
     index: Dict[str, Any] = {"_class_name": pipeline}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, Tuple
 
-from trainer.families.components import model_index
+from trainer.families.components import model_index, qwen3_vl
 from trainer.families.qwen_image.spec import qwen_checkpoint
 from trainer.families.spec import BlockGroup, BlockLayout, FamilySpec, SavedActivations, TargetSpec, TextTokens
 
@@ -69,23 +69,7 @@ _TRANSFORMER: Dict[str, Any] = {
 QWEN_IMAGE_VAE: Dict[str, Any] = qwen_checkpoint("QwenImagePipeline")["vae/config.json"]
 # Qwen/Qwen3-VL-4B-Instruct config.json, loaded as the bare Qwen3VLModel (no LM head; the vision tower is
 # loaded but never runs for text).
-QWEN3_VL_4B: Dict[str, Any] = {
-    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
-    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
-    "vision_end_token_id": 151653, "tie_word_embeddings": True,
-    "text_config": {"model_type": "qwen3_vl_text", "hidden_act": "silu", "hidden_size": 2560,
-                    "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
-                    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-                    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-                    "bos_token_id": 151643, "eos_token_id": 151645,
-                    "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20],
-                                     "mrope_interleaved": True},
-                    "rope_theta": 5000000},
-    "vision_config": {"model_type": "qwen3_vl", "depth": 24, "hidden_size": 1024, "intermediate_size": 4096,
-                      "num_heads": 16, "out_hidden_size": 2560, "patch_size": 16, "spatial_merge_size": 2,
-                      "temporal_patch_size": 2, "in_channels": 3, "num_position_embeddings": 2304,
-                      "deepstack_visual_indexes": [5, 11, 17], "hidden_act": "gelu_pytorch_tanh"},
-}
+QWEN3_VL_4B: Dict[str, Any] = qwen3_vl(2560, 9728, True, 24, 1024, 4096, (5, 11, 17))
 # The scheduler's shift settings as Krea2Pipeline's docstring gives them (other keys: the class defaults).
 _SCHEDULER: Dict[str, Any] = {"num_train_timesteps": 1000, "use_dynamic_shifting": True, "base_shift": 0.5,
                               "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 6400}

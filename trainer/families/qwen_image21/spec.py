@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from trainer.families.components import model_index
+from trainer.families.components import model_index, qwen3_vl
 from trainer.families.spec import BlockGroup, BlockLayout, FamilySpec, ReferenceTokens, SavedActivations, TargetSpec, \
     TextTokens
 
@@ -60,23 +60,7 @@ _VAE: Dict[str, Any] = {
 }
 # Qwen/Qwen3-VL-8B-Instruct config.json (Qwen3VLForConditionalGeneration: the LM head is loaded, only the last
 # decoder layer's hidden states are read).
-QWEN3_VL_8B: Dict[str, Any] = {
-    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
-    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
-    "vision_end_token_id": 151653, "tie_word_embeddings": False,
-    "text_config": {"model_type": "qwen3_vl_text", "hidden_act": "silu", "hidden_size": 4096,
-                    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-                    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-                    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                    "bos_token_id": 151643, "eos_token_id": 151645,
-                    "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20],
-                                     "mrope_interleaved": True},
-                    "rope_theta": 5000000},
-    "vision_config": {"model_type": "qwen3_vl", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
-                      "num_heads": 16, "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2,
-                      "temporal_patch_size": 2, "in_channels": 3, "num_position_embeddings": 2304,
-                      "deepstack_visual_indexes": [8, 16, 24], "hidden_act": "gelu_pytorch_tanh"},
-}
+QWEN3_VL_8B: Dict[str, Any] = qwen3_vl(4096, 12288, False, 27, 1152, 4304, (8, 16, 24))
 # Qwen-Image's scheduler file (ai-toolkit: "matches scheduler/scheduler_config.json in the base repo").
 _SCHEDULER: Dict[str, Any] = {
     "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
