@@ -10,13 +10,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # uv installs: the requirements in ~8 s where pip takes ~25 s, torch from its wheel in ~4 s where pip
-# takes ~12 s. The venv is made without pip (ensurepip: ~6 s); pip goes in with torch, for the user.
+# takes ~12 s. The venv is made without pip (ensurepip: ~6 s); uv puts pip in afterwards.
 # uv comes from the outer Python's pip (pip >= 22.3 installs into another environment), or else from
 # the venv's own pip.
 [ -x .venv/bin/python ] || "$PYTHON" -m venv --without-pip .venv
 if [ ! -x .venv/bin/uv ]; then
   "$PYTHON" -m pip --python .venv/bin/python install -q --no-compile "uv>=0.9,<1" 2>/dev/null \
-    || { .venv/bin/python -m ensurepip >/dev/null && .venv/bin/python -m pip install -q --no-compile "uv>=0.9,<1"; }
+    || { .venv/bin/python -m ensurepip >/dev/null && .venv/bin/python -m pip install -q --no-compile "uv>=0.9,<1"; } \
+    || { echo "setup_env: could not install uv into .venv (neither $PYTHON's pip nor ensurepip worked): install pip for $PYTHON, or uv itself, and run this again" >&2; exit 1; }
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
@@ -26,15 +27,16 @@ for LINKS in ${PIP_FIND_LINKS:-}; do UV+=(--find-links "$LINKS"); done
 # (Looked up, not imported: importing torch takes seconds.)
 if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    "${UV[@]}" "torch>=2.5,<2.15" pip
+    "${UV[@]}" "torch>=2.5,<2.15"
   elif [ -n "${TORCH_INDEX_URL:-}" ]; then
-    "${UV[@]}" torch==2.13.0 pip --index-url "$TORCH_INDEX_URL"
+    "${UV[@]}" torch==2.13.0 --index-url "$TORCH_INDEX_URL"
   else
-    "${UV[@]}" torch==2.13.0 pip
+    "${UV[@]}" torch==2.13.0
   fi
 fi
-# With torch installed, the requirements' torch range is met and uv leaves it as it is.
-"${UV[@]}" -r requirements.txt
+# With torch installed, the requirements' torch range is met and uv leaves it as it is. pip too, for
+# the user's own `pip install` in this venv (and the tests' DeepSpeed install).
+"${UV[@]}" -r requirements.txt pip
 # Byte-code for the modules a run imports (scripts/warm_up.py says why). Skipped when they are
 # compiled already, or when the caller runs warm_up.py itself (the quick-start, with its tiny model).
 if [ -z "${SETUP_SKIP_WARM_UP:-}" ] && ! python -c "import importlib.util as u, os, sys; sys.exit(not os.path.exists(u.find_spec('peft').cached))"; then
