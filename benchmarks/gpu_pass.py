@@ -104,13 +104,13 @@ STAGES: Sequence[Stage] = (
     Stage("mem_24gb", 3, "24 GB profile: device peak and s/step", 65, 140, 20, 120, needs_quanto=True),
     Stage("mem_16gb", 3, "16 GB profile: device peak and s/step", 75, 150, 20, 120, needs_quanto=True),
     Stage("flux2_klein", 4, "FLUX.2 [klein] 4B profile: step, peak, MFU", 65, 120, 20, 120),
-    # Not measured yet: the estimate is the 24 GB Qwen-Image profile's scaled to 12.8B parameters.
-    # Before the quanto stages of its group: quanto's extension builds meanwhile.
-    Stage("families", 4, "new families' GPU tests: real-width gradients, 1024^2 steps, gradient flow", 150, 240,
+    # Before the quanto stages of its group: quanto's extension builds meanwhile. Measured on an H100:
+    # 73 s for Krea 2's three tests (aa54b89), 30 s for Qwen-Image-2.1's (75294e7).
+    Stage("families", 4, "new families' GPU tests: real-width gradients, 1024^2 steps, gradient flow", 80, 240,
           40, 150, kind="tests"),
-    Stage("krea2_24gb", 4, "Krea 2 24 GB profile (qfloat8 blocks): step, peak", 70, 140, 20, 120, needs_quanto=True),
-    # Not measured yet: the estimate is Krea 2's scaled to 7.1B parameters (plus the 8B encoder's cache pass).
-    Stage("qwen21_24gb", 4, "Qwen-Image-2.1 24 GB profile (qfloat8 blocks): step, peak", 60, 130, 20, 120,
+    # Measured on an H100: 47 s (aa54b89) and 35 s (75294e7).
+    Stage("krea2_24gb", 4, "Krea 2 24 GB profile (qfloat8 blocks): step, peak", 55, 140, 20, 120, needs_quanto=True),
+    Stage("qwen21_24gb", 4, "Qwen-Image-2.1 24 GB profile (qfloat8 blocks): step, peak", 45, 130, 20, 120,
           needs_quanto=True),
     Stage("int8", 5, "int8 W8A8 vs bf16 vs qfloat8 LoRA steps (quantized_step.py)", 90, 150, 30, 120,
           kind="int8"),
