@@ -92,6 +92,27 @@ def train_in_process(config: str | Path, family: str, *overrides: str):
     return trainer
 
 
+def assert_cli_refuses_other_family(family: str, profile: str, model: Path, script: str, pipelines: List[str],
+                                    sample_data: Path, out: Path, capsys: pytest.CaptureFixture) -> None:
+    """``trainer.cli.main`` for ``family`` on another family's checkpoint ``model``: exit code 2 before anything
+    loads, no traceback, the message naming ``script`` (the entry script to use) and every class in
+    ``pipelines``, and no checkpoint written."""
+    from accelerate.state import AcceleratorState
+
+    from trainer.cli import main
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        code = main(family, "train", ["--config", str(ROOT / profile), f"pretrained_model_name_or_path={model}",
+                                      f"data_config.img_dir={sample_data}", f"output_dir={out}", "report_to=none"])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and script in err
+    assert all(name in err for name in pipelines), err
+    assert not (out / "checkpoint-1").exists()
+
+
 def read_losses(out: Path) -> List[float]:
     """The per-step losses an engine run logged."""
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]

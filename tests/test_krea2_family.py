@@ -14,10 +14,9 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
-from conftest import ROOT, family_pipeline, read_losses, train_in_process
+from conftest import ROOT, assert_cli_refuses_other_family, family_pipeline, read_losses, train_in_process
 from trainer.config import TrainConfig, load_config
 from trainer.families import check_pipeline, load_family
 from trainer.step.flow_matching import apply_shift
@@ -163,25 +162,14 @@ def test_a_checkpoint_of_another_family_fails_before_loading(tiny_krea2: Path, t
                                                              sample_data: Path, tmp_path: Path,
                                                              capsys: pytest.CaptureFixture) -> None:
     """Both ways round, naming both pipeline classes and the entry script to use."""
-    from trainer.cli import main
-
     with pytest.raises(ConfigError, match=r"QwenImagePipeline checkpoint.*'krea2'.*trains Krea2Pipeline; train it "
                                           r"with train\.py \(family: qwen_image\)"):
         check_pipeline("krea2", str(tiny_qwen_image))
     for family, profile, model, named in (
             ("krea2", QUICKSTART, tiny_qwen_image, "train.py"),
             ("qwen_image", "train_configs/quickstart_tiny.yaml", tiny_krea2, "train_krea2_lora.py")):
-        AcceleratorState._reset_state(reset_partial_state=True)
-        try:
-            code = main(family, "train", ["--config", str(ROOT / profile), f"pretrained_model_name_or_path={model}",
-                                          f"data_config.img_dir={sample_data}", f"output_dir={tmp_path / family}",
-                                          "report_to=none"])
-        finally:
-            AcceleratorState._reset_state(reset_partial_state=True)
-        err = capsys.readouterr().err
-        assert code == 2 and "Traceback" not in err and named in err
-        assert "Krea2Pipeline" in err and "QwenImagePipeline" in err
-        assert not (tmp_path / family / "checkpoint-1").exists()
+        assert_cli_refuses_other_family(family, profile, model, named, ["Krea2Pipeline", "QwenImagePipeline"],
+                                        sample_data, tmp_path / family, capsys)
 
 
 def test_config_refuses_reference_images(sample_data: Path) -> None:

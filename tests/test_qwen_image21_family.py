@@ -16,11 +16,11 @@ from typing import Any, Dict, List
 import numpy as np
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import ROOT, family_pipeline, lora_keys_match, read_losses, train_in_process
+from conftest import (ROOT, assert_cli_refuses_other_family, family_pipeline, lora_keys_match, read_losses,
+                      train_in_process)
 from trainer.config import TrainConfig, load_config
 from trainer.config.schema import DataConfig
 from trainer.families import check_pipeline, load_family
@@ -233,8 +233,6 @@ def test_a_checkpoint_of_another_family_fails_before_loading(tiny_qwen_image21: 
                                                              sample_data: Path, tmp_path: Path,
                                                              capsys: pytest.CaptureFixture) -> None:
     """Both ways round, naming both pipeline classes and the entry script to use."""
-    from trainer.cli import main
-
     with pytest.raises(ConfigError, match=r"QwenImageEditPipeline checkpoint.*'qwen_image21'.*trains "
                                           r"QwenImage21Pipeline; train it with train_qwen_edit_lora\.py"):
         check_pipeline("qwen_image21", str(tiny_qwen_image_edit))
@@ -242,17 +240,8 @@ def test_a_checkpoint_of_another_family_fails_before_loading(tiny_qwen_image21: 
             ("qwen_image21", QUICKSTART, tiny_qwen_image_edit, "train_qwen_edit_lora.py"),
             ("qwen_image_edit", "train_configs/quickstart_edit_tiny.yaml", tiny_qwen_image21,
              "train_qwen_image21_lora.py")):
-        AcceleratorState._reset_state(reset_partial_state=True)
-        try:
-            code = main(family, "train", ["--config", str(ROOT / profile), f"pretrained_model_name_or_path={model}",
-                                          f"data_config.img_dir={sample_data}", f"output_dir={tmp_path / family}",
-                                          "report_to=none"])
-        finally:
-            AcceleratorState._reset_state(reset_partial_state=True)
-        err = capsys.readouterr().err
-        assert code == 2 and "Traceback" not in err and named in err
-        assert "QwenImage21Pipeline" in err and "QwenImageEditPipeline" in err
-        assert not (tmp_path / family / "checkpoint-1").exists()
+        assert_cli_refuses_other_family(family, profile, model, named, ["QwenImage21Pipeline", "QwenImageEditPipeline"],
+                                        sample_data, tmp_path / family, capsys)
 
 
 def test_comfyui_export_is_refused(sample_data: Path) -> None:

@@ -214,14 +214,7 @@ def test_qwen_image21_lora_gradients_and_steps(where: Where) -> None:
     """Qwen-Image-2.1 blocks at the real width (block-causal attention over the joint sequence, the shared
     modulation, the zero-centred text norm) with all_linear LoRA: every LoRA tensor gets a finite non-zero
     gradient, no base weight one, and steps give finite losses (text-to-image: a random batch has no slots)."""
-    with harness.rig_session("qwen_image21", where.device, BF16, scale=where.scale, resolution=where.resolution,
-                             overrides=["compile=false", "lora_target=all_linear"]) as rig:
-        grads = harness.gradient_flow(rig, where.resolution)
-        steps = harness.run_steps(rig, 3, where.resolution)
-    print(grads.summary())
-    print(steps.summary())
-    assert grads.ok, grads.summary()
-    assert steps.finite, steps.losses
+    _gradients_and_steps(where, "qwen_image21", ["compile=false", "lora_target=all_linear"])
 
 
 @pytest.mark.timeout(60)
