@@ -113,6 +113,31 @@ def assert_cli_refuses_other_family(family: str, profile: str, model: Path, scri
     assert not (out / "checkpoint-1").exists()
 
 
+def assert_resume_is_bit_equal(profile: str, family: str, model: Path, data: Path, tmp: Path, adapter: str,
+                               saved: str) -> None:
+    """Four steps straight, and two steps then a resume to four (batches of two, caption and adapter dropout,
+    EMA): the saved adapter ``saved`` and its EMA copy equal bit for bit, and the logged losses too."""
+    import torch
+    from safetensors.torch import load_file
+
+    def run(out: Path, steps: int, *extra: str) -> None:
+        train_in_process(profile, family, f"pretrained_model_name_or_path={model}",
+                         f"data_config.img_dir={data}", f"output_dir={out}", "report_to=none",
+                         f"max_train_steps={steps}", "checkpointing_steps=2", "lr_scheduler=constant",
+                         "lr_warmup_steps=0", "data_config.caption_dropout_rate=0.3", "lora_dropout=0.1",
+                         "overwrite_output_dir=false", "data_config.train_batch_size=2", "ema_decay=0.9",
+                         f"adapter_type={adapter}", *extra)
+
+    run(tmp / "straight", 4)
+    run(tmp / "resumed", 2)
+    run(tmp / "resumed", 4, "resume_from_checkpoint=latest")
+    for name in (saved, f"ema/{saved}"):
+        want, got = load_file(str(tmp / "straight" / name)), load_file(str(tmp / "resumed" / name))
+        assert adapter in " ".join(want) and want.keys() == got.keys(), name
+        assert all(torch.equal(want[k], got[k]) for k in want), f"{name} differs after the resume"
+    assert read_losses(tmp / "resumed") == read_losses(tmp / "straight")
+
+
 def read_losses(out: Path) -> List[float]:
     """The per-step losses an engine run logged."""
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]

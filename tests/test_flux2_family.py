@@ -15,9 +15,8 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 from diffusers import Flux2Pipeline
-from safetensors.torch import load_file
 
-from conftest import ROOT, family_pipeline, lora_keys_match, read_losses, train_in_process
+from conftest import ROOT, assert_resume_is_bit_equal, family_pipeline, lora_keys_match, train_in_process
 from trainer.config import TrainConfig, load_config
 from trainer.families import check_pipeline, load_family
 from trainer.step.flow_matching import apply_shift
@@ -190,22 +189,9 @@ def test_resume_is_bit_equal(tiny_flux2: Path, sample_data: Path, tmp_path: Path
     """Four steps straight, and two steps then a resume to four: the same adapter and EMA, bit for bit
     (caption and module dropout draw from every random stream). LoKr with EMA: the LoRA path is the shared
     end-to-end test's."""
-    def run(out: Path, steps: int, *extra: str) -> None:
-        train_in_process(QUICKSTART, "flux2", f"pretrained_model_name_or_path={tiny_flux2}",
-                         f"data_config.img_dir={sample_data}", f"output_dir={out}", "report_to=none",
-                         f"max_train_steps={steps}", "checkpointing_steps=2", "lr_scheduler=constant",
-                         "lr_warmup_steps=0", "data_config.caption_dropout_rate=0.3", "lora_dropout=0.1",
-                         "overwrite_output_dir=false", "data_config.train_batch_size=2", "adapter_type=lokr",
-                         "ema_decay=0.9", *extra)
-
-    run(tmp_path / "straight", 4)
-    run(tmp_path / "resumed", 2)
-    run(tmp_path / "resumed", 4, "resume_from_checkpoint=latest")
-    for name in ("adapter_model.safetensors", "ema/adapter_model.safetensors"):  # peft's LoKr file, its EMA
-        want, got = load_file(str(tmp_path / "straight" / name)), load_file(str(tmp_path / "resumed" / name))
-        assert "lokr" in " ".join(want) and want.keys() == got.keys(), name
-        assert all(torch.equal(want[k], got[k]) for k in want), f"{name} differs after the resume"
-    assert read_losses(tmp_path / "resumed") == read_losses(tmp_path / "straight")
+    # peft's LoKr file, and its EMA copy
+    assert_resume_is_bit_equal(QUICKSTART, "flux2", tiny_flux2, sample_data, tmp_path, "lokr",
+                               "adapter_model.safetensors")
 
 
 def test_dev_on_a_card_too_small_is_named_before_loading(sample_data: Path, monkeypatch: pytest.MonkeyPatch,

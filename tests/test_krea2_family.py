@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, assert_cli_refuses_other_family, family_pipeline, read_losses, train_in_process
+from conftest import (ROOT, assert_cli_refuses_other_family, assert_resume_is_bit_equal, family_pipeline, read_losses,
+                      train_in_process)
 from trainer.config import TrainConfig, load_config
 from trainer.families import check_pipeline, load_family
 from trainer.step.flow_matching import apply_shift
@@ -218,19 +219,4 @@ def test_resume_is_bit_equal(adapter: str, saved: str, tiny_krea2: Path, sample_
     """Four steps straight, and two steps then a resume to four: the same adapter (LoRA or LoKr) and EMA, bit
     for bit (caption and adapter dropout draw from every random stream; batches of two captions of different
     lengths, so the text mask is in play)."""
-    def run(out: Path, steps: int, *extra: str) -> None:
-        train_in_process(QUICKSTART, "krea2", f"pretrained_model_name_or_path={tiny_krea2}",
-                         f"data_config.img_dir={sample_data}", f"output_dir={out}", "report_to=none",
-                         f"max_train_steps={steps}", "checkpointing_steps=2", "lr_scheduler=constant",
-                         "lr_warmup_steps=0", "data_config.caption_dropout_rate=0.3", "lora_dropout=0.1",
-                         "overwrite_output_dir=false", "data_config.train_batch_size=2", "ema_decay=0.9",
-                         f"adapter_type={adapter}", *extra)
-
-    run(tmp_path / "straight", 4)
-    run(tmp_path / "resumed", 2)
-    run(tmp_path / "resumed", 4, "resume_from_checkpoint=latest")
-    for name in (saved, f"ema/{saved}"):
-        want, got = load_file(str(tmp_path / "straight" / name)), load_file(str(tmp_path / "resumed" / name))
-        assert adapter in " ".join(want) and want.keys() == got.keys(), name
-        assert all(torch.equal(want[k], got[k]) for k in want), f"{name} differs after the resume"
-    assert read_losses(tmp_path / "resumed") == read_losses(tmp_path / "straight")
+    assert_resume_is_bit_equal(QUICKSTART, "krea2", tiny_krea2, sample_data, tmp_path, adapter, saved)

@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file
 
-from conftest import (ROOT, assert_cli_refuses_other_family, family_pipeline, lora_keys_match, read_losses,
-                      train_in_process)
+from conftest import (ROOT, assert_cli_refuses_other_family, assert_resume_is_bit_equal, family_pipeline,
+                      lora_keys_match, read_losses, train_in_process)
 from trainer.config import TrainConfig, load_config
 from trainer.config.schema import DataConfig
 from trainer.families import check_pipeline, load_family
@@ -258,22 +257,8 @@ def test_resume_is_bit_equal(adapter: str, saved: str, tiny_qwen_image21: Path, 
     """Four steps straight, and two steps then a resume to four: the same adapter (LoRA or LoKr) and EMA, bit
     for bit (caption and adapter dropout draw from every random stream; batches of two samples with a reference
     and captions of different lengths, so the layout groups are in play)."""
-    def run(out: Path, steps: int, *extra: str) -> None:
-        train_in_process(QUICKSTART, "qwen_image21", f"pretrained_model_name_or_path={tiny_qwen_image21}",
-                         f"data_config.img_dir={edit_data}", f"output_dir={out}", "report_to=none",
-                         f"max_train_steps={steps}", "checkpointing_steps=2", "lr_scheduler=constant",
-                         "lr_warmup_steps=0", "data_config.caption_dropout_rate=0.3", "lora_dropout=0.1",
-                         "overwrite_output_dir=false", "data_config.train_batch_size=2", "ema_decay=0.9",
-                         f"adapter_type={adapter}", *extra)
-
-    run(tmp_path / "straight", 4)
-    run(tmp_path / "resumed", 2)
-    run(tmp_path / "resumed", 4, "resume_from_checkpoint=latest")
-    for name in (saved, f"ema/{saved}"):
-        want, got = load_file(str(tmp_path / "straight" / name)), load_file(str(tmp_path / "resumed" / name))
-        assert adapter in " ".join(want) and want.keys() == got.keys(), name
-        assert all(torch.equal(want[k], got[k]) for k in want), f"{name} differs after the resume"
-    assert read_losses(tmp_path / "resumed") == read_losses(tmp_path / "straight")
+    assert_resume_is_bit_equal(QUICKSTART, "qwen_image21", tiny_qwen_image21, edit_data, tmp_path, adapter,
+                               saved)
 
 
 @pytest.mark.e2e
