@@ -15,7 +15,6 @@ says which card it was.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence

@@ -11,6 +11,7 @@ and T5 length, Kandinsky 5's unequal text lengths, Z-Image's reversed clock (``t
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from trainer.model.adapters import add_lora
 from trainer.config import TrainConfig
 from trainer.families import SPECS, load_family
 from trainer.families.base import FamilyBase, pad_sequences, unpack_latents
+from trainer.families.spec import lora_presets
 from utils.tiny_models import FAMILIES as TINY_BUILDERS
 
 PROMPT = "a red circle on a yellow background"
@@ -366,6 +368,31 @@ def test_every_family_is_covered() -> None:
     assert set(E2E_CASES) == set(SPECS), f"end-to-end cases differ from the registry: {set(E2E_CASES) ^ set(SPECS)}"
 
 
+def test_presets_build_on_each_other() -> None:
+    """``lora_presets``: all_linear is attention_mlp plus the layers outside the blocks, for suffix lists and
+    regexes alike; a mix of the two is refused (peft reads a list and a regex differently)."""
+    lists = lora_presets(["to_q"], ["to_q", "ff.up"], ["img_in"])
+    assert lists == {"attention": ["to_q"], "attention_mlp": ["to_q", "ff.up"], "all_linear": ["to_q", "ff.up", "img_in"]}
+    assert lora_presets(r"a\.q", r"a\.(q|k)", r"img_in")["all_linear"] == r"a\.(q|k)|img_in"
+    with pytest.raises(TypeError, match="both be regexes or both be lists"):
+        lora_presets("a", "a|b", ["c"])
+
+
+def test_a_spec_takes_its_pipelines_and_transformer_from_its_published_configs() -> None:
+    """``pipelines`` and ``transformer`` are read from ``hub_configs`` (each checkpoint's pipeline once, the
+    reference checkpoint's first), so the two cannot disagree; a spec whose checkpoints name two transformer
+    classes, or whose presets are not the three every family offers, fails when it is defined."""
+    assert SPECS["flux2"].pipelines == ("Flux2KleinPipeline", "Flux2Pipeline")
+    assert SPECS["qwen_image_edit"].pipelines == ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+    assert SPECS["krea2"].transformer == "Krea2Transformer2DModel"
+    qwen = SPECS["qwen_image"]
+    other = {**qwen.reference_checkpoint(), "transformer/config.json": {"_class_name": "FluxTransformer2DModel"}}
+    with pytest.raises(ValueError, match="one transformer class"):
+        dataclasses.replace(qwen, hub_configs={**qwen.hub_configs, "someone/other": other})
+    with pytest.raises(ValueError, match="its LoRA presets must be"):
+        dataclasses.replace(qwen, lora_presets={"attention": ["to_q"]})
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_tiny_models_schedule_as_the_published_checkpoint(name: str, tiny_model: Callable[[str], Path]) -> None:
     """The tiny model's scheduler config is the one the spec publishes (where it holds one), so the
@@ -496,6 +523,8 @@ def test_latents_match_the_pipelines_vae(name: str, pipeline: Callable[[str], An
     pixels = torch.rand(1, 3, 48, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
     latents = family.encode_images(pixels)
     factor = family.pixel_multiple // 2  # the VAE's (the transformer packs 2x2 latent patches)
+    pipeline_scale = getattr(pipe, "vae_scale_factor", None) or pipe.vae_scale_factor_spatial  # Kandinsky 5's name
+    assert family.vae_scale_factor == pipeline_scale
     assert latents.shape[-2:] == (48 // factor, 64 // factor)
     with torch.no_grad():
         theirs, decoded = case.pipeline_vae(pipe, pixels)

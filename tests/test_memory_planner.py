@@ -23,8 +23,6 @@ from trainer.model.block_swap import inner_tensors
 from trainer.config import QuantizationConfig, TrainConfig
 import trainer.planner as mp
 from trainer.families import SPECS
-from trainer.families.flux.spec import FLUX_LORA_PRESETS
-from trainer.families.qwen_image.spec import QWEN_LORA_PRESETS
 from trainer.planner.model import _build, _transformer_spec, published_configs
 from trainer.planner.settings import HOST_BASELINE_CPU_GIB
 from utils.tiny_models import build_tiny_pipeline

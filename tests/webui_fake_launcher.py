@@ -15,7 +15,6 @@ its latest checkpoint with ``resume_from_checkpoint=latest``, and records its en
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

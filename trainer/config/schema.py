@@ -22,6 +22,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 
 from trainer.families import SPECS
+from trainer.families.spec import LORA_PRESET_NAMES
 from trainer.step.optimizer_specs import OPTIMIZERS
 
 # Weight formats of each quantization backend (their implementations: trainer/model/quantization.py).
@@ -380,7 +381,7 @@ class TrainConfig:
     lora_alpha: Optional[float] = None  # default: rank (scale 1.0)
     lora_dropout: float = 0.0
     lora_init: str = one_of("default", ("default", "gaussian"), "initialisation of the LoRA weights")
-    lora_target: str = one_of("attention", ("attention", "attention_mlp", "all_linear"),
+    lora_target: str = one_of("attention", LORA_PRESET_NAMES,
                               "the family's preset of layers to adapt")
     lora_target_modules: Optional[List[str]] = None  # explicit list; overrides the preset
     use_dora: bool = False  # weight-decomposed LoRA (peft)

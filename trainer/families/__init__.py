@@ -68,5 +68,5 @@ def check_pipeline(family: str, name_or_path: str, revision: Optional[str] = Non
 def load_family(cfg: Any) -> "ModelFamily":
     """The runtime family named by ``cfg.family``, for the checkpoint ``cfg.pretrained_model_name_or_path``."""
     check_pipeline(cfg.family, cfg.pretrained_model_name_or_path, cfg.revision)
-    module, _, cls = family_spec(cfg.family).runtime.partition(":")
-    return getattr(importlib.import_module(module), cls)(cfg)
+    spec = family_spec(cfg.family)
+    return getattr(importlib.import_module(f"trainer.families.{spec.name}.model"), spec.runtime)(cfg)

@@ -127,6 +127,11 @@ class FamilyBase:
             self.vae_class.load_config, self.model_path, "vae", revision=self.revision)
         self.scheduler_config: Mapping[str, Any] = from_pretrained(
             FlowMatchEulerDiscreteScheduler.load_config, self.model_path, "scheduler", revision=self.revision)
+        # The VAE's spatial downscale, and the multiple image sides must be: the transformers here pack 2x2 latent
+        # patches (a family with other patches sets its own).
+        self.vae_scale_factor: int = vae_scale_factor(self.vae_config)
+        self.pixel_multiple: int = 2 * self.vae_scale_factor
+        self.max_sequence_length: int = self.spec.text.max_length  # the pipeline's default at render time
 
     @cached_property
     def model_index(self) -> Mapping[str, Any]:
@@ -238,6 +243,15 @@ class ShiftScaleLatents:
         assert self.vae is not None, "load_vae() first"
         latents = latents.to(self.vae.device, self.vae.dtype)
         return self.vae.decode(latents / self.vae_config["scaling_factor"] + self.vae_config["shift_factor"]).sample
+
+
+def vae_scale_factor(vae_config: Mapping[str, Any]) -> int:
+    """The VAE's spatial downscale as the pipelines compute it from its config: one per downsampling stage,
+    which Qwen-Image's VAEs list in ``temperal_downsample`` and AutoencoderKL(-Flux2) count as its blocks but
+    the last."""
+    if "temperal_downsample" in vae_config:
+        return 2 ** len(vae_config["temperal_downsample"])
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
 
 
 def resolve_model_path(name_or_path: str) -> str:

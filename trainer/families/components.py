@@ -52,6 +52,28 @@ FLUX_VAE: Dict[str, Any] = {
     "force_upcast": True, "use_quant_conv": False, "use_post_quant_conv": False,
 }
 
+# black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json: the dynamic shift on; the FLUX.2 checkpoints
+# publish the same values.
+FLUX_SCHEDULER: Dict[str, Any] = {
+    "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
+    "base_image_seq_len": 256, "max_image_seq_len": 4096,
+}
+
+# Qwen/Qwen-Image vae/config.json (the rest are AutoencoderKLQwenImage's defaults): the VAE of every Qwen-Image
+# checkpoint and of Krea 2 (musubi-tuner and ComfyUI: "the same VAE as Qwen-Image").
+QWEN_IMAGE_VAE: Dict[str, Any] = {
+    "_class_name": "AutoencoderKLQwenImage", "attn_scales": [], "base_dim": 96, "dim_mult": [1, 2, 4, 4],
+    "dropout": 0.0, "num_res_blocks": 2, "temperal_downsample": [False, True, True], "z_dim": 16,
+}
+# Qwen/Qwen-Image scheduler/scheduler_config.json: the Edit checkpoints' is taken to be the same, and
+# Qwen-Image-2.1's (ai-toolkit: "matches scheduler/scheduler_config.json in the base repo").
+QWEN_IMAGE_SCHEDULER: Dict[str, Any] = {
+    "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+    "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
+    "time_shift_type": "exponential", "invert_sigmas": False, "use_karras_sigmas": False,
+    "use_exponential_sigmas": False, "use_beta_sigmas": False, "stochastic_sampling": False,
+}
+
 # Qwen/Qwen3-4B (Tongyi-MAI/Z-Image(-Turbo) text_encoder/config.json: a Qwen3ForCausalLM checkpoint
 # that model_index.json loads as the bare Qwen3Model).
 QWEN3_4B: Dict[str, Any] = {

@@ -10,8 +10,9 @@ tiny-model builders. This module imports neither torch nor diffusers.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 # peft's ``target_modules``: a list of module-name suffixes, or one regex that must match a full name.
 TargetSpec = Union[str, Sequence[str]]
@@ -26,13 +27,43 @@ BlockLayout = Mapping[str, Tuple[str, str]]
 IMAGE_PIXELS_PER_TOKEN = 16  # every family here: an 8x VAE, then 2x2 latent patches per image token
 
 
-def double_single_targets(double: str, single: str, outer: str = "") -> str:
+# The ``lora_target`` presets every family offers, each adding layers to the one before (``lora_presets``).
+LORA_PRESET_NAMES: Tuple[str, ...] = ("attention", "attention_mlp", "all_linear")
+
+
+def lora_presets(attention: TargetSpec, attention_mlp: TargetSpec, outer: TargetSpec) -> Dict[str, TargetSpec]:
+    """A family's ``lora_target`` presets from its layer names: ``attention`` is the attention that sees the
+    image (what FlyMyAI and diffusers' examples train), ``attention_mlp`` every attention and MLP projection in
+    the blocks, ``all_linear`` those and ``outer``, the linears outside the blocks (embedders, output layer).
+    Modulation is never in a preset: peers leave it out, and it holds a large share of the weights. Pass all
+    three as suffix lists or all as regexes (peft full-matches a regex)."""
+    if isinstance(attention_mlp, str) != isinstance(outer, str):
+        raise TypeError("lora_presets: attention_mlp and outer must both be regexes or both be lists")
+    all_linear = f"{attention_mlp}|{outer}" if isinstance(attention_mlp, str) else [*attention_mlp, *outer]
+    return {"attention": attention, "attention_mlp": attention_mlp, "all_linear": all_linear}
+
+
+# diffusers' dual-stream attention (the double blocks of FLUX.1, FLUX.2 and Qwen-Image): the image stream's and
+# the text stream's projections, and what each reads for the planner.
+IMAGE_STREAM_ATTENTION: Tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+TEXT_STREAM_ATTENTION: Tuple[str, ...] = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+DUAL_STREAM_ATTENTION_LAYOUT: BlockLayout = {
+    **{f"attn.{n}": ("img", "attn_in") for n in IMAGE_STREAM_ATTENTION[:3]},
+    **{f"attn.{n}": ("txt", "attn_in") for n in TEXT_STREAM_ATTENTION[:3]},
+    "attn.to_out.0": ("img", "attn_out"), "attn.to_add_out": ("txt", "attn_out"),
+}
+
+
+def names_regex(prefix: str, names: Sequence[str]) -> str:
+    """A regex matching ``prefix.<name>`` for each of ``names`` (dots escaped): ``attn\\.(to_q|to_k)``."""
+    return rf"{re.escape(prefix)}\.({'|'.join(re.escape(n) for n in names)})"
+
+
+def double_single_targets(double: str, single: str) -> str:
     """One peft ``target_modules`` regex (peft full-matches it) for a transformer of double-stream
     ``transformer_blocks`` and single-stream ``single_transformer_blocks`` (FLUX.1, FLUX.2): each layer is
-    anchored to its block list, so a suffix such as ``proj_out`` cannot also hit the final output layer;
-    ``outer`` adds layers outside the blocks."""
-    pattern = rf"transformer_blocks\.\d+\.({double})|single_transformer_blocks\.\d+\.({single})"
-    return f"{pattern}|{outer}" if outer else pattern
+    anchored to its block list, so a suffix such as ``proj_out`` cannot also hit the final output layer."""
+    return rf"transformer_blocks\.\d+\.({double})|single_transformer_blocks\.\d+\.({single})"
 
 
 @dataclass(frozen=True)
@@ -115,11 +146,14 @@ class FamilySpec:
     name: str
     title: str  # for people: "Qwen-Image", "FLUX.1-dev", ...
     entry_script: str  # the script that trains it ("train.py", "train_flux_lora.py", ...)
-    pipelines: Tuple[str, ...]  # diffusers pipeline classes of its checkpoints (model_index.json)
-    transformer: str  # diffusers class name of its transformer
-    lora_presets: Mapping[str, TargetSpec]  # lora_target -> peft target_modules
+    lora_presets: Mapping[str, TargetSpec]  # lora_target -> peft target_modules (see ``lora_presets()``)
     blocks: Tuple[BlockGroup, ...]  # the repeated blocks, in execution order
-    runtime: str  # "module:Class" of the ModelFamily, imported only when a run needs it
+    runtime: str  # the ModelFamily class in the package's model.py, imported only when a run needs it
+    # hub id -> {file in that repository: its JSON}: configs of the published checkpoints, for planning
+    # without a download (files found locally or in the HF cache win), and the source of ``pipelines`` and
+    # ``transformer``. The first is the family's reference checkpoint; "_shards" gives the transformer's
+    # number of weight files.
+    hub_configs: Mapping[str, Mapping[str, Any]]
     text: TextTokens = field(default_factory=TextTokens)
     # pipeline class -> what a reference image adds (empty: the family takes no references)
     references: Mapping[str, ReferenceTokens] = field(default_factory=dict)
@@ -130,10 +164,6 @@ class FamilySpec:
     # Pipeline components that are Qwen2-VL processors (``utils.qwen_processor`` loads them
     # without torchvision): passed to ``from_pretrained`` by inference and the tests.
     vl_processors: Tuple[str, ...] = ()
-    # hub id -> {file in that repository: its JSON}: configs of the published checkpoints, for
-    # planning without a download (files found locally or in the HF cache win). The first is the
-    # family's reference checkpoint; "_shards" gives the transformer's number of weight files.
-    hub_configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Why ``lora_export_formats: [comfyui]`` is refused for this family ("" when the export is offered).
     comfyui_unsupported: str = ""
     # Where ComfyUI names the model's modules otherwise than diffusers: (regex full-matching a diffusers module
@@ -142,6 +172,26 @@ class FamilySpec:
     # Why ``compile: auto`` leaves this family's blocks eager on a GPU ("" when it compiles them); an
     # explicit ``compile: true`` still compiles.
     compile_auto_off: str = ""
+
+    def __post_init__(self) -> None:
+        transformers = {configs["transformer/config.json"]["_class_name"] for configs in self.hub_configs.values()}
+        if len(transformers) != 1:
+            raise ValueError(f"family {self.name}: its published checkpoints must share one transformer class, "
+                             f"not {sorted(transformers) or 'none'}")
+        if tuple(self.lora_presets) != LORA_PRESET_NAMES:
+            raise ValueError(f"family {self.name}: its LoRA presets must be {LORA_PRESET_NAMES}, not "
+                             f"{tuple(self.lora_presets)}")
+
+    @property
+    def pipelines(self) -> Tuple[str, ...]:
+        """The diffusers pipeline classes of its published checkpoints (their model_index.json), the reference
+        checkpoint's first: the default for inference."""
+        return tuple(dict.fromkeys(c["model_index.json"]["_class_name"] for c in self.hub_configs.values()))
+
+    @property
+    def transformer(self) -> str:
+        """The diffusers class name of its transformer (every published checkpoint's transformer/config.json)."""
+        return self.reference_checkpoint()["transformer/config.json"]["_class_name"]
 
     @property
     def block_attributes(self) -> Tuple[str, ...]:
@@ -169,4 +219,4 @@ class FamilySpec:
 
     def reference_checkpoint(self) -> Mapping[str, Any]:
         """The published configs of the family's reference checkpoint (the first of ``hub_configs``)."""
-        return next(iter(self.hub_configs.values()), {})
+        return next(iter(self.hub_configs.values()))

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from trainer.families.components import CLIP_L_TEXT, FLUX_VAE, T5_XXL_ENCODER, model_index
-from trainer.families.spec import (BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens,
-                                   double_single_targets)
+from trainer.families.components import CLIP_L_TEXT, FLUX_SCHEDULER, FLUX_VAE, T5_XXL_ENCODER, model_index
+from trainer.families.spec import (DUAL_STREAM_ATTENTION_LAYOUT, IMAGE_STREAM_ATTENTION, TEXT_STREAM_ATTENTION,
+                                   BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens,
+                                   double_single_targets, lora_presets, names_regex)
 
 T5_MAX_LENGTH = 512  # FLUX.1-dev's T5 context: FluxPipeline's default and its upper limit
 
 # Layer names inside a double-stream block (image + text streams) and a single-stream block (joint).
-_IMG_ATTN = r"attn\.(to_q|to_k|to_v|to_out\.0)"
-_TXT_ATTN = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+_IMG_ATTN = names_regex("attn", IMAGE_STREAM_ATTENTION)
+_TXT_ATTN = names_regex("attn", TEXT_STREAM_ATTENTION)
 _DOUBLE_MLP = r"(ff|ff_context)\.net\.(0\.proj|2)"
 _SINGLE_ATTN = r"attn\.(to_q|to_k|to_v)"
 # A single block's proj_out maps [attention, MLP] back to the hidden size: attention output and MLP
@@ -22,23 +23,17 @@ _SINGLE_MLP = r"proj_mlp|proj_out"
 # there could only learn a shift that distorts every other value used at render time.
 _OUTER = r"x_embedder|context_embedder|proj_out|time_text_embed\.(timestep_embedder|text_embedder)\.linear_[12]"
 
-_DOUBLE_ALL = f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}"
-_SINGLE_ALL = f"{_SINGLE_ATTN}|{_SINGLE_MLP}"
-
 # Modulation (norm1.linear, norm1_context.linear, norm.linear, norm_out.linear) is never a target.
-FLUX_LORA_PRESETS: Dict[str, TargetSpec] = {
+FLUX_LORA_PRESETS: Dict[str, TargetSpec] = lora_presets(
     # FlyMyAI's FLUX targets (to_q/to_k/to_v/to_out.0): image-stream attention in double blocks,
     # joint attention in single blocks.
-    "attention": double_single_targets(_IMG_ATTN, _SINGLE_ATTN),
-    "attention_mlp": double_single_targets(_DOUBLE_ALL, _SINGLE_ALL),
-    "all_linear": double_single_targets(_DOUBLE_ALL, _SINGLE_ALL, _OUTER),
-}
+    attention=double_single_targets(_IMG_ATTN, _SINGLE_ATTN),
+    attention_mlp=double_single_targets(f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_ATTN}|{_SINGLE_MLP}"),
+    outer=_OUTER)
 
 # The planner's maps of a FluxTransformerBlock and a FluxSingleTransformerBlock (trainer.families.spec.BlockLayout).
 _DOUBLE_LAYOUT: BlockLayout = {
-    **{f"attn.{n}": ("img", "attn_in") for n in ("to_q", "to_k", "to_v")},
-    **{f"attn.{n}": ("txt", "attn_in") for n in ("add_q_proj", "add_k_proj", "add_v_proj")},
-    "attn.to_out.0": ("img", "attn_out"), "attn.to_add_out": ("txt", "attn_out"),
+    **DUAL_STREAM_ATTENTION_LAYOUT,
     "ff.net.0.proj": ("img", "mlp_in"), "ff.net.2": ("img", "mlp_hidden"),
     "ff_context.net.0.proj": ("txt", "mlp_in"), "ff_context.net.2": ("txt", "mlp_hidden"),
     "norm1.linear": ("img", "mod"), "norm1_context.linear": ("txt", "mod"),
@@ -50,8 +45,8 @@ _SINGLE_LAYOUT: BlockLayout = {
     "norm.linear": ("joint", "mod"),
 }
 
-# black-forest-labs/FLUX.1-dev: model_index.json, transformer/config.json (3 weight files) and
-# scheduler/scheduler_config.json; CLIP-L, T5-XXL and the VAE from trainer.families.components.
+# black-forest-labs/FLUX.1-dev: model_index.json and transformer/config.json (3 weight files); CLIP-L, T5-XXL,
+# the VAE and the scheduler from trainer.families.components.
 _FLUX_DEV: Dict[str, Any] = {
     "model_index.json": model_index(
         "FluxPipeline", scheduler="diffusers.FlowMatchEulerDiscreteScheduler",
@@ -65,9 +60,7 @@ _FLUX_DEV: Dict[str, Any] = {
     "text_encoder/config.json": CLIP_L_TEXT,
     "text_encoder_2/config.json": T5_XXL_ENCODER,
     "vae/config.json": FLUX_VAE,
-    "scheduler/scheduler_config.json": {
-        "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
-        "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
+    "scheduler/scheduler_config.json": FLUX_SCHEDULER,
     "_shards": {"transformer": 3},
 }
 
@@ -78,12 +71,10 @@ SPEC = FamilySpec(
     name="flux",
     title="FLUX.1-dev",
     entry_script="train_flux_lora.py",
-    pipelines=("FluxPipeline",),
-    transformer="FluxTransformer2DModel",
     lora_presets=FLUX_LORA_PRESETS,
     blocks=(BlockGroup("transformer_blocks", "double", _DOUBLE_LAYOUT),
             BlockGroup("single_transformer_blocks", "single", _SINGLE_LAYOUT)),
-    runtime="trainer.families.flux.model:FluxFamily",
+    runtime="FluxFamily",
     # FLUX pads every T5 prompt to max_sequence_length and attends to the padding; CLIP gives the
     # pooled embedding.
     text=TextTokens(max_length=T5_MAX_LENGTH, padded=True,

@@ -74,8 +74,6 @@ class Flux2Family(FamilyBase):
                            "train the base checkpoints (black-forest-labs/FLUX.2-klein-base-4B or -9B): a LoRA "
                            "trained on the distilled model fights its distillation. Validation renders without CFG.")
             self.default_cfg_scale = 1.0
-        vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # as the pipelines
-        self.pixel_multiple = vae_scale_factor * 2  # the 2x2 patchify
         self.encoder_quantization = text_encoder_spec(cfg)
         self.text_pipe: Any = None
         self.vae: Optional[AutoencoderKLFlux2] = None

@@ -12,38 +12,34 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from trainer.families.components import FLUX2_VAE, MISTRAL_SMALL_3_24B, QWEN3_4B, QWEN3_8B, model_index
-from trainer.families.spec import (BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens,
-                                   double_single_targets)
+from trainer.families.components import (FLUX2_VAE, FLUX_SCHEDULER, MISTRAL_SMALL_3_24B, QWEN3_4B, QWEN3_8B,
+                                         model_index)
+from trainer.families.spec import (DUAL_STREAM_ATTENTION_LAYOUT, IMAGE_STREAM_ATTENTION, TEXT_STREAM_ATTENTION,
+                                   BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens,
+                                   double_single_targets, lora_presets, names_regex)
 
 MAX_SEQUENCE_LENGTH = 512  # both pipelines pad every prompt to it and the transformer attends to the padding
 KLEIN_TEXT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline stacks these Qwen3 hidden states: 3 x hidden width
 DEV_TEXT_LAYERS = (10, 20, 30)  # Flux2Pipeline stacks these Mistral-3 hidden states
 
-_IMG_ATTN = r"attn\.(to_q|to_k|to_v|to_out\.0)"
-_TXT_ATTN = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+_IMG_ATTN = names_regex("attn", IMAGE_STREAM_ATTENTION)
+_TXT_ATTN = names_regex("attn", TEXT_STREAM_ATTENTION)
 _DOUBLE_MLP = r"(ff|ff_context)\.(linear_in|linear_out)"
 _SINGLE_IN = r"attn\.to_qkv_mlp_proj"  # q, k, v and the MLP input in one linear
 _SINGLE_OUT = r"attn\.to_out"  # [attention, MLP] back to the hidden size (a Linear here, not a ModuleList)
 # Outside the blocks. Left out: the guidance embedder (dev trains at one guidance value; a LoRA there can
 # only learn a shift that distorts the others) and the shared modulation linears.
 _OUTER = r"x_embedder|context_embedder|proj_out|time_guidance_embed\.timestep_embedder\.linear_[12]"
-_DOUBLE_ALL = f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}"
-_SINGLE_ALL = f"{_SINGLE_IN}|{_SINGLE_OUT}"
 
-
-FLUX2_LORA_PRESETS: Dict[str, TargetSpec] = {
+FLUX2_LORA_PRESETS: Dict[str, TargetSpec] = lora_presets(
     # Image-stream attention in the double blocks, the fused q/k/v(+MLP) projection in the single blocks.
-    "attention": double_single_targets(_IMG_ATTN, _SINGLE_IN),
-    "attention_mlp": double_single_targets(_DOUBLE_ALL, _SINGLE_ALL),
-    "all_linear": double_single_targets(_DOUBLE_ALL, _SINGLE_ALL, _OUTER),
-}
+    attention=double_single_targets(_IMG_ATTN, _SINGLE_IN),
+    attention_mlp=double_single_targets(f"{_IMG_ATTN}|{_TXT_ATTN}|{_DOUBLE_MLP}", f"{_SINGLE_IN}|{_SINGLE_OUT}"),
+    outer=_OUTER)
 
 # The planner's maps of a Flux2TransformerBlock and a Flux2SingleTransformerBlock (no modulation inside).
 _DOUBLE_LAYOUT: BlockLayout = {
-    **{f"attn.{n}": ("img", "attn_in") for n in ("to_q", "to_k", "to_v")},
-    **{f"attn.{n}": ("txt", "attn_in") for n in ("add_q_proj", "add_k_proj", "add_v_proj")},
-    "attn.to_out.0": ("img", "attn_out"), "attn.to_add_out": ("txt", "attn_out"),
+    **DUAL_STREAM_ATTENTION_LAYOUT,
     "ff.linear_in": ("img", "mlp_in"), "ff.linear_out": ("img", "mlp_hidden"),
     "ff_context.linear_in": ("txt", "mlp_in"), "ff_context.linear_out": ("txt", "mlp_hidden"),
 }
@@ -62,21 +58,18 @@ def _transformer(layers: int, single: int, heads: int, joint: int, guidance: boo
             "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000, "eps": 1e-6, "guidance_embeds": guidance}
 
 
-# FlowMatchEulerDiscreteScheduler of the FLUX.2 checkpoints: the dynamic shift on (as FLUX.1's; the
-# pipelines replace mu with compute_empirical_mu at render time).
-_SCHEDULER: Dict[str, Any] = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True,
-                              "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,
-                              "max_image_seq_len": 4096}
 
 
 def _klein(layers: int, single: int, heads: int, encoder: Dict[str, Any], shards: int) -> Dict[str, Any]:
+    """A FLUX.2 [klein] base checkpoint (4B or 9B). Every FLUX.2 checkpoint publishes FLUX.1's scheduler config
+    (the pipelines replace mu with compute_empirical_mu at render time)."""
     index = model_index("Flux2KleinPipeline", scheduler="diffusers.FlowMatchEulerDiscreteScheduler",
                         text_encoder="transformers.Qwen3ForCausalLM", tokenizer="transformers.Qwen2TokenizerFast",
                         transformer="diffusers.Flux2Transformer2DModel", vae="diffusers.AutoencoderKLFlux2")
     return {"model_index.json": {**index, "is_distilled": False},
             "transformer/config.json": _transformer(layers, single, heads, 3 * encoder["hidden_size"], False),
             "text_encoder/config.json": encoder, "vae/config.json": FLUX2_VAE,
-            "scheduler/scheduler_config.json": _SCHEDULER, "_shards": {"transformer": shards}}
+            "scheduler/scheduler_config.json": FLUX_SCHEDULER, "_shards": {"transformer": shards}}
 
 
 _DEV: Dict[str, Any] = {
@@ -86,19 +79,17 @@ _DEV: Dict[str, Any] = {
         transformer="diffusers.Flux2Transformer2DModel", vae="diffusers.AutoencoderKLFlux2"),
     "transformer/config.json": _transformer(8, 48, 48, 3 * 5120, True),
     "text_encoder/config.json": MISTRAL_SMALL_3_24B, "vae/config.json": FLUX2_VAE,
-    "scheduler/scheduler_config.json": _SCHEDULER, "_shards": {"transformer": 7},
+    "scheduler/scheduler_config.json": FLUX_SCHEDULER, "_shards": {"transformer": 7},
 }
 
 SPEC = FamilySpec(
     name="flux2",
     title="FLUX.2",
     entry_script="train_flux2_lora.py",
-    pipelines=("Flux2KleinPipeline", "Flux2Pipeline"),
-    transformer="Flux2Transformer2DModel",
     lora_presets=FLUX2_LORA_PRESETS,
     blocks=(BlockGroup("transformer_blocks", "double", _DOUBLE_LAYOUT),
             BlockGroup("single_transformer_blocks", "single", _SINGLE_LAYOUT)),
-    runtime="trainer.families.flux2.model:Flux2Family",
+    runtime="Flux2Family",
     # Both pipelines pad every prompt (chat template included) to 512 tokens and pass no attention mask.
     text=TextTokens(max_length=MAX_SEQUENCE_LENGTH, padded=True),
     outer_layout={"context_embedder": ("txt", "in"), "time_guidance_embed": ("img", "temb"),

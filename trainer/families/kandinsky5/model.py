@@ -30,12 +30,9 @@ class Kandinsky5Family(FamilyBase):
     default_cfg_scale: ClassVar[float] = 3.5  # the pipeline's default
     vae_class: ClassVar[type] = AutoencoderKL
     transformer_class: ClassVar[type] = Kandinsky5Transformer3DModel
-    max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # 8, as the pipeline fixes it
-        self.pixel_multiple = vae_scale_factor * 2  # the transformer patches 2x2 latents
         self.encoder_quantization = text_encoder_spec(cfg)
         self.text_pipe: Optional[Kandinsky5T2IPipeline] = None
         self.vae: Optional[AutoencoderKL] = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from trainer.families.components import CLIP_L_TEXT, FLUX_VAE, QWEN2_5_VL_7B, model_index
-from trainer.families.spec import BlockGroup, FamilySpec, TargetSpec, TextTokens
+from trainer.families.spec import BlockGroup, FamilySpec, TargetSpec, TextTokens, lora_presets
 
 _PROJ = r"(to_query|to_key|to_value|out_layer)"
 _VISUAL_ATTN = rf"visual_transformer_blocks\.\d+\.(self_attention|cross_attention)\.{_PROJ}"
@@ -14,11 +14,9 @@ _MLP = r"(text|visual)_transformer_blocks\.\d+\.feed_forward\.(in_layer|out_laye
 _OUTER = r"(time|text|pooled_text|visual)_embeddings\.in_layer|time_embeddings\.out_layer|out_layer\.out_layer"
 # Regexes (peft full-matches them): `out_layer` names attention, MLP, modulation and final layers alike.
 # Modulation (text_modulation, visual_modulation, out_layer.modulation) is never a target.
-KANDINSKY5_LORA_PRESETS: Dict[str, TargetSpec] = {
-    "attention": _VISUAL_ATTN,  # the image stream: the visual blocks' self- and cross-attention
-    "attention_mlp": f"{_VISUAL_ATTN}|{_TEXT_ATTN}|{_MLP}",
-    "all_linear": f"{_VISUAL_ATTN}|{_TEXT_ATTN}|{_MLP}|{_OUTER}",
-}
+KANDINSKY5_LORA_PRESETS: Dict[str, TargetSpec] = lora_presets(
+    attention=_VISUAL_ATTN,  # the image stream: the visual blocks' self- and cross-attention
+    attention_mlp=f"{_VISUAL_ATTN}|{_TEXT_ATTN}|{_MLP}", outer=_OUTER)
 
 # kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers: transformer/config.json as published (the values of a
 # third-party review that compared that file key by key; they build 6.02B parameters, the model card's
@@ -45,12 +43,10 @@ SPEC = FamilySpec(
     name="kandinsky5",
     title="Kandinsky 5 image (T2I Lite)",
     entry_script="train.py",
-    pipelines=("Kandinsky5T2IPipeline",),
-    transformer="Kandinsky5Transformer3DModel",
     lora_presets=KANDINSKY5_LORA_PRESETS,
     # No layouts: the planner does not model the activations of these blocks yet (it refuses to plan).
     blocks=(BlockGroup("text_transformer_blocks", "text"), BlockGroup("visual_transformer_blocks", "visual")),
-    runtime="trainer.families.kandinsky5.model:Kandinsky5Family",
+    runtime="Kandinsky5Family",
     # Kandinsky5T2IPipeline: a 40-token template prefix dropped (prompt_template_encode_start_idx),
     # then up to 512 caption tokens, unpadded; the family encodes one prompt at a time. CLIP gives the
     # pooled embedding.

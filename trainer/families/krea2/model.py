@@ -55,7 +55,6 @@ class Krea2Family(FamilyBase):
     cfg_argument: ClassVar[str] = "guidance_scale"
     cfg_off_value: ClassVar[float] = 0.0
     default_cfg_scale: ClassVar[float] = 4.5
-    max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
 
     # Qwen-Image's VAE and latent normalisation, read from this checkpoint's vae/config.json.
     _latent_stats = QwenImageFamily._latent_stats
@@ -71,7 +70,6 @@ class Krea2Family(FamilyBase):
         self.patch_size = int(index.get("patch_size", 2))
         self.distilled = bool(index.get("is_distilled", False))
         _check_configs(self.model_path, self.text_layers, self.patch_size, transformer_config, self.vae_config)
-        self.vae_scale_factor = 2 ** len(self.vae_config["temperal_downsample"])  # as the pipeline
         self.pixel_multiple = self.vae_scale_factor * self.patch_size
         self.scheduler_config = training_schedule(self.scheduler_config, self.distilled)
         if self.distilled:

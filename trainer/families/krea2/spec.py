@@ -13,9 +13,9 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, Tuple
 
-from trainer.families.components import model_index, qwen3_vl
-from trainer.families.qwen_image.spec import qwen_checkpoint
-from trainer.families.spec import BlockGroup, BlockLayout, FamilySpec, SavedActivations, TargetSpec, TextTokens
+from trainer.families.components import QWEN_IMAGE_VAE, model_index, qwen3_vl
+from trainer.families.spec import (BlockGroup, BlockLayout, FamilySpec, SavedActivations, TargetSpec, TextTokens,
+                                   lora_presets)
 
 # Krea2Pipeline's default taps (its __init__, for a model_index.json without the key): 12 of Qwen3-VL-4B's 37
 # hidden states. The checkpoint's own model_index.json wins.
@@ -33,12 +33,10 @@ _FF = r"ff\.(gate|up|down)"
 # planner does not model their activations: each of the 12 taps of every caption token runs through them).
 # The Krea authors' example list has both: name them in lora_target_modules when a style needs them.
 _OUTER = r"img_in|final_layer\.linear|time_embed\.linear_[12]|txt_in\.linear_[12]"
-KREA2_LORA_PRESETS: Dict[str, TargetSpec] = {
+KREA2_LORA_PRESETS: Dict[str, TargetSpec] = lora_presets(
     # Anchored to the main blocks: the bare names would also hit the text fusion blocks.
-    "attention": rf"transformer_blocks\.\d+\.{_ATTN}",
-    "attention_mlp": rf"transformer_blocks\.\d+\.({_ATTN}|{_FF})",
-    "all_linear": rf"transformer_blocks\.\d+\.({_ATTN}|{_FF})|{_OUTER}",
-}
+    attention=rf"transformer_blocks\.\d+\.{_ATTN}", attention_mlp=rf"transformer_blocks\.\d+\.({_ATTN}|{_FF})",
+    outer=_OUTER)
 
 # The planner's map of a Krea2TransformerBlock: one joint stream (text and image tokens together).
 _BLOCK_LAYOUT: BlockLayout = {
@@ -65,8 +63,6 @@ _TRANSFORMER: Dict[str, Any] = {
     "text_intermediate_size": 6912, "num_layerwise_text_blocks": 2, "num_refiner_text_blocks": 2,
     "axes_dims_rope": [32, 48, 48], "rope_theta": 1000.0, "norm_eps": 1e-5,
 }
-# Qwen-Image's VAE (musubi-tuner and ComfyUI: "the same VAE as Qwen-Image").
-QWEN_IMAGE_VAE: Dict[str, Any] = qwen_checkpoint("QwenImagePipeline")["vae/config.json"]
 # Qwen/Qwen3-VL-4B-Instruct config.json, loaded as the bare Qwen3VLModel (no LM head; the vision tower is
 # loaded but never runs for text).
 QWEN3_VL_4B: Dict[str, Any] = qwen3_vl(2560, 9728, True, 24, 1024, 4096, (5, 11, 17))
@@ -109,12 +105,10 @@ SPEC = FamilySpec(
     name="krea2",
     title="Krea 2",
     entry_script="train_krea2_lora.py",
-    pipelines=("Krea2Pipeline",),
-    transformer="Krea2Transformer2DModel",
     lora_presets=KREA2_LORA_PRESETS,
     # text_fusion's blocks are not a direct attribute: they stay unquantized and resident (343M parameters).
     blocks=(BlockGroup("transformer_blocks", "single", _BLOCK_LAYOUT, _BLOCK_SAVED),),
-    runtime="trainer.families.krea2.model:Krea2Family",
+    runtime="Krea2Family",
     # [34-token system prefix | caption | PAD | 5-token suffix]; the prefix is dropped, the suffix kept. The
     # cache holds the unpadded rows (exact: text positions are all zero); each token holds every tap.
     text=TextTokens(max_length=512, template=34, kept=5,

@@ -33,12 +33,9 @@ class QwenImageFamily(FamilyBase):
     default_cfg_scale: ClassVar[float] = 4.0  # QwenImagePipeline's true_cfg_scale
     vae_class: ClassVar[type] = AutoencoderKLQwenImage
     transformer_class: ClassVar[type] = QwenImageTransformer2DModel
-    max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        self.vae_scale_factor = 2 ** len(self.vae_config["temperal_downsample"])
-        self.pixel_multiple = self.vae_scale_factor * 2  # the transformer packs 2x2 latent patches
         self.encoder_quantization = text_encoder_spec(cfg)
         self.text_pipe: Optional[QwenImagePipeline] = None
         self.vae: Optional[AutoencoderKLQwenImage] = None

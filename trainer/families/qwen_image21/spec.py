@@ -12,20 +12,18 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from trainer.families.components import model_index, qwen3_vl
-from trainer.families.spec import BlockGroup, BlockLayout, FamilySpec, ReferenceTokens, SavedActivations, TargetSpec, \
-    TextTokens
+from trainer.families.components import QWEN_IMAGE_SCHEDULER, model_index, qwen3_vl
+from trainer.families.spec import (BlockGroup, BlockLayout, FamilySpec, ReferenceTokens, SavedActivations,
+                                   TargetSpec, TextTokens, lora_presets)
 
 _ATTN: List[str] = ["to_q", "to_k", "to_v", "to_out.0"]
 _MLP: List[str] = ["img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"]  # never a bare "out"
 # The shared modulation (modulation.1, 67M parameters, feeding every block) and norm_out.linear are never a
 # preset's target, as with the house's other families. The attention names occur only inside the blocks.
-QWEN21_LORA_PRESETS: Dict[str, TargetSpec] = {
-    "attention": _ATTN,
-    "attention_mlp": _ATTN + _MLP,
-    "all_linear": _ATTN + _MLP + ["img_in", "txt_in.in_layer", "txt_in.out_layer", "proj_out",
-                                  "timestep_embedder.linear_1", "timestep_embedder.linear_2"],
-}
+QWEN21_LORA_PRESETS: Dict[str, TargetSpec] = lora_presets(
+    attention=_ATTN, attention_mlp=_ATTN + _MLP,
+    outer=["img_in", "txt_in.in_layer", "txt_in.out_layer", "proj_out", "timestep_embedder.linear_1",
+           "timestep_embedder.linear_2"])
 
 # The planner's map of a QwenImage21TransformerBlock: one joint stream, no modulation of its own (the shared
 # modulation.1 feeds it per sample).
@@ -61,13 +59,6 @@ _VAE: Dict[str, Any] = {
 # Qwen/Qwen3-VL-8B-Instruct config.json (Qwen3VLForConditionalGeneration: the LM head is loaded, only the last
 # decoder layer's hidden states are read).
 QWEN3_VL_8B: Dict[str, Any] = qwen3_vl(4096, 12288, False, 27, 1152, 4304, (8, 16, 24))
-# Qwen-Image's scheduler file (ai-toolkit: "matches scheduler/scheduler_config.json in the base repo").
-_SCHEDULER: Dict[str, Any] = {
-    "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
-    "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
-    "time_shift_type": "exponential", "invert_sigmas": False, "use_karras_sigmas": False,
-    "use_exponential_sigmas": False, "use_beta_sigmas": False, "stochastic_sampling": False,
-}
 # Qwen3-VL's released preprocessor_config.json: 16-px patches merged 2x2 (one <|image_pad|> per 32x32 px),
 # images kept between 256^2 and 4096^2 px.
 PROCESSOR: Dict[str, Any] = {
@@ -87,7 +78,7 @@ def _checkpoint(sample_sigmas: Any = None) -> Dict[str, Any]:
                         transformer="diffusers.QwenImage21Transformer2DModel", vae="diffusers.AutoencoderKLQwenImage21")
     return {"model_index.json": {**index, "sample_sigmas": sample_sigmas},
             "transformer/config.json": _TRANSFORMER, "text_encoder/config.json": QWEN3_VL_8B,
-            "vae/config.json": _VAE, "scheduler/scheduler_config.json": _SCHEDULER,
+            "vae/config.json": _VAE, "scheduler/scheduler_config.json": QWEN_IMAGE_SCHEDULER,
             "processor/preprocessor_config.json": PROCESSOR, "_shards": {"transformer": 3}}
 
 
@@ -95,11 +86,9 @@ SPEC = FamilySpec(
     name="qwen_image21",
     title="Qwen-Image-2.1",
     entry_script="train_qwen_image21_lora.py",
-    pipelines=("QwenImage21Pipeline",),
-    transformer="QwenImage21Transformer2DModel",
     lora_presets=QWEN21_LORA_PRESETS,
     blocks=(BlockGroup("transformer_blocks", "single", _BLOCK_LAYOUT, _BLOCK_SAVED),),
-    runtime="trainer.families.qwen_image21.model:QwenImage21Family",
+    runtime="QwenImage21Family",
     # [system turn (dropped, ~13 tokens) | "<|im_start|>user\n" caption "<|im_end|>\n<|im_start|>assistant\n"]:
     # 8 template tokens kept; the caption is not padded (the cache holds each prompt's own rows). The pipeline
     # encodes one prompt with its references at a time; image_pad_mask marks the reference slots (no width).

@@ -6,7 +6,6 @@ from trainer.families.qwen_image.spec import (
     QWEN_BLOCKS,
     QWEN_LORA_PRESETS,
     QWEN_OUTER_LAYOUT,
-    QWEN_TRANSFORMER,
     qwen_checkpoint,
 )
 from trainer.families.spec import FamilySpec, ReferenceTokens, TextTokens
@@ -16,11 +15,9 @@ SPEC = FamilySpec(
     title="Qwen-Image-Edit",  # and Edit-2509/2511
     entry_script="train_qwen_edit_lora.py",
     # Edit takes one reference; Edit-Plus (2509, 2511) takes 1-3.
-    pipelines=("QwenImageEditPipeline", "QwenImageEditPlusPipeline"),
-    transformer=QWEN_TRANSFORMER,
     lora_presets=QWEN_LORA_PRESETS,
     blocks=QWEN_BLOCKS,
-    runtime="trainer.families.qwen_image_edit.model:QwenImageEditFamily",
+    runtime="QwenImageEditFamily",
     # The Edit template prefix (64 tokens) is encoded with every prompt and dropped; Edit encodes one
     # prompt (with its references) at a time.
     text=TextTokens(max_length=512, template=64, prompts_per_call=1),

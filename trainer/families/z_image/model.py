@@ -29,12 +29,9 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
     default_cfg_scale: ClassVar[float] = 0.0
     vae_class: ClassVar[type] = AutoencoderKL
     transformer_class: ClassVar[type] = ZImageTransformer2DModel
-    max_sequence_length: ClassVar[int] = 512  # the pipeline's default at render time
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # as ZImagePipeline
-        self.pixel_multiple = vae_scale_factor * 2  # the transformer patches 2x2 latents
         self.encoder_quantization = text_encoder_spec(cfg)
         self.text_pipe: Optional[ZImagePipeline] = None
         self.vae: Optional[AutoencoderKL] = None

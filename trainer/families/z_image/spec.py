@@ -5,19 +5,17 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from trainer.families.components import FLUX_VAE, QWEN3_4B, model_index
-from trainer.families.spec import BlockGroup, FamilySpec, TargetSpec, TextTokens
+from trainer.families.spec import BlockGroup, FamilySpec, TargetSpec, TextTokens, lora_presets
 
 _ATTN = r"attention\.(to_q|to_k|to_v|to_out\.0)"
 _MLP = r"feed_forward\.(w1|w2|w3)"
 # noise_refiner: image tokens only; context_refiner: caption tokens only; layers: both, jointly.
 _OUTER = r"all_x_embedder\.[^.]+|all_final_layer\.[^.]+\.linear|cap_embedder\.1|t_embedder\.mlp\.[02]"
 # adaLN_modulation (blocks and final layer) is never a target.
-Z_IMAGE_LORA_PRESETS: Dict[str, TargetSpec] = {
+Z_IMAGE_LORA_PRESETS: Dict[str, TargetSpec] = lora_presets(
     # Attention that sees the image: the joint layers and the image refiner (as FLUX's preset).
-    "attention": rf"(layers|noise_refiner)\.\d+\.{_ATTN}",
-    "attention_mlp": rf"(layers|noise_refiner|context_refiner)\.\d+\.({_ATTN}|{_MLP})",
-    "all_linear": rf"(layers|noise_refiner|context_refiner)\.\d+\.({_ATTN}|{_MLP})|{_OUTER}",
-}
+    attention=rf"(layers|noise_refiner)\.\d+\.{_ATTN}",
+    attention_mlp=rf"(layers|noise_refiner|context_refiner)\.\d+\.({_ATTN}|{_MLP})", outer=_OUTER)
 
 
 def _checkpoint(shift: float, shards: int) -> Dict[str, Any]:
@@ -48,14 +46,12 @@ SPEC = FamilySpec(
     name="z_image",
     title="Z-Image",
     entry_script="train.py",
-    pipelines=("ZImagePipeline",),
-    transformer="ZImageTransformer2DModel",
     lora_presets=Z_IMAGE_LORA_PRESETS,
     # Execution order: the image refiner, the caption refiner, then the joint layers.
     # No layouts: the planner does not model the activations of these blocks yet (it refuses to plan).
     blocks=(BlockGroup("noise_refiner", "image"), BlockGroup("context_refiner", "text"),
             BlockGroup("layers", "joint")),
-    runtime="trainer.families.z_image.model:ZImageFamily",
+    runtime="ZImageFamily",
     # ZImagePipeline applies Qwen3's chat template and keeps every unpadded token (template included:
     # a few tokens more than the caption), up to 512.
     text=TextTokens(max_length=512, conditions={"prompt_embeds": ("cap_feat_dim", True)}),
