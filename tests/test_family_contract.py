@@ -25,6 +25,7 @@ from PIL import Image
 from conftest import family_pipeline
 from test_family_e2e import E2E_CASES
 from trainer.model.adapters import add_lora
+from trainer.model.quantization import quantized_linears
 from trainer.config import TrainConfig
 from trainer.families import SPECS, load_family
 from trainer.families.base import FamilyBase, pad_sequences, unpack_latents
@@ -505,6 +506,27 @@ def test_text_conditions_match_the_pipeline(name: str, pipeline: Callable[[str],
         assert getattr(pipe, "prompt_template_encode_start_idx", 0) == spec.text.template
     family.unload_text_encoder()
     assert family.text_pipe is None
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_quantize_text_encoder_quantizes_the_large_encoder(name: str, tiny_model: Callable[[str], Path]) -> None:
+    """``quantize_text_encoder: true`` quantizes the family's large text encoder for the cache pass (T5, Qwen,
+    Mistral, ...; a CLIP beside it stays as it is), and its conditions keep their shapes; off, nothing is."""
+    from transformers import PreTrainedModel
+
+    refs = reference_images(FAMILY_CASES[name])
+    keys = {"data_config": _reference_area(64 * 64)} if refs else {}
+    shapes = []
+    for quantize in (False, True):
+        family = family_for(name, tiny_model(name), quantize_text_encoder=quantize, **keys)
+        family.load_text_encoder(CPU, torch.float32)
+        encoders = [m for m in family.text_pipe.components.values() if isinstance(m, PreTrainedModel)]
+        quantized = [type(m).__name__ for m in encoders if quantized_linears(m)]
+        assert len(quantized) == (1 if quantize else 0), f"{name}: {quantized}"
+        conds = family.encode_prompts([PROMPT], [refs] if refs else None)
+        shapes.append({key: tuple(value.shape) for key, value in conds[0].items()})
+        family.unload_text_encoder()
+    assert shapes[0] == shapes[1]
 
 
 def _reference_area(area: int) -> Any:

@@ -22,6 +22,7 @@ from trainer.families.base import (
     unpack_latents,
 )
 from trainer.families.flux.spec import SPEC, T5_MAX_LENGTH
+from trainer.model.quantization import place, text_encoder_spec
 
 @functools.lru_cache(maxsize=32)
 def _image_ids(rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -42,8 +43,6 @@ class FluxFamily(ShiftScaleLatents, FamilyBase):
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
         self.guidance = cfg.guidance_scale  # the distilled-guidance input; peers train dev at 1.0
-        vae_scale_factor = 2 ** (len(self.vae_config["block_out_channels"]) - 1)  # as FluxPipeline
-        self.pixel_multiple = vae_scale_factor * 2  # the transformer packs 2x2 latent patches
         # Tokenizers are small and fix the T5 length, which must equal the render-time length: the
         # pipeline pads T5 input to it and FLUX attends to the padding (no mask), so it shapes the
         # conditioning. 512 for FLUX.1-dev; less only where the checkpoint's tokenizer says so.
@@ -52,22 +51,20 @@ class FluxFamily(ShiftScaleLatents, FamilyBase):
         self.tokenizer_2: T5TokenizerFast = from_pretrained(
             T5TokenizerFast.from_pretrained, self.model_path, "tokenizer_2", revision=self.revision)
         self.max_sequence_length: int = min(T5_MAX_LENGTH, self.tokenizer_2.model_max_length)
+        self.encoder_quantization = text_encoder_spec(cfg)
         self.text_pipe: Optional[FluxPipeline] = None
         self.vae: Optional[AutoencoderKL] = None
 
     # -- text -------------------------------------------------------------------------------------
-    def _load_encoder(self, cls: type, subfolder: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-        encoder = from_pretrained(cls.from_pretrained, self.model_path, subfolder, revision=self.revision,
-                                  dtype=dtype)
-        return encoder.requires_grad_(False).eval().to(device)
-
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
-        # The pipeline's own encode_prompt holds CLIP pooling and T5 padding: reuse, don't copy.
+        clip = self._load(CLIPTextModel.from_pretrained, "text_encoder", dtype=dtype)
+        t5 = self._load(T5EncoderModel.from_pretrained, "text_encoder_2", dtype=dtype)
+        # The pipeline's own encode_prompt holds CLIP pooling and T5 padding: reuse, don't copy. T5-XXL
+        # (4.7B) is the one quantize_text_encoder quantizes; CLIP-L (0.12B) stays as it is.
         self.text_pipe = FluxPipeline(
             scheduler=None, vae=None, transformer=None,
-            text_encoder=self._load_encoder(CLIPTextModel, "text_encoder", device, dtype),
-            tokenizer=self.tokenizer,
-            text_encoder_2=self._load_encoder(T5EncoderModel, "text_encoder_2", device, dtype),
+            text_encoder=clip.requires_grad_(False).eval().to(device), tokenizer=self.tokenizer,
+            text_encoder_2=place(t5.requires_grad_(False).eval(), device, self.encoder_quantization, what="T5"),
             tokenizer_2=self.tokenizer_2,
         )
 
