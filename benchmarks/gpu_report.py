@@ -374,7 +374,7 @@ def write_checkpoint(run: Run, folder: Path) -> Tuple[type, int]:
     layout; returns its class and size in bytes."""
     scale = harness.Scale(f"load{run.load_layers}", layers=run.load_layers) if not run.dry_run else run.scale
     model_dir = harness.model_folder("qwen_image", scale)
-    from trainer.families import load_family
+    from trainer.families.base import load_family
 
     fam = load_family(harness.train_config("qwen_image", model_dir))
     model = harness.build_meta_transformer(model_dir)

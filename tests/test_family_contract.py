@@ -27,7 +27,8 @@ from test_family_e2e import E2E_CASES
 from trainer.model.adapters import add_lora
 from trainer.model.quantization import quantized_linears
 from trainer.config import TrainConfig
-from trainer.families import SPECS, load_family
+from trainer.families import SPECS
+from trainer.families.base import load_family
 from trainer.families.base import FamilyBase, pad_sequences, unpack_latents
 from trainer.families.spec import lora_presets
 from utils.tiny_models import FAMILIES as TINY_BUILDERS
@@ -373,7 +374,8 @@ def test_presets_build_on_each_other() -> None:
     """``lora_presets``: all_linear is attention_mlp plus the layers outside the blocks, for suffix lists and
     regexes alike; a mix of the two is refused (peft reads a list and a regex differently)."""
     lists = lora_presets(["to_q"], ["to_q", "ff.up"], ["img_in"])
-    assert lists == {"attention": ["to_q"], "attention_mlp": ["to_q", "ff.up"], "all_linear": ["to_q", "ff.up", "img_in"]}
+    assert lists == {"attention": ["to_q"], "attention_mlp": ["to_q", "ff.up"],
+                     "all_linear": ["to_q", "ff.up", "img_in"]}
     assert lora_presets(r"a\.q", r"a\.(q|k)", r"img_in")["all_linear"] == r"a\.(q|k)|img_in"
     with pytest.raises(TypeError, match="both be regexes or both be lists"):
         lora_presets("a", "a|b", ["c"])

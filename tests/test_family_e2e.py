@@ -19,7 +19,8 @@ from safetensors import safe_open
 from conftest import family_pipeline, lora_keys_match, run_entry
 from image_datasets.dataset import find_control_dirs
 from trainer.config import TrainConfig
-from trainer.families import SPECS, load_family
+from trainer.families import SPECS
+from trainer.families.base import load_family
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ from accelerate.state import AcceleratorState
 from conftest import ROOT
 from image_datasets.dataset import ImageCaptionDataset, collate, load_image, scan_image_folder
 from trainer.config import load_config
-from trainer.families import load_family
+from trainer.families.base import load_family
 from trainer.data import features
 from trainer.data.features import FeatureStore
 

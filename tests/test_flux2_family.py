@@ -18,7 +18,8 @@ from diffusers import Flux2Pipeline
 
 from conftest import ROOT, assert_resume_is_bit_equal, family_pipeline, lora_keys_match, train_in_process
 from trainer.config import TrainConfig, load_config
-from trainer.families import check_pipeline, load_family
+from trainer.families import check_pipeline
+from trainer.families.base import load_family
 from trainer.step.flow_matching import apply_shift
 from utils.errors import ConfigError, ModelNotFoundError
 

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from conftest import (ROOT, assert_cli_refuses_other_family, assert_resume_is_bit_equal, family_pipeline, read_losses,
                       train_in_process)
 from trainer.config import TrainConfig, load_config
-from trainer.families import check_pipeline, load_family
+from trainer.families import check_pipeline
+from trainer.families.base import load_family
 from trainer.step.flow_matching import apply_shift
 from utils.errors import ConfigError
 

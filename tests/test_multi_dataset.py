@@ -93,7 +93,7 @@ def test_an_entry_without_a_folder_is_named(datasets: str, message: str) -> None
 def test_an_empty_dataset_is_named_in_the_error(folders: Dict[str, Path], tmp_path: Path,
                                                 tiny_qwen_image: Path) -> None:
     from trainer.data.data_mix import TrainingData
-    from trainer.families import load_family
+    from trainer.families.base import load_family
 
     (tmp_path / "empty").mkdir()
     cfg = load(folders, f"datasets.1.img_dir={tmp_path / 'empty'}", f"pretrained_model_name_or_path={tiny_qwen_image}")
@@ -263,7 +263,7 @@ def test_cache_keys_follow_each_datasets_settings(multi_run: Path, folders: Dict
 
 def test_each_validation_prompt_renders_with_its_own_reference(tiny_qwen_image_edit: Path, edit_data: Path,
                                                                 tmp_path: Path) -> None:
-    from trainer.families import load_family
+    from trainer.families.base import load_family
     from trainer.evaluation.validation import ValidationRenderer
 
     first, second = sorted((edit_data.parent / "control").iterdir())[:2]

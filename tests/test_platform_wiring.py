@@ -73,7 +73,8 @@ def test_fp8_converts_the_linears_of_the_familys_blocks(family: str, blocks_name
     import diffusers
     from accelerate import init_empty_weights
 
-    from trainer.families import SPECS, load_family
+    from trainer.families import SPECS
+    from trainer.families.base import load_family
     from trainer.platform import fp8_linears
 
     fam = load_family(TrainConfig(family=family, pretrained_model_name_or_path=str(request.getfixturevalue(

@@ -22,7 +22,8 @@ from conftest import (ROOT, assert_cli_refuses_other_family, assert_resume_is_bi
                       lora_keys_match, read_losses, train_in_process)
 from trainer.config import TrainConfig, load_config
 from trainer.config.schema import DataConfig
-from trainer.families import check_pipeline, load_family
+from trainer.families import check_pipeline
+from trainer.families.base import load_family
 from trainer.step.flow_matching import apply_shift
 from utils.errors import ConfigError
 

@@ -18,7 +18,7 @@ from conftest import family_pipeline
 from image_datasets.dataset import open_rgb
 from trainer.config import TrainConfig
 from utils.errors import ConfigError
-from trainer.families import load_family
+from trainer.families.base import load_family
 from trainer.evaluation.validation import ValidationRenderer
 
 PROMPT, NEGATIVE = "a red circle on a yellow background", "blurry, low quality"

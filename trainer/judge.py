@@ -98,7 +98,7 @@ def evaluate_checkpoints(run_dir: Path, holdout: Path, steps: Sequence[int]) -> 
     from trainer.config import dataset_entries, load_config
     from trainer.data.data_mix import TrainingData, scan_dataset
     from trainer.evaluation.held_out import Evaluator, default_levels, split_held_out
-    from trainer.families import load_family
+    from trainer.families.base import load_family
     from trainer.data.features import FeatureStore
     from trainer.model.prepare import prepare_transformer, transformer_load_device
     from trainer.precision import choose_mixed_precision

@@ -39,7 +39,8 @@ from trainer.model.adapters import trained_weights
 from trainer.step.async_step import StepReadout, arm_device_skip, device_skip_supported, step_values
 from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig, load_config
-from trainer.families import SPECS, load_family
+from trainer.families import SPECS
+from trainer.families.base import load_family
 from trainer.families.spec import FamilySpec
 from trainer.model.prepare import prepare_transformer, transformer_load_device
 from trainer.step.optim import build_optimizer

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import harness
-from trainer.families import SPECS, load_family
+from trainer.families import SPECS
+from trainer.families.base import load_family
 
 CPU = torch.device("cpu")
 TINY = harness.TINY

@@ -2,14 +2,13 @@
 ``<name>/tiny.py`` its tiny test model: the spec's published configs with shrink overrides).
 
 ``SPECS`` is the one registry. It imports only the light spec modules, so config checks, the memory
-planner, the dataset checker and inference can ask it without loading diffusers; ``load_family``
-imports the runtime class of a run's family by name, when the run needs it.
+planner, the dataset checker and inference can ask it without loading diffusers;
+``trainer.families.base.load_family`` imports the runtime class of a run's family by name, when the run needs it.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Dict, Optional
 
 from utils.errors import ConfigError
 from trainer.families.flux.spec import SPEC as FLUX
@@ -22,9 +21,6 @@ from trainer.families.qwen_image_edit.spec import SPEC as QWEN_IMAGE_EDIT
 from trainer.families.qwen_image21.spec import SPEC as QWEN_IMAGE21
 from trainer.families.spec import FamilySpec
 from trainer.families.z_image.spec import SPEC as Z_IMAGE
-
-if TYPE_CHECKING:
-    from trainer.families.base import ModelFamily
 
 SPECS: Dict[str, FamilySpec] = {spec.name: spec for spec in (QWEN_IMAGE, QWEN_IMAGE_EDIT, FLUX, FLUX2, KANDINSKY5,
                                                               Z_IMAGE, KREA2, QWEN_IMAGE21)}
@@ -63,10 +59,3 @@ def check_pipeline(family: str, name_or_path: str, revision: Optional[str] = Non
     raise ConfigError(
         f"key 'pretrained_model_name_or_path': '{name_or_path}' is a {pipeline} checkpoint (model_index.json), "
         f"but family '{spec.name}' ({spec.title}) trains {' / '.join(spec.pipelines)}; {use}")
-
-
-def load_family(cfg: Any) -> "ModelFamily":
-    """The runtime family named by ``cfg.family``, for the checkpoint ``cfg.pretrained_model_name_or_path``."""
-    check_pipeline(cfg.family, cfg.pretrained_model_name_or_path, cfg.revision)
-    spec = family_spec(cfg.family)
-    return getattr(importlib.import_module(f"trainer.families.{spec.name}.model"), spec.runtime)(cfg)

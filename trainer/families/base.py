@@ -8,6 +8,7 @@ optimizer, precision, checkpoints and logging. Latents cross this boundary as no
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 from functools import cached_property, partial
 from pathlib import Path
@@ -16,8 +17,10 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Proto
 import torch
 
 from utils.errors import ModelNotFoundError
+from trainer.families import check_pipeline, family_spec
 from trainer.families.model_index import read_model_index
 from trainer.families.spec import FamilySpec, TargetSpec
+from trainer.model.quantization import QuantizationChoice, place, text_encoder_spec
 
 Tensors = Dict[str, torch.Tensor]
 
@@ -97,10 +100,12 @@ def as_reference_family(family: ModelFamily) -> ReferenceFamily:
 
 
 class FamilyBase:
-    """What most families share: the facts of its spec, loading and freeing the VAE and transformer by
-    class, freeing the text pipeline, the repeated blocks and the 2x2 patch packing's token count. A
-    family sets ``spec``, ``vae_class`` and ``transformer_class`` and writes the rest (text encoding,
-    normalisation, ``predict``)."""
+    """What most families share: the facts of its spec, the VAE's scale factor and the image side multiple, the
+    text length, text encoders made ready for the cache pass (``_frozen_encoder``, which applies
+    ``quantize_text_encoder``), loading and freeing the VAE and transformer by class, freeing the text pipeline,
+    the repeated blocks and the 2x2 patch packing's token count. A family sets ``spec``, ``pipeline_class``,
+    ``vae_class`` and ``transformer_class`` and writes the rest (text encoding, normalisation, ``predict``):
+    ``docs/ADDING_A_FAMILY.md``."""
 
     spec: ClassVar[FamilySpec]
     vae_class: ClassVar[type]
@@ -132,6 +137,7 @@ class FamilyBase:
         self.vae_scale_factor: int = vae_scale_factor(self.vae_config)
         self.pixel_multiple: int = 2 * self.vae_scale_factor
         self.max_sequence_length: int = self.spec.text.max_length  # the pipeline's default at render time
+        self.encoder_quantization: Optional[QuantizationChoice] = text_encoder_spec(cfg)
 
     @cached_property
     def model_index(self) -> Mapping[str, Any]:
@@ -151,6 +157,14 @@ class FamilyBase:
     def _load(self, load: Callable[..., Any], subfolder: str, **kwargs: Any) -> Any:
         """A component of this checkpoint (``load`` is its class's ``from_pretrained``)."""
         return from_pretrained(load, self.model_path, subfolder, revision=self.revision, **kwargs)
+
+    def _frozen_encoder(self, encoder: torch.nn.Module, device: torch.device,
+                        quantize: bool = True) -> torch.nn.Module:
+        """A loaded text encoder made ready for the cache pass: frozen, in eval mode, on ``device``, block by block;
+        quantized there when ``quantize_text_encoder`` is on (``quantize=False``: a small CLIP beside the large
+        encoder, which the family keeps as it is)."""
+        quantization = self.encoder_quantization if quantize else None
+        return place(encoder.requires_grad_(False).eval(), device, quantization, what="text encoder")
 
     def unload_text_encoder(self) -> None:
         self.text_pipe = None
@@ -243,6 +257,14 @@ class ShiftScaleLatents:
         assert self.vae is not None, "load_vae() first"
         latents = latents.to(self.vae.device, self.vae.dtype)
         return self.vae.decode(latents / self.vae_config["scaling_factor"] + self.vae_config["shift_factor"]).sample
+
+
+def load_family(cfg: Any) -> ModelFamily:
+    """The runtime family named by ``cfg.family``, for the checkpoint ``cfg.pretrained_model_name_or_path``: the
+    class its spec names in the package's model.py, imported now (it imports diffusers)."""
+    check_pipeline(cfg.family, cfg.pretrained_model_name_or_path, cfg.revision)
+    spec = family_spec(cfg.family)
+    return getattr(importlib.import_module(f"trainer.families.{spec.name}.model"), spec.runtime)(cfg)
 
 
 def vae_scale_factor(vae_config: Mapping[str, Any]) -> int:

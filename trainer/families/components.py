@@ -117,6 +117,7 @@ def model_index(pipeline: str, **components: str) -> Dict[str, Any]:
         index[name] = [library, cls]
     return index
 
+
 # Qwen/Qwen3-8B: the text encoder of FLUX.2 [klein] 9B (the 4B model uses QWEN3_4B).
 QWEN3_8B: Dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu", "hidden_size": 4096,

@@ -22,7 +22,7 @@ from trainer.families.base import (
     unpack_latents,
 )
 from trainer.families.flux.spec import SPEC, T5_MAX_LENGTH
-from trainer.model.quantization import place, text_encoder_spec
+
 
 @functools.lru_cache(maxsize=32)
 def _image_ids(rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -51,7 +51,6 @@ class FluxFamily(ShiftScaleLatents, FamilyBase):
         self.tokenizer_2: T5TokenizerFast = from_pretrained(
             T5TokenizerFast.from_pretrained, self.model_path, "tokenizer_2", revision=self.revision)
         self.max_sequence_length: int = min(T5_MAX_LENGTH, self.tokenizer_2.model_max_length)
-        self.encoder_quantization = text_encoder_spec(cfg)
         self.text_pipe: Optional[FluxPipeline] = None
         self.vae: Optional[AutoencoderKL] = None
 
@@ -63,8 +62,8 @@ class FluxFamily(ShiftScaleLatents, FamilyBase):
         # (4.7B) is the one quantize_text_encoder quantizes; CLIP-L (0.12B) stays as it is.
         self.text_pipe = FluxPipeline(
             scheduler=None, vae=None, transformer=None,
-            text_encoder=clip.requires_grad_(False).eval().to(device), tokenizer=self.tokenizer,
-            text_encoder_2=place(t5.requires_grad_(False).eval(), device, self.encoder_quantization, what="T5"),
+            text_encoder=self._frozen_encoder(clip, device, quantize=False), tokenizer=self.tokenizer,
+            text_encoder_2=self._frozen_encoder(t5, device),
             tokenizer_2=self.tokenizer_2,
         )
 

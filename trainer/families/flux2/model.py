@@ -30,7 +30,6 @@ from trainer.step.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, Tensors
 from trainer.families.flux2.spec import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS, MAX_SEQUENCE_LENGTH, SPEC
-from trainer.model.quantization import place, text_encoder_spec
 from utils.errors import ConfigError, ModelNotFoundError
 
 _patchify = Flux2KleinPipeline._patchify_latents  # (B, C, H, W) -> (B, 4C, H/2, W/2)
@@ -74,7 +73,6 @@ class Flux2Family(FamilyBase):
                            "train the base checkpoints (black-forest-labs/FLUX.2-klein-base-4B or -9B): a LoRA "
                            "trained on the distilled model fights its distillation. Validation renders without CFG.")
             self.default_cfg_scale = 1.0
-        self.encoder_quantization = text_encoder_spec(cfg)
         self.text_pipe: Any = None
         self.vae: Optional[AutoencoderKLFlux2] = None
 
@@ -102,8 +100,7 @@ class Flux2Family(FamilyBase):
         # The pipeline's own encode_prompt holds the chat template, the padding and the layer stacking.
         self.text_pipe = self.pipeline_class(
             scheduler=None, vae=None, transformer=None, tokenizer=tokenizer,
-            text_encoder=place(encoder.requires_grad_(False).eval(), device, self.encoder_quantization,
-                               what="text encoder"))
+            text_encoder=self._frozen_encoder(encoder, device))
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], references: None = None) -> List[Tensors]:

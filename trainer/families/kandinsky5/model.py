@@ -4,7 +4,7 @@ patches channel-last ``(B, 1, h, w, C)`` latents itself and takes ``t = 1000 * s
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Sequence
 
 import torch
 from diffusers import (
@@ -15,11 +15,10 @@ from diffusers import (
 from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from trainer.step.async_step import to_device
-from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, Tensors, pad_sequences
 from trainer.families.kandinsky5.spec import SPEC
-from trainer.model.quantization import place, text_encoder_spec
 from utils.qwen_processor import load_qwen_vl_processor
+
 
 class Kandinsky5Family(FamilyBase):
     """Kandinsky 5 text-to-image (``kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers`` or the same layout)."""
@@ -31,12 +30,6 @@ class Kandinsky5Family(FamilyBase):
     vae_class: ClassVar[type] = AutoencoderKL
     transformer_class: ClassVar[type] = Kandinsky5Transformer3DModel
 
-    def __init__(self, cfg: TrainConfig):
-        super().__init__(cfg)
-        self.encoder_quantization = text_encoder_spec(cfg)
-        self.text_pipe: Optional[Kandinsky5T2IPipeline] = None
-        self.vae: Optional[AutoencoderKL] = None
-
     # -- text -------------------------------------------------------------------------------------
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
         qwen = self._load(Qwen2_5_VLForConditionalGeneration.from_pretrained, "text_encoder", dtype=dtype)
@@ -44,10 +37,9 @@ class Kandinsky5Family(FamilyBase):
         # The pipeline's own encode_prompt holds the template, the token drop and CLIP pooling.
         self.text_pipe = Kandinsky5T2IPipeline(
             transformer=None, vae=None, scheduler=None,
-            text_encoder=place(qwen.requires_grad_(False).eval(), device, self.encoder_quantization,
-                               what="text encoder"),
+            text_encoder=self._frozen_encoder(qwen, device),
             tokenizer=self._load(load_qwen_vl_processor, "tokenizer"),  # a Qwen2-VL processor
-            text_encoder_2=clip.requires_grad_(False).eval().to(device),
+            text_encoder_2=self._frozen_encoder(clip, device, quantize=False),
             tokenizer_2=self._load(CLIPTokenizer.from_pretrained, "tokenizer_2"),
         )
 

@@ -31,7 +31,6 @@ from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, Tensors, from_pretrained
 from trainer.families.krea2.spec import DISTILLED_MU, PUBLISHED_TEXT_TAPS, SHIFT_DEFAULTS, SPEC
 from trainer.families.qwen_image.model import QwenImageFamily
-from trainer.model.quantization import place, text_encoder_spec
 from utils.errors import ConfigError
 
 
@@ -78,7 +77,6 @@ class Krea2Family(FamilyBase):
                            "Turbo: a LoRA trained on the distilled model fights its distillation. Validation "
                            "renders without CFG.")
             self.default_cfg_scale = 0.0
-        self.encoder_quantization = text_encoder_spec(cfg)
         self.text_pipe: Optional[Krea2Pipeline] = None
         self.vae: Optional[AutoencoderKLQwenImage] = None
 
@@ -97,8 +95,7 @@ class Krea2Family(FamilyBase):
         self.text_pipe = Krea2Pipeline(
             scheduler=None, vae=None, transformer=None,
             tokenizer=self._load(AutoTokenizer.from_pretrained, "tokenizer"),
-            text_encoder=place(encoder.requires_grad_(False).eval(), device, self.encoder_quantization,
-                               what="text encoder"),
+            text_encoder=self._frozen_encoder(encoder, device),
             text_encoder_select_layers=self.text_layers, patch_size=self.patch_size)
 
     @torch.no_grad()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Sequence
 
 import torch
 from diffusers import (
@@ -13,7 +13,6 @@ from diffusers import (
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from trainer.step.async_step import to_device
-from trainer.config import TrainConfig
 from trainer.families.base import (
     FamilyBase,
     FamilySpec,
@@ -23,7 +22,7 @@ from trainer.families.base import (
     unpack_latents,
 )
 from trainer.families.qwen_image.spec import SPEC
-from trainer.model.quantization import place, text_encoder_spec
+
 
 class QwenImageFamily(FamilyBase):
     """Qwen-Image text-to-image (``Qwen/Qwen-Image`` or a folder of the same layout)."""
@@ -33,12 +32,6 @@ class QwenImageFamily(FamilyBase):
     default_cfg_scale: ClassVar[float] = 4.0  # QwenImagePipeline's true_cfg_scale
     vae_class: ClassVar[type] = AutoencoderKLQwenImage
     transformer_class: ClassVar[type] = QwenImageTransformer2DModel
-
-    def __init__(self, cfg: TrainConfig):
-        super().__init__(cfg)
-        self.encoder_quantization = text_encoder_spec(cfg)
-        self.text_pipe: Optional[QwenImagePipeline] = None
-        self.vae: Optional[AutoencoderKLQwenImage] = None
 
     # -- text -------------------------------------------------------------------------------------
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -52,7 +45,7 @@ class QwenImageFamily(FamilyBase):
     def _load_encoder(self, device: torch.device, dtype: torch.dtype) -> Qwen2_5_VLForConditionalGeneration:
         encoder = from_pretrained(Qwen2_5_VLForConditionalGeneration.from_pretrained, self.model_path,
                                   "text_encoder", revision=self.revision, dtype=dtype)
-        return place(encoder.requires_grad_(False).eval(), device, self.encoder_quantization, what="text encoder")
+        return self._frozen_encoder(encoder, device)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], references: None = None) -> List[Tensors]:

@@ -36,7 +36,6 @@ from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, Tensors, from_pretrained
 from trainer.families.qwen_image.model import QwenImageFamily
 from trainer.families.qwen_image21.spec import REFERENCE_AREA, SPEC
-from trainer.model.quantization import place, text_encoder_spec
 from utils.errors import ConfigError
 from utils.qwen_processor import load_qwen_vl_processor
 
@@ -102,7 +101,6 @@ class QwenImage21Family(FamilyBase):
             raise ConfigError(
                 f"key 'data_config.reference_condition_area': Qwen-Image-2.1 resizes each reference once, for the "
                 f"text encoder and the VAE alike; set data_config.reference_vae_area ({self.reference_area}) only")
-        self.encoder_quantization = text_encoder_spec(cfg)
         self.text_pipe: Optional[QwenImage21Pipeline] = None
         self.vae: Optional[AutoencoderKLQwenImage21] = None
         self.processor: Any = None
@@ -154,7 +152,7 @@ class QwenImage21Family(FamilyBase):
         # Only hidden states are read: the LM head (0.6B parameters, logits over 152k tokens per prompt token)
         # would cost memory and time in the cache pass for nothing.
         encoder.lm_head = torch.nn.Identity()
-        encoder = place(encoder.requires_grad_(False).eval(), device, self.encoder_quantization, what="text encoder")
+        encoder = self._frozen_encoder(encoder, device)
         # The pipeline's own encode_prompt holds the template, the slots, the hook that reads the last layer
         # before its norm and the system-turn drop: reuse, don't copy.
         self.text_pipe = QwenImage21Pipeline(scheduler=None, vae=None, transformer=None, text_encoder=encoder,

@@ -5,17 +5,16 @@ variable-length captions. Its clock runs the other way, ``t = 1 - sigma``, and i
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Sequence
 
 import torch
 from diffusers import AutoencoderKL, ZImagePipeline, ZImageTransformer2DModel
 from transformers import AutoModel, AutoTokenizer
 
 from trainer.step.async_step import to_device
-from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, ShiftScaleLatents, Tensors, pad_sequences
 from trainer.families.z_image.spec import SPEC
-from trainer.model.quantization import place, text_encoder_spec
+
 
 class ZImageFamily(ShiftScaleLatents, FamilyBase):
     """Z-Image text-to-image (``Tongyi-MAI/Z-Image-Turbo`` or a folder of the same layout)."""
@@ -30,12 +29,6 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
     vae_class: ClassVar[type] = AutoencoderKL
     transformer_class: ClassVar[type] = ZImageTransformer2DModel
 
-    def __init__(self, cfg: TrainConfig):
-        super().__init__(cfg)
-        self.encoder_quantization = text_encoder_spec(cfg)
-        self.text_pipe: Optional[ZImagePipeline] = None
-        self.vae: Optional[AutoencoderKL] = None
-
     # -- text -------------------------------------------------------------------------------------
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
         # AutoModel: the bare Qwen3 model whichever head the checkpoint names (no LM head to hold).
@@ -43,8 +36,7 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
         # The pipeline's own encode_prompt holds the chat template and the hidden-state choice.
         self.text_pipe = ZImagePipeline(
             scheduler=None, vae=None, transformer=None,
-            text_encoder=place(encoder.requires_grad_(False).eval(), device, self.encoder_quantization,
-                               what="text encoder"),
+            text_encoder=self._frozen_encoder(encoder, device),
             tokenizer=self._load(AutoTokenizer.from_pretrained, "tokenizer"))
 
     @torch.no_grad()
