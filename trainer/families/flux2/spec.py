@@ -58,8 +58,6 @@ def _transformer(layers: int, single: int, heads: int, joint: int, guidance: boo
             "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000, "eps": 1e-6, "guidance_embeds": guidance}
 
 
-
-
 def _klein(layers: int, single: int, heads: int, encoder: Dict[str, Any], shards: int) -> Dict[str, Any]:
     """A FLUX.2 [klein] base checkpoint (4B or 9B). Every FLUX.2 checkpoint publishes FLUX.1's scheduler config
     (the pipelines replace mu with compute_empirical_mu at render time)."""
