@@ -263,6 +263,25 @@ def test_adafactor_resolutions_validation_and_full_mode(small_model) -> None:
 # --------------------------------------------------------------------------- config sources
 
 
+@pytest.mark.parametrize("hub_id, family", [("black-forest-labs/FLUX.2-klein-base-9B", "flux2"),
+                                            ("black-forest-labs/FLUX.2-dev", "flux2"),
+                                            ("Qwen/Qwen-Image-2.1", "qwen_image21")])
+def test_the_cache_pass_counts_the_text_encoder_the_family_holds(hub_id: str, family: str) -> None:
+    """FLUX.2 loads its encoder without the LM head (AutoModel); Qwen-Image-2.1 loads the head and drops it. The
+    plan's GPU copy is the bare model (its parameters counted here by transformers itself) with no logits; only
+    Qwen-Image-2.1's host copy holds the head."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModel
+
+    encoder = mp.model_sizes(hub_id, None, family).text_encoders[0]
+    config = dict(SPECS[family].hub_configs[hub_id]["text_encoder/config.json"])
+    with init_empty_weights():
+        bare = AutoModel.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
+    assert encoder.params - encoder.dropped_head == sum(p.numel() for p in bare.parameters())
+    assert encoder.decoder and encoder.vocab == 0, "no logits are computed"
+    assert (encoder.dropped_head > 0) == (SPECS[family].text_encoder_head == "dropped")
+
+
 def test_builtin_configs_plan_the_real_models_without_downloads() -> None:
     spec = mp.model_sizes("Qwen/Qwen-Image")
     assert spec.source in ("built-in", "HF cache", "HF cache + built-in")

@@ -139,6 +139,9 @@ class BlockGroup:
     saved: Optional[SavedActivations] = None  # None: the built-in formula of its kind
 
 
+TEXT_ENCODER_HEADS: Tuple[str, ...] = ("kept", "not loaded", "dropped")
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """The facts of one model family, readable without importing diffusers."""
@@ -172,8 +175,14 @@ class FamilySpec:
     # Why ``compile: auto`` leaves this family's blocks eager on a GPU ("" when it compiles them); an
     # explicit ``compile: true`` still compiles.
     compile_auto_off: str = ""
+    # What the runtime does with the LM head of the text encoder class its checkpoint names, where that class has
+    # one: "kept" (the pipeline's encode_prompt runs it), "not loaded" (the bare model through AutoModel) or
+    # "dropped" (loaded, then replaced: on the host while loading, never on the GPU). The planner counts it so.
+    text_encoder_head: str = "kept"
 
     def __post_init__(self) -> None:
+        if self.text_encoder_head not in TEXT_ENCODER_HEADS:
+            raise ValueError(f"family {self.name}: text_encoder_head must be one of {TEXT_ENCODER_HEADS}")
         transformers = {configs["transformer/config.json"]["_class_name"] for configs in self.hub_configs.values()}
         if len(transformers) != 1:
             raise ValueError(f"family {self.name}: its published checkpoints must share one transformer class, "

@@ -168,9 +168,11 @@ class EncoderSizes:
     hidden: int
     intermediate: int
     layers: int
-    vocab: int
+    vocab: int  # logits per token when encoding (0: no LM head runs)
     vision_hidden: int = 0
     vision_intermediate: int = 0
+    decoder: bool = False  # a decoder LM through its *ForConditionalGeneration / *CausalLM class
+    dropped_head: int = 0  # LM-head parameters loaded on the host and dropped before the GPU
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,7 @@ def model_sizes(name_or_path: str, revision: Optional[str] = None, family: Optio
         raise ValueError(f"{name_or_path}: pipeline {index.get('_class_name')} is none of the families' "
                          f"({', '.join(SPECS)}); set family in the config")
     transformer = _transformer_spec(_build(index["transformer"], configs.files["transformer/config.json"]), spec)
-    encoders = tuple(_encoder_spec(c, index[c], configs.files[f"{c}/config.json"])
+    encoders = tuple(_encoder_spec(c, index[c], configs.files[f"{c}/config.json"], spec.text_encoder_head)
                      for c in ("text_encoder", "text_encoder_2") if c in index)
     vae = _vae_spec(_build(index["vae"], configs.files["vae/config.json"])) if "vae" in index else None
     return ModelSizes(name_or_path, configs.source, index.get("_class_name", ""), transformer, encoders, vae,
@@ -287,18 +289,32 @@ def _qk_norm_keeps_input(model, kind: BlockKind) -> bool:
                for name, module in block.named_modules())
 
 
-def _encoder_spec(component: str, library_class: Sequence[str], config: Mapping[str, Any]) -> EncoderSizes:
+def _encoder_spec(component: str, library_class: Sequence[str], config: Mapping[str, Any],
+                  head: str = "kept") -> EncoderSizes:
+    """The sizes of a text encoder as the family holds it: ``head`` is its spec's ``text_encoder_head``."""
     model = _build(library_class, config)
     text = getattr(model.config, "text_config", model.config)
     vision = getattr(model.config, "vision_config", None)
     hidden = getattr(text, "hidden_size", None) or getattr(text, "d_model")
+    decoder = "ForConditionalGeneration" in library_class[1] or "CausalLM" in library_class[1]
+    head_params = _untied_head_params(model) if decoder else 0
     return EncoderSizes(
-        component, library_class[1], _params(model), _layer_linear_weights(model), hidden,
+        component, library_class[1], _params(model) - (head_params if head == "not loaded" else 0),
+        _layer_linear_weights(model), hidden,
         getattr(text, "intermediate_size", None) or getattr(text, "d_ff", 4 * hidden),
         getattr(text, "num_hidden_layers", None) or getattr(text, "num_layers"),
-        text.vocab_size if "ForConditionalGeneration" in library_class[1] or "CausalLM" in library_class[1] else 0,
+        text.vocab_size if decoder and head == "kept" else 0,
         getattr(vision, "hidden_size", 0) if vision is not None else 0,
-        getattr(vision, "intermediate_size", 0) if vision is not None else 0)
+        getattr(vision, "intermediate_size", 0) if vision is not None else 0,
+        decoder=decoder, dropped_head=head_params if head == "dropped" else 0)
+
+
+def _untied_head_params(model) -> int:
+    """The LM head's own parameters (0 when it shares the input embedding, which stays)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or head.weight is embedding.weight:
+        return 0
+    return _params(head)
 
 
 def _layer_linear_weights(model) -> int:

@@ -221,10 +221,12 @@ def _resident_encoder_items(spec: ModelSizes, s: Settings) -> List[MemoryItem]:
 
 
 def _encoder_weight_bytes(e: EncoderSizes, s: Settings) -> float:
+    """On the GPU: without an LM head the family drops after loading; quantized, the linears of its layers."""
+    params = e.params - e.dropped_head
     if s.text_encoder_quantization is None:
-        return e.params * s.act_bytes
+        return params * s.act_bytes
     q = QUANT_BYTES[s.text_encoder_quantization]
-    return (e.params - e.layer_linear_weights) * s.act_bytes + e.layer_linear_weights * q
+    return (params - e.layer_linear_weights) * s.act_bytes + e.layer_linear_weights * q
 
 
 def _encoder_activation_bytes(e: EncoderSizes, s: Settings) -> float:
@@ -235,7 +237,7 @@ def _encoder_activation_bytes(e: EncoderSizes, s: Settings) -> float:
     if e.class_name == "CLIPTextModel":
         return ENCODE_BATCH * CLIP_TOKENS * 4 * e.intermediate * a
     tokens = s.encode_batch * s.encode_tokens
-    if e.vocab:  # a VL/causal LM through its *ForConditionalGeneration class
+    if e.decoder:  # a VL/causal LM through its *ForConditionalGeneration class (logits: unless it has no head)
         per_token = a * (e.vocab + (e.layers + 1) * e.hidden + 1.5 * e.intermediate)
         vision = s.vision_patches * a * (3 * e.vision_intermediate + 4 * e.vision_hidden)
         return tokens * per_token + vision

@@ -90,6 +90,7 @@ SPEC = FamilySpec(
     runtime="Flux2Family",
     # Both pipelines pad every prompt (chat template included) to 512 tokens and pass no attention mask.
     text=TextTokens(max_length=MAX_SEQUENCE_LENGTH, padded=True),
+    text_encoder_head="not loaded",  # AutoModel: the bare Qwen3 / Mistral-3 (the hidden states are the same)
     outer_layout={"context_embedder": ("txt", "in"), "time_guidance_embed": ("img", "temb"),
                   "double_stream_modulation_img": ("img", "mod"), "double_stream_modulation_txt": ("txt", "mod"),
                   "single_stream_modulation": ("joint", "mod"), "norm_out": ("img", "mod")},

@@ -101,6 +101,7 @@ SPEC = FamilySpec(
                                                        markers=8, vae_area=REFERENCE_AREA, pixels_per_token=32,
                                                        slots_hold_latents=True)},
     references_optional=True,  # a dataset without control/ folders trains text-to-image
+    text_encoder_head="dropped",  # only hidden states are read; the pipeline needs the ForConditionalGeneration class
     outer_layout=_OUTER_LAYOUT,
     vl_processors=("processor",),
     hub_configs={"Qwen/Qwen-Image-2.1": _checkpoint()},
