@@ -54,7 +54,8 @@ _TRANSFORMER: Dict[str, Any] = {
 _VAE: Dict[str, Any] = {
     "_class_name": "AutoencoderKLQwenImage21", "base_dim": 96, "decoder_base_dim": 144, "z_dim": 64,
     "dim_mult": [1, 2, 4, 8, 8], "num_res_blocks": 2, "attn_scales": [],
-    "temperal_downsample": [False, True, True, True], "dropout": 0.0, "in_channels": 4, "out_channels": 4, "scale_factor_temporal": 8, "scale_factor_spatial": 16,
+    "temperal_downsample": [False, True, True, True], "dropout": 0.0, "in_channels": 4, "out_channels": 4,
+    "scale_factor_temporal": 8, "scale_factor_spatial": 16,
 }
 # Qwen/Qwen3-VL-8B-Instruct config.json (Qwen3VLForConditionalGeneration: the LM head is loaded, only the last
 # decoder layer's hidden states are read).
