@@ -40,8 +40,7 @@ from trainer.data.data_mix import TrainingData
 from trainer.evaluation.held_out import STATE_KEY as EVAL_STATE, Evaluation
 from trainer.evaluation.image_metrics import ImageMetrics
 from utils.errors import ProcessLost, TrainingDiverged, TrainingInterrupted, from_loader_worker
-from trainer.families.base import load_family
-from trainer.families.base import ModelFamily
+from trainer.families.base import ModelFamily, load_family
 from trainer.data.features import FeatureStore
 from trainer.model.prepare import prepare_transformer, transformer_load_device
 from trainer.step.optim import build_lr_scheduler, build_optimizer, evaluation_weights, step_size, training_weights

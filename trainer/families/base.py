@@ -19,7 +19,7 @@ import torch
 from utils.errors import ModelNotFoundError
 from trainer.families import check_pipeline, family_spec
 from trainer.families.model_index import read_model_index
-from trainer.families.spec import FamilySpec, TargetSpec
+from trainer.families.spec import FamilySpec, TargetSpec, vae_scale_factor
 from trainer.model.quantization import QuantizationChoice, place, text_encoder_spec
 
 Tensors = Dict[str, torch.Tensor]
@@ -265,15 +265,6 @@ def load_family(cfg: Any) -> ModelFamily:
     check_pipeline(cfg.family, cfg.pretrained_model_name_or_path, cfg.revision)
     spec = family_spec(cfg.family)
     return getattr(importlib.import_module(f"trainer.families.{spec.name}.model"), spec.runtime)(cfg)
-
-
-def vae_scale_factor(vae_config: Mapping[str, Any]) -> int:
-    """The VAE's spatial downscale as the pipelines compute it from its config: one per downsampling stage,
-    which Qwen-Image's VAEs list in ``temperal_downsample`` and AutoencoderKL(-Flux2) count as its blocks but
-    the last."""
-    if "temperal_downsample" in vae_config:
-        return 2 ** len(vae_config["temperal_downsample"])
-    return 2 ** (len(vae_config["block_out_channels"]) - 1)
 
 
 def resolve_model_path(name_or_path: str) -> str:

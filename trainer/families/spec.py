@@ -27,6 +27,15 @@ BlockLayout = Mapping[str, Tuple[str, str]]
 IMAGE_PIXELS_PER_TOKEN = 16  # every family here: an 8x VAE, then 2x2 latent patches per image token
 
 
+def vae_scale_factor(vae_config: Mapping[str, Any]) -> int:
+    """The VAE's spatial downscale as the pipelines compute it from its config: one per downsampling stage,
+    which Qwen-Image's VAEs list in ``temperal_downsample`` and AutoencoderKL(-Flux2) count as its blocks but
+    the last."""
+    if "temperal_downsample" in vae_config:
+        return 2 ** len(vae_config["temperal_downsample"])
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
 # The ``lora_target`` presets every family offers, each adding layers to the one before (``lora_presets``).
 LORA_PRESET_NAMES: Tuple[str, ...] = ("attention", "attention_mlp", "all_linear")
 

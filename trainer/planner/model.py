@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from trainer.families import SPECS, check_pipeline, family_spec, spec_for_pipeline
-from trainer.families.spec import BlockLayout, FamilySpec, SavedActivations
+from trainer.families.spec import BlockLayout, FamilySpec, SavedActivations, vae_scale_factor
 
 COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "vae")
 
@@ -331,9 +331,7 @@ def _layer_linear_weights(model) -> int:
 def _vae_spec(model) -> VaeSizes:
     config = model.config
     if "temperal_downsample" in config:  # Wan-style 3-D VAE (Qwen-Image)
-        base, scale = config.base_dim, 2 ** len(config.temperal_downsample)
-        latent = config.z_dim
+        base, latent = config.base_dim, config.z_dim
     else:
-        base, scale = config.block_out_channels[0], 2 ** (len(config.block_out_channels) - 1)
-        latent = config.latent_channels
-    return VaeSizes(type(model).__name__, _params(model), base, latent, scale)
+        base, latent = config.block_out_channels[0], config.latent_channels
+    return VaeSizes(type(model).__name__, _params(model), base, latent, vae_scale_factor(config))

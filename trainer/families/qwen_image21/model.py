@@ -34,6 +34,7 @@ from transformers.utils import cached_file
 from trainer.step.async_step import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, Tensors, from_pretrained
+from trainer.families.spec import vae_scale_factor
 from trainer.families.qwen_image.model import QwenImageFamily
 from trainer.families.qwen_image21.spec import REFERENCE_AREA, SPEC
 from utils.errors import ConfigError
@@ -85,9 +86,8 @@ class QwenImage21Family(FamilyBase):
         super().__init__(cfg)
         transformer_config = from_pretrained(QwenImage21Transformer2DModel.load_config, self.model_path,
                                              "transformer", revision=self.revision)
+        # The base's 16x factor and 32-px multiple are the pipeline's (a reference slot is 2x2 tokens) once checked.
         _check_configs(self.model_path, transformer_config, self.vae_config)
-        self.vae_scale_factor = PIPELINE_SCALE
-        self.pixel_multiple = 2 * PIPELINE_SCALE  # a reference slot (and the pipeline's multiple) is 2x2 tokens
         self.max_references = self.spec.references[QwenImage21Pipeline.__name__].max_references
         self.distilled = self.model_index.get("sample_sigmas") is not None
         if self.distilled:
@@ -266,7 +266,7 @@ class QwenImage21Family(FamilyBase):
 def _check_configs(model_path: str, transformer: Mapping[str, Any], vae: Mapping[str, Any]) -> None:
     """The VAE must be the 16x one the pipeline assumes, and the transformer must read its latents unpatched."""
     where = Path(model_path)
-    factor = 2 ** len(vae["temperal_downsample"])
+    factor = vae_scale_factor(vae)
     if factor != PIPELINE_SCALE:
         raise ConfigError(
             f"{where / 'vae' / 'config.json'}: temperal_downsample {vae['temperal_downsample']} makes a {factor}x VAE, "
