@@ -168,6 +168,80 @@ def test_all_problems_reported_at_once(data_dir: Path) -> None:
     assert str(err.value).count("key '") == 3
 
 
+def test_unknown_keys_wrong_types_and_values_come_in_one_round(data_dir: Path) -> None:
+    """An unknown key, two wrong types (OmegaConf stops at the first), a bad item of a list and an
+    impossible value: one error names all of them; a key whose type is wrong is not also blamed for
+    its default's value."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base(data_dir) + ["foo=1", "rank=abc", "learning_rate=xyz", "max_train_steps=0",
+                                            "validation.prompts=[a, {prompt: b, seed: many}, 7]", "data_config=5"])
+    message = str(err.value)
+    for expected in ("unknown key 'foo'", "key 'rank': value 'abc' is not a valid integer",
+                     "key 'learning_rate': value 'xyz' is not a valid number",
+                     "key 'validation.prompts[1].seed': value 'many' is not a valid integer",
+                     "key 'validation.prompts[2]': expected a mapping", "key 'max_train_steps': value 0 must be >= 1",
+                     "key 'data_config': is a section"):
+        assert expected in message, (expected, message)
+    assert message.count("key '") == 7, message  # those seven, nothing else
+    assert "data_config.img_dir" not in message, "the dropped section's default is not the user's problem"
+
+
+# Each spelling reaches the environment through OmegaConf unless the parsed value is checked with its
+# own grammar: YAML's \x24 and \u0024 escapes, a resolver name built from a key, an escaped backslash
+# before a live interpolation (\\${...}), nested and spaced calls.
+SECRET_SPELLINGS = {
+    "x24 nested name": '"\\x24{oc.\\x24{tracker_project_name}:TRAINER_TEST_SECRET}"',
+    "u0024": '"\\u0024{oc.env:TRAINER_TEST_SECRET}"',
+    "escaped backslash": "'\\\\${oc.env:TRAINER_TEST_SECRET}'",
+    "two escaped backslashes": "'\\\\\\\\${oc.env:TRAINER_TEST_SECRET}'",
+    "nested": "'${oc.select:${oc.env:TRAINER_TEST_SECRET}}'",
+    "spaced": "'${ oc.env:TRAINER_TEST_SECRET}'",
+}
+
+
+@pytest.mark.parametrize("where", ["yaml", "override"])
+@pytest.mark.parametrize("spelling", SECRET_SPELLINGS.values(), ids=list(SECRET_SPELLINGS))
+def test_no_spelling_of_a_resolver_reaches_the_environment(tmp_path: Path, data_dir: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, spelling: str,
+                                                           where: str) -> None:
+    monkeypatch.setenv("TRAINER_TEST_SECRET", "s3cr3t-token")
+    monkeypatch.setenv("env", "s3cr3t-token")
+    path = tmp_path / "cfg.yaml"
+    path.write_text("tracker_project_name: env\n" + (f"wandb_run_name: {spelling}\n" if where == "yaml" else ""))
+    overrides = base(data_dir) + ([f"wandb_run_name={spelling}"] if where == "override" else [])
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    assert "key 'wandb_run_name'" in str(err.value) and "resolver" in str(err.value)
+    assert "s3cr3t" not in str(err.value)
+
+
+def test_with_no_resolvers_registered_a_call_that_passes_every_check_still_reads_nothing(
+        tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Impossible by construction, not by pattern: with the check taken away, OmegaConf finds no
+    resolver to call while a config is read; outside the scope the registry is OmegaConf's again."""
+    from trainer.config import loading
+    from trainer.config.interpolation import no_resolvers
+
+    monkeypatch.setenv("TRAINER_TEST_SECRET", "s3cr3t-token")
+    monkeypatch.setattr(loading, "_resolver_calls", lambda raw: [])
+    with no_resolvers():
+        assert not OmegaConf.has_resolver("oc.env")
+    assert OmegaConf.has_resolver("oc.env")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base(data_dir) + ["wandb_run_name=${oc.env:TRAINER_TEST_SECRET}"])
+    assert "key 'wandb_run_name'" in str(err.value) and "s3cr3t" not in str(err.value)
+    assert OmegaConf.has_resolver("oc.env")
+
+
+def test_a_key_reference_resolves_before_the_checks_that_use_it(data_dir: Path) -> None:
+    """``cache_dir: output/${validation.negative_prompt}/../x`` is a reference (allowed); the checks see the
+    resolved path: here the one in /etc is refused as the system folder it resolves to."""
+    cfg = load_config(None, base(data_dir) + ['cache_dir="out/\\x24{validation.negative_prompt}/x"'])
+    assert cfg.cache_dir == "out//x"
+    with pytest.raises(ConfigError, match="key 'cache_dir': '/etc/x' is in the system folder /etc"):
+        load_config(None, base(data_dir) + ["validation.negative_prompt=etc", "cache_dir=/${validation.negative_prompt}/x"])
+
+
 def test_missing_file_and_bad_override_are_clear(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

@@ -35,7 +35,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from trainer import cli  # noqa: E402
 
 from trainer.run_folder import run_lock
-from webui import runner  # noqa: E402
+from utils.errors import ConfigError  # noqa: E402
+from webui import rules, runner  # noqa: E402
 from webui.guard import SESSION_COOKIE  # noqa: E402
 from webui.schema import schema_fields, yaml_values  # noqa: E402
 from webui.server import create_app  # noqa: E402
@@ -402,7 +403,7 @@ def test_no_interpolation_reaches_a_config(fake_app: Callable[..., Any], runs_di
                  {"config": QUICKSTART + f"validation:\n  prompts: [a cat, '{secret}']\n", "form": _form(sample_data)},
                  {"config": QUICKSTART, "form": _form(sample_data, wandb_run_name=secret)},
                  {"config": QUICKSTART, "form": _form(sample_data), "overrides": [f"tracker_project_name={secret}"]},
-                 {"config": QUICKSTART + "seed: ${max_train_steps}\n", "form": _form(sample_data)},
+                 {"config": QUICKSTART + "wandb_run_name: ${max_train_steps}\n", "form": _form(sample_data)},
                  {"config": QUICKSTART + f"'{secret}': 1\n", "form": _form(sample_data)}):
         for url in ("/api/runs", "/api/plan"):
             response = client.post(url, json=body)
@@ -413,6 +414,57 @@ def test_no_interpolation_reaches_a_config(fake_app: Callable[..., Any], runs_di
     (runs_dir / "old" / "webui_config.yaml").write_text(QUICKSTART + f"wandb_run_name: {secret}\n")
     assert "is an interpolation" in client.post("/api/runs/old/resume").json()["detail"]["message"]
     assert not any(SECRET in p.read_text(errors="replace") for p in runs_dir.rglob("*") if p.is_file())
+
+
+# The review's spellings that once got past the page's check of the text (webui-2d769dd.md, cases 8, 10):
+# YAML's \x24 / \u0024 escapes, a resolver name built from a key, an escaped backslash before ${.
+ESCAPED = "\\x24{oc.\\x24{tracker_project_name}:WEBUI_TEST_SECRET}"
+
+
+@pytest.mark.parametrize("how", ["yaml", "form", "override", "u0024", "backslash"])
+def test_no_spelling_of_an_interpolation_gets_past_the_page(fake_app: Callable[..., Any], runs_dir: Path,
+                                                            sample_data: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            how: str) -> None:
+    monkeypatch.setenv("WEBUI_TEST_SECRET", SECRET)
+    client = TestClient(fake_app())
+    before = _snapshot(runs_dir)
+    body = {
+        "yaml": {"config": QUICKSTART + f'tracker_project_name: env\nwandb_run_name: "{ESCAPED}"\n',
+                 "form": _form(sample_data)},
+        "form": {"config": QUICKSTART, "form": _form(sample_data, tracker_project_name="env",
+                                                     **{"validation.prompts": f'["{ESCAPED}"]'})},
+        "override": {"config": QUICKSTART + "tracker_project_name: env\n", "form": _form(sample_data),
+                     "overrides": [f'wandb_run_name="{ESCAPED}"']},
+        "u0024": {"config": QUICKSTART + 'wandb_run_name: "\\u0024{oc.env:WEBUI_TEST_SECRET}"\n',
+                  "form": _form(sample_data)},
+        "backslash": {"config": QUICKSTART + "wandb_run_name: '\\\\${oc.env:WEBUI_TEST_SECRET}'\n",
+                      "form": _form(sample_data)},
+    }[how]
+    for url in ("/api/runs", "/api/plan"):
+        response = client.post(url, json=body)
+        assert response.status_code == 422, (url, response.text)
+        assert "is an interpolation" in response.json()["detail"]["message"] and SECRET not in response.text
+    assert _snapshot(runs_dir) == before
+
+
+def test_a_cache_dir_is_checked_as_the_run_will_use_it(fake_app: Callable[..., Any], runs_dir: Path,
+                                                       sample_data: Path, tmp_path: Path) -> None:
+    """``output/${validation.negative_prompt}/${...}/../../outside`` looked like a path inside the runs
+    folder to a check of the text; resolved, each ``${...}`` is empty and the ``..`` climb out."""
+    client = TestClient(fake_app())
+    ref = "\\x24{validation.negative_prompt}"
+    inside = runs_dir.relative_to(ROOT) if runs_dir.is_relative_to(ROOT) else runs_dir
+    cache = f"{inside}/{ref}/{ref}/../../outside/cache-escape-probe"
+    for body in ({"config": QUICKSTART + f'cache_dir: "{cache}"\n', "form": _form(sample_data)},
+                 {"config": QUICKSTART, "form": _form(sample_data), "overrides": [f'cache_dir="{cache}"']}):
+        response = client.post("/api/runs", json=body)
+        assert response.status_code == 422, response.text
+    assert not (runs_dir.parent / "outside").exists() and not (ROOT / "outside").exists()
+    # The page's rule on its own (beneath the refusal of interpolations): the resolved value is checked.
+    resolved = rules.resolved(f'cache_dir: "{cache}"\n', [], "cache_dir")["cache_dir"]
+    assert resolved == f"{inside}///../../outside/cache-escape-probe"
+    with pytest.raises(ConfigError, match="key 'cache_dir'.* is outside"):
+        rules.check_written_paths({"cache_dir": resolved}, ROOT, [runs_dir])
 
 
 def test_every_folder_a_run_writes_is_under_the_runs_folder(fake_app: Callable[..., Any], runs_dir: Path, tmp_path: Path,

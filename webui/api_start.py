@@ -91,16 +91,20 @@ def checked(request: Request, body: StartRequest) -> Tuple[runner.Entry, List[st
     try:
         rules.refuse_interpolation(body.config, overrides)
         entry = runner.entry_named(body.entry)
-        given = rules.given(body.config, overrides, "output_dir", "cache_dir")
-        rules.check_written_paths({"cache_dir": given["cache_dir"]}, runner.ROOT, state.write_roots)
         # The run writes into its own folder under the runs folder whatever output_dir says (that names
-        # it): the CLI's check is of the config as it will run.
-        run_folder = state.runs_dir / (body.name or "new-run")
-        cfg = runner.check_config(body.config, entry, [*overrides, *rules.forced_overrides(run_folder)])
+        # it): every check is of the config as it will run, paths resolved and normalized.
+        forced = [*overrides, *rules.forced_overrides(state.runs_dir / (body.name or "new-run"))]
+        # First the page's own rule, so that its answer says where the page's runs may write ...
+        rules.check_written_paths({"cache_dir": rules.resolved(body.config, forced, "cache_dir")["cache_dir"]},
+                                  runner.ROOT, state.write_roots)
+        cfg = runner.check_config(body.config, entry, forced)
+        # ... then again on what the CLI built, the values the run will use.
+        rules.check_written_paths({"output_dir": cfg.output_dir, "cache_dir": cfg.cache_dir}, runner.ROOT,
+                                  state.write_roots)
     except ConfigError as exc:
         raise config_error(exc) from None
-    named = given["output_dir"] or TrainConfig.__dataclass_fields__["output_dir"].default
-    return entry, overrides, dataclasses.replace(cfg, output_dir=named)
+    named = rules.resolved(body.config, overrides, "output_dir")["output_dir"]
+    return entry, overrides, dataclasses.replace(cfg, output_dir=named or TrainConfig.output_dir)
 
 
 def check_relaunch(request: Request, folder: Path, text: str, entry_name: str, overrides: List[str]) -> TrainConfig:

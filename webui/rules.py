@@ -3,12 +3,13 @@
 The page is reachable by whoever can reach its port (with the token), so a config it runs is data
 from a stranger:
 
-- no ``${...}`` anywhere: OmegaConf would resolve ``${oc.env:HF_TOKEN}`` into the run's
-  ``config.yaml``, which the page serves. Refused with a 422 naming the key (the CLI's loader may
-  also refuse or keep them literal; both hold together);
+- no interpolation anywhere, not even a reference to another key (which the CLI allows): decided on the
+  parsed values with OmegaConf's own grammar, however the YAML spells ``$``. Refused with a 422 naming
+  the key. The CLI's loader refuses every resolver call and reads with no resolver registered, so
+  ``${oc.env:HF_TOKEN}`` could not reach the run's ``config.yaml`` (which the page serves) even past this;
 - every folder a run writes stays under ``--runs-dir`` (or a ``--cache-root`` given to the page):
   ``output_dir`` is the run's own folder, ``logging_dir`` is inside it (the CLI checks that), and
-  ``cache_dir`` is checked here;
+  ``cache_dir`` is checked here, as the run will use it: resolved and normalized;
 - the run folder is the page's to choose: ``overwrite_output_dir`` from a profile never replaces
   another run (the page replaces a run only when asked to by name, and then deletes it itself).
 """
@@ -21,9 +22,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 
+from trainer.config import TrainConfig
+from trainer.config.interpolation import interpolations, no_resolvers, strings
 from utils.errors import ConfigError
 
-INTERPOLATION = "${"
 SHOWN_CHARS = 60  # of a refused value, so that a huge one is not sent back
 
 
@@ -36,36 +38,29 @@ def _refusal(key: str, value: str) -> str:
             "configs as data only: write the value itself")
 
 
+def _parsed(text: str) -> Any:
+    """The YAML text as parsed (``\\x24`` is ``$`` by now), unresolved; None when it does not parse
+    (then the CLI's check refuses it, naming the line, and nothing runs)."""
+    try:
+        return OmegaConf.to_container(OmegaConf.create(text or "{}"), resolve=False)
+    except Exception:  # not YAML (the CLI's check says so), or a key OmegaConf cannot hold
+        return None
+
+
 def interpolation_problems(text: str, overrides: Sequence[str]) -> List[str]:
-    """Each key of the YAML text or of the ``key=value`` overrides whose value (or name) uses
-    ``${...}``. A YAML that does not parse is left to the CLI's check, which names the problem."""
-    problems: List[str] = []
-    if INTERPOLATION in text:
-        try:
-            data = OmegaConf.to_container(OmegaConf.create(text or "{}"), resolve=False)
-        except Exception:  # not YAML (the CLI's check says so), or a key OmegaConf cannot hold
-            data = None
-        if data is None:
-            problems.append(_refusal("(the YAML)", text[text.index(INTERPOLATION):]))
-        else:
-            _walk(data, "", problems)
+    """Each key of the YAML or of the ``key=value`` overrides whose parsed value (or name) holds an
+    interpolation, as OmegaConf's grammar reads it: whatever the spelling (``\\x24{...}``, ``\\u0024``,
+    ``\\\\${...}``), the page decides on what OmegaConf would see. A YAML or override that does not
+    parse is left to the CLI's check, which names the problem."""
+    problems = [_refusal(key, value) for key, value in strings(_parsed(text)) if interpolations(value)[1]]
     for item in overrides:
-        key, _, value = item.partition("=")
-        if INTERPOLATION in item:
-            problems.append(_refusal(key, value) + " (given as an override)")
+        try:
+            parsed = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+        except Exception:  # the CLI's check names a value that is not YAML
+            continue
+        problems += [_refusal(key, value) + " (given as an override)"
+                     for key, value in strings(parsed) if interpolations(value)[1]]
     return problems
-
-
-def _walk(node: Any, prefix: str, problems: List[str]) -> None:
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for key, value in items:
-        full = f"{prefix}{key}"
-        if INTERPOLATION in str(key):
-            problems.append(_refusal(full, str(key)))
-        if isinstance(value, (dict, list)):
-            _walk(value, f"{full}.", problems)
-        elif isinstance(value, str) and INTERPOLATION in value:
-            problems.append(_refusal(full, value))
 
 
 def refuse_interpolation(text: str, overrides: Sequence[str]) -> None:
@@ -86,13 +81,16 @@ def _under(path: Path, roots: Sequence[Path]) -> bool:
     return any(resolved.is_relative_to(root.resolve()) for root in roots)
 
 
-def given(text: str, overrides: Sequence[str], *keys: str) -> Dict[str, Optional[str]]:
-    """Top-level keys' values as the YAML text and the overrides give them, before any check (None when
-    neither does, or when the YAML does not parse: the CLI's check names that)."""
+def resolved(text: str, overrides: Sequence[str], *keys: str) -> Dict[str, Optional[str]]:
+    """Top-level keys' values as the run will read them from the YAML text and the overrides: key
+    references resolved (with no resolver registered: ``no_resolvers``), before the CLI's checks. None
+    when neither gives the key, or when the config does not parse or resolve (the CLI's check names that)."""
     try:
-        merged = OmegaConf.merge(OmegaConf.create(text or "{}"), OmegaConf.from_dotlist(list(overrides)))
-        data = OmegaConf.to_container(merged, resolve=False)
-    except Exception:  # not YAML, or not a mapping
+        with no_resolvers():
+            merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.create(text or "{}"),
+                                     OmegaConf.from_dotlist(list(overrides)))  # a reference may name a default
+            data = OmegaConf.to_container(merged, resolve=True)
+    except Exception:  # not YAML, not a mapping, or a reference to nothing
         data = {}
     data = data if isinstance(data, dict) else {}
     return {key: None if data.get(key) is None else str(data[key]) for key in keys}

@@ -1,8 +1,11 @@
-"""A run's config, in three files by job:
+"""A run's config, in four files by job:
 
 - ``schema.py``: the typed sections (``TrainConfig`` and its parts), each checking its own values;
-- ``loading.py``: ``load_config`` (YAML + ``key=value`` overrides, FlyMyAI's names, unknown keys and wrong
-  types reported at once and blamed on the override that caused them) and ``config_to_yaml``;
+- ``loading.py``: ``load_config`` (YAML + ``key=value`` overrides, FlyMyAI's names, unknown keys, wrong
+  types and impossible values reported at once and blamed on the override that caused them) and
+  ``config_to_yaml``;
+- ``interpolation.py``: what a value interpolates (OmegaConf's grammar on the parsed value) and
+  ``no_resolvers``, the scope every config is read in;
 - ``checks.py``: ``config_problems``, the rules across sections.
 
 Import from here: ``from trainer.config import TrainConfig, load_config, ConfigError``.

@@ -1,5 +1,6 @@
 """Loading a profile: YAML (a file, never code) with ``key=value`` overrides, FlyMyAI's names translated,
-unknown keys and wrong types reported at once, each problem blamed on the override that caused it."""
+every problem (unknown keys, resolver calls, wrong types, impossible values) reported at once, each
+blamed on the override that caused it. OmegaConf reads with no resolver registered (``no_resolvers``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 import yaml
 from loguru import logger
@@ -18,11 +19,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from utils.errors import ConfigError
 from trainer.config.checks import config_problems
+from trainer.config.interpolation import interpolations, no_resolvers, strings
 from trainer.config.schema import (DESIGN_NOTE_KEYS, FLYMYAI_KEYS, FOLDER_KEYS, REGULARIZATION, DataConfig, DatasetEntry,
                                    FlyMyAIKeys, TrainConfig, ValidationPrompt, dataset_name)
 
 
 MAX_CONFIG_BYTES = 4 * 2**20  # a training config is a few KiB; past this it is the wrong file
+T = TypeVar("T")
 
 
 def load_config(
@@ -35,29 +38,71 @@ def load_config(
 
     ``default_family`` is the entry script's family, used when the YAML names none;
     ``profile_defaults`` are the entry script's defaults (the YAML and overrides win over them).
-    Raises ``ConfigError`` naming every bad key or value.
+    Raises one ``ConfigError`` naming every bad key or value: unknown keys, resolver calls, wrong types
+    and impossible values together. OmegaConf has no resolvers while it reads (``no_resolvers``).
     """
+    with no_resolvers():
+        return _load(path, list(overrides or []), default_family, profile_defaults or {})
+
+
+def _load(path: str | os.PathLike | None, overrides: List[str], default_family: Optional[str],
+          profile_defaults: Dict[str, Any]) -> TrainConfig:
     user = _read_yaml(path) if path is not None else OmegaConf.create({})
-    given = {str(key) for key in user} | {item.partition("=")[0].strip().split(".")[0] for item in overrides or []}
+    given = {str(key) for key in user} | {item.partition("=")[0].strip().split(".")[0] for item in overrides}
     if profile_defaults:
         user = OmegaConf.merge(OmegaConf.create(profile_defaults), user)
     source = str(path) if path is not None else "<overrides>"
     if overrides:
         user = _apply_overrides(user, overrides, source)
     raw = OmegaConf.to_container(user, resolve=False)
-    unknown = _unknown_keys(raw, TrainConfig, also=FLYMYAI_KEYS) + _resolver_calls(raw)
-    if unknown:
-        raise ConfigError(f"{source}: " + "; ".join(_blame_overrides(unknown, overrides)))
-    try:
-        raw, problems = flymyai_compat(raw)
-        raw, item_problems = _typed_items(raw)
-        if item_problems:
-            raise ConfigError(f"{source}: " + "; ".join(_blame_overrides(item_problems, overrides)))
-        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), raw)
-        cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"{source}: " + _blame_overrides([_describe_type_error(exc)], overrides)[0]) from None
-    # Typed again from loaded values: escaped, so a literal ${...} in a prompt stays one.
+    # Every problem is collected before any is reported: a key that is unknown, calls a resolver or has
+    # the wrong type is dropped (and named), so that the keys after it are still checked.
+    problems = _unknown_keys(raw, TrainConfig, also=FLYMYAI_KEYS) + _resolver_calls(raw)
+    for problem in problems:
+        _drop(raw, problem.key)
+    compat = _dropping_type_errors(flymyai_compat, raw, problems)
+    raw, translated = compat if compat is not None else (raw, [])
+    problems += [Problem(_named_key(p), p) for p in translated]
+    raw = _typed_items(raw, problems)
+    cfg = _dropping_type_errors(_typed_config, raw, problems)
+    if cfg is None:  # not even the rest builds a config: what was found is all there is to say
+        raise _config_error(source, problems, overrides)
+    _finish(cfg, default_family)
+    dropped = [problem.key for problem in problems if problem.key]
+    value_problems, notes = _problems_yielding_defaults(cfg, profile_defaults, given)
+    problems += [Problem(_named_key(p), p) for p in value_problems if not _within(_named_key(p), dropped)]
+    if problems:
+        raise _config_error(source, problems, overrides)
+    for note in notes:
+        logger.info(note)
+    return cfg
+
+
+class Problem(NamedTuple):
+    """One problem of a config: the key it names (dotted, ``datasets[0].repeats``) and its message."""
+
+    key: str
+    message: str
+
+
+def _config_error(source: str, problems: List[Problem], overrides: List[str]) -> ConfigError:
+    return ConfigError(f"{source}: " + "; ".join(_blame_overrides([p.message for p in problems], overrides)))
+
+
+def _within(key: str, dropped: List[str]) -> bool:
+    """Whether ``key`` is a dropped key or inside one: its value problem is about its default, not the
+    user's value, which was named already."""
+    return any(key == other or key.startswith((f"{other}.", f"{other}[")) for other in dropped)
+
+
+def _named_key(message: str) -> str:
+    match = re.search(r"key '([^']+)'", message)
+    return match.group(1) if match else ""
+
+
+def _finish(cfg: TrainConfig, default_family: Optional[str]) -> None:
+    """What the schema cannot say: prompts typed again from loaded values (escaped, so a literal ``${...}``
+    in one stays one), datasets named, the entry script's family, YAML 1.1's ``no``."""
     cfg.validation.prompts = [_typed(ValidationPrompt, _escaped(p if isinstance(p, dict) else {"prompt": p}))
                               for p in cfg.validation.prompts]
     _name_datasets(cfg.datasets)
@@ -65,13 +110,42 @@ def load_config(
         cfg.family = default_family
     if cfg.mixed_precision in ("False", "false"):  # YAML 1.1 reads a bare `no` as false
         cfg.mixed_precision = "no"
-    value_problems, dropped = _problems_yielding_defaults(cfg, profile_defaults or {}, given)
-    problems += value_problems
-    if problems:
-        raise ConfigError(f"{source}: " + "; ".join(_blame_overrides(problems, overrides)))
-    for note in dropped:
-        logger.info(note)
-    return cfg
+
+
+def _typed_config(raw: Dict[str, Any]) -> TrainConfig:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), raw))  # type: ignore[return-value]
+
+
+def _dropping_type_errors(build: Callable[[Dict[str, Any]], T], raw: Dict[str, Any],
+                          problems: List[Problem], prefix: str = "") -> Optional[T]:
+    """``build(raw)``, each OmegaConf type error it raises named in ``problems`` and its key dropped from
+    ``raw`` before the next try (OmegaConf stops at the first); None when a key cannot be dropped."""
+    for _ in range(_MAX_TYPE_ERRORS):
+        try:
+            return build(raw)
+        except OmegaConfBaseException as exc:
+            problem = _describe_type_error(exc, prefix)
+            problems.append(problem)
+            if not _drop(raw, problem.key[len(prefix):]):
+                return None
+    return None
+
+
+_MAX_TYPE_ERRORS = 200  # more keys than a config has: each round drops one
+
+
+def _drop(data: Any, key: str) -> bool:
+    """Remove ``key`` (``a.b``, ``a[0].b``) from the plain containers ``data``; whether it was there."""
+    parts: List[Any] = [int(p) if p.isdigit() else p for p in re.findall(r"[^.\[\]]+", key)]
+    for part in parts[:-1]:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    if parts and isinstance(data, dict) and parts[-1] in data:
+        del data[parts[-1]]
+        return True
+    return False
 
 
 def _problems_yielding_defaults(cfg: TrainConfig, defaults: Dict[str, Any],
@@ -136,24 +210,25 @@ def flymyai_compat(raw: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
     return raw, problems
 
 
-# An OmegaConf interpolation that calls a resolver (``${oc.env:TOKEN}``, ``${oc.decode:...}``): it would
-# read the environment (or run other code) into the config. ``\${...}`` is a literal and stays one.
-_RESOLVER_CALL = re.compile(r"(?<!\\)\$\{\s*([A-Za-z_][\w.]*)\s*:")
+def _resolver_calls(raw: Dict[str, Any]) -> List[Problem]:
+    """Every value of the YAML and overrides (``raw``: parsed, unresolved) that calls an OmegaConf
+    resolver, as OmegaConf's grammar reads it (``\\${oc.env:X}`` and ``${oc.${key}:X}`` included). A config
+    is data: the environment never reaches a run's files or trackers. A reference to another key
+    (``${output_dir}/cache``) is data too and stays allowed."""
+    problems = []
+    for key, value in strings(raw):
+        calls = interpolations(value)[0]
+        if calls:
+            what = (f"calls the OmegaConf resolver '{calls[0]}'" if calls != ["?"]
+                    else "is not a valid interpolation")
+            problems.append(Problem(key, f"key '{key}': {_short(value)!r} {what}; a config is data, so the "
+                                    "environment and resolvers are not read: write the value itself (or \\${...} "
+                                    "for a literal ${...})"))
+    return problems
 
 
-def _resolver_calls(data: Any, key: str = "") -> List[str]:
-    """Every value of the YAML and overrides (``data``: plain containers, unresolved) that calls an
-    OmegaConf resolver. A config is data: the environment never reaches a run's files or trackers.
-    A reference to another key (``${output_dir}/cache``) is data too and stays allowed."""
-    if isinstance(data, dict):
-        return [p for k, v in data.items() for p in _resolver_calls(v, f"{key}.{k}" if key else str(k))]
-    if isinstance(data, list):
-        return [p for i, v in enumerate(data) for p in _resolver_calls(v, f"{key}[{i}]")]
-    match = _RESOLVER_CALL.search(data) if isinstance(data, str) else None
-    if match is None:
-        return []
-    return [f"key '{key}': {data!r} calls the OmegaConf resolver '{match.group(1)}'; a config is data, so the "
-            "environment and resolvers are not read: write the value itself (or \\${...} for a literal ${...})"]
+def _short(text: str, chars: int = 80) -> str:
+    return text if len(text) <= chars else text[:chars] + "..."
 
 
 def config_to_yaml(cfg: TrainConfig) -> str:
@@ -217,23 +292,24 @@ def _parse_overrides(overrides: List[str]) -> DictConfig:
     return OmegaConf.from_dotlist(list(overrides))
 
 
-def _unknown_keys(data: Any, schema: type, prefix: str = "", also: Sequence[str] = ()) -> List[str]:
+def _unknown_keys(data: Any, schema: type, prefix: str = "", also: Sequence[str] = ()) -> List[Problem]:
     """Keys neither in the schema nor in ``also``, each with the closest valid key when there is one."""
     if not isinstance(data, dict):
         return []
     fields = {f.name: f for f in dataclasses.fields(schema)}
-    problems: List[str] = []
+    problems: List[Problem] = []
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key in also:
             continue
         if key not in fields and not prefix and key in DESIGN_NOTE_KEYS:
-            problems.append(f"key '{key}' is from the early design notes and not a setting here: {DESIGN_NOTE_KEYS[key]}")
+            problems.append(Problem(full, f"key '{key}' is from the early design notes and not a setting here: "
+                                          f"{DESIGN_NOTE_KEYS[key]}"))
             continue
         if key not in fields:
             guess = difflib.get_close_matches(str(key), [*fields, *also], n=1, cutoff=0.6)
             hint = f" (did you mean '{prefix}{guess[0]}'?)" if guess else ""
-            problems.append(f"unknown key '{full}'{hint}")
+            problems.append(Problem(full, f"unknown key '{full}'{hint}"))
             continue
         sub = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
         if sub is not None and dataclasses.is_dataclass(sub):
@@ -245,17 +321,17 @@ def _unknown_keys(data: Any, schema: type, prefix: str = "", also: Sequence[str]
     return problems
 
 
-def _typed_items(raw: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+def _typed_items(raw: Dict[str, Any], problems: List[Problem]) -> Dict[str, Any]:
     """``raw`` with each ``datasets`` entry filled with data_config's folder keys it leaves out, and
-    the problems of its list items (a wrong type, an entry that is not a mapping), each named by its
-    index: OmegaConf's own message would name the key without its list and index."""
-    problems: List[str] = []
+    the problems of its list items (a wrong type, an entry that is not a mapping) added to ``problems``,
+    each named by its index (OmegaConf's own message would name the key without its list and index);
+    a bad item is dropped, a bad key of an item too."""
     data = raw.get("data_config") if isinstance(raw.get("data_config"), dict) else {}
     entries = raw.get("datasets")
     if entries:
         if data.get("img_dir"):
-            problems.append("keys 'datasets' and 'data_config.img_dir': give the folders as datasets entries, "
-                            "or one folder as data_config.img_dir, not both")
+            problems.append(Problem("", "keys 'datasets' and 'data_config.img_dir': give the folders as datasets "
+                                    "entries, or one folder as data_config.img_dir, not both"))
         defaults = {key: data[key] for key in FOLDER_KEYS if key in data}
         raw["datasets"] = [{**defaults, **entry} if isinstance(entry, dict) else entry for entry in entries]
     validation = raw.get("validation") if isinstance(raw.get("validation"), dict) else {}
@@ -263,16 +339,14 @@ def _typed_items(raw: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
             ("datasets", raw.get("datasets") or [], DatasetEntry, ()),
             ("validation.prompts", validation.get("prompts") or [], ValidationPrompt, (str,))):
         for index, item in enumerate(items):
-            if isinstance(item, plain):
-                continue
-            if not isinstance(item, dict):
-                problems.append(f"key '{key}[{index}]': expected a mapping of keys to values, got {item!r}")
-                continue
-            try:
-                _typed(schema, item)
-            except OmegaConfBaseException as exc:
-                problems.append(_describe_type_error(exc, prefix=f"{key}[{index}]."))
-    return raw, problems
+            if isinstance(item, dict):
+                _dropping_type_errors(lambda values, schema=schema: _typed(schema, values), item, problems,
+                                      prefix=f"{key}[{index}].")
+            elif not isinstance(item, plain):
+                problems.append(Problem(f"{key}[{index}]", f"key '{key}[{index}]': expected a mapping of keys to "
+                                        f"values, got {item!r}"))
+        items[:] = [item for item in items if isinstance(item, (dict, *plain))]
+    return raw
 
 
 def _typed(schema: type, values: Dict[str, Any]) -> Any:
@@ -293,16 +367,17 @@ def _name_datasets(entries: List[DatasetEntry]) -> None:
         entry.name = f"{name}_{index}" if taken else name
 
 
-def _describe_type_error(exc: OmegaConfBaseException, prefix: str = "") -> str:
+def _describe_type_error(exc: OmegaConfBaseException, prefix: str = "") -> Problem:
     key = prefix + (getattr(exc, "full_key", None) or "?")
     message = str(exc).splitlines()[0]
     section = re.search(r"is not a subclass of (\w+)", message)
     if section and not getattr(exc, "full_key", None):  # a value where a section belongs (data_config=5)
         key = prefix + next((f.name for f in dataclasses.fields(TrainConfig)
                     if getattr(f.default_factory, "__name__", None) == section.group(1)), "?")
-        return f"key '{key}': is a section (a mapping of keys), not a single value"
+        return Problem(key, f"key '{key}': is a section (a mapping of keys), not a single value")
     match = re.search(r"Value '(.*?)' (?:of type '.*?' )?could not be converted to (\w+)", message)
     if match:
         kind = {"Integer": "integer", "Float": "number", "Boolean": "boolean (true/false)"}
-        return f"key '{key}': value '{match.group(1)}' is not a valid {kind.get(match.group(2), match.group(2))}"
-    return f"key '{key}': {message}"
+        return Problem(key, f"key '{key}': value '{match.group(1)}' is not a valid "
+                            f"{kind.get(match.group(2), match.group(2))}")
+    return Problem(key, f"key '{key}': {message}")

@@ -261,7 +261,8 @@ def load_plan_config(path: str, overrides: Sequence[str] = (), family: Optional[
         if "does not exist" not in str(exc):
             raise
     plain = [item for item in overrides if not re.search(r"\.\d+[.=]", item)]  # not through a list item
-    user = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(plain))
+    user = OmegaConf.to_container(OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(plain)),
+                                  resolve=False)  # as written: nothing resolves, no resolver runs
     entries = list(user.get("datasets") or [])
     placeholder = tempfile.mkdtemp(prefix="plan-no-data-")
     swaps = []
