@@ -16,7 +16,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    import psutil
 
 ENV = "ACCELERATE_MIXED_PRECISION"
 # Ways the launcher is started: `accelerate launch`, `accelerate-launch`, `python -m accelerate.commands.launch`
@@ -88,18 +91,32 @@ def find_launcher() -> Optional[Tuple[List[str], str]]:
     variable)."""
     import psutil
 
+    found = find_launcher_process()
+    if found is None:
+        return None
+    process, args = found
+    try:
+        return args, process.cwd()
+    except psutil.Error:
+        return None
+
+
+def find_launcher_process() -> Optional[Tuple["psutil.Process", List[str]]]:
+    """The nearest ancestor process that is accelerate's launcher, with the words after ``launch``;
+    None when there is none."""
+    import psutil
+
     try:
         parents = psutil.Process().parents()
     except psutil.Error:
         return None
     for process in parents:
         try:
-            words, cwd = process.cmdline(), process.cwd()
+            args = launch_arguments(process.cmdline())
         except psutil.Error:
             continue
-        args = launch_arguments(words)
         if args is not None:
-            return args, cwd
+            return process, args
     return None
 
 
