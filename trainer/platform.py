@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
+from accelerate import Accelerator
 from loguru import logger
 
 from trainer.config import TrainConfig
 from trainer.families.model_index import read_checkpoint_json
 from trainer.families.spec import FamilySpec
-from trainer.precision import find_launcher_process
+from trainer.precision import PrecisionChoice, find_launcher_process
 from utils.errors import ConfigError
 from trainer.model.quantization import QuantizationChoice
 from utils.attention import AttentionChoice, apply_attention_backend, measured_choice, select_attention_backend
@@ -66,10 +67,11 @@ def requested_features(cfg: TrainConfig) -> List[str]:
     return [name for name, on in wanted.items() if on]
 
 
-def configure_device(cfg: TrainConfig, policy: RunPolicy, device: torch.device) -> None:
-    """After the Accelerator: the CPU's threads; on CUDA compatibility messages (once), TF32 and the
-    unified-memory cap."""
-    if device.type == "cpu":
+def configure_device(cfg: TrainConfig, policy: RunPolicy, accelerator: Accelerator, precision: PrecisionChoice) -> None:
+    """After the Accelerator: a precision its device cannot train in is refused; the CPU's threads; on
+    CUDA compatibility messages (once), TF32 and the unified-memory cap."""
+    precision.check_device(accelerator.mixed_precision, accelerator.device.type)
+    if accelerator.device.type == "cpu":
         set_cpu_threads(cfg)
     if torch.cuda.is_available():
         show_compatibility_warnings(requested_features(cfg))

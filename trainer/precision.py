@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Tuple
 
+from utils.errors import ConfigError
+
 if TYPE_CHECKING:
     import psutil
 
@@ -25,6 +27,10 @@ ENV = "ACCELERATE_MIXED_PRECISION"
 # Ways the launcher is started: `accelerate launch`, `accelerate-launch`, `python -m accelerate.commands.launch`
 # (the tests, the web page), and this project's `python -m trainer.launch`.
 _LAUNCH_MODULES = ("accelerate.commands.launch", "trainer.launch")
+# How to change the precision, by where it came from.
+_PROFILE_FIX = "set mixed_precision: \"no\" (fp32) or bf16 in the profile, or add mixed_precision=no to the command"
+_LAUNCHER_FIX = "launch with --mixed_precision no (fp32) or bf16 (the flag wins over an accelerate config)"
+_ENV_FIX = f"set {ENV}=no (fp32) or bf16"
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,16 @@ class PrecisionChoice:
 
     accelerator_arg: Optional[str]
     reason: str
+    source: str = "key 'mixed_precision'"  # where the precision was chosen (the profile or an override of it)
+    fix: str = _PROFILE_FIX  # how to choose another one there
+
+    def check_device(self, mode: str, device_type: str) -> None:
+        """Refuse fp16 (``mode``: the Accelerator's) on the CPU in one line: accelerate has no fp16
+        autocast there, so the family's fp16 weights would meet the fp32 trained weights in the first
+        matmul (``expected m1 and m2 to have the same dtype``). bf16 and fp32 train on the CPU."""
+        if mode == "fp16" and device_type == "cpu":
+            raise ConfigError(f"{self.source}: fp16 does not train on the CPU (accelerate has no fp16 autocast "
+                              f"there); {self.fix}")
 
 
 def choose_mixed_precision(profile: Optional[str], env: Mapping[str, str] = os.environ,
@@ -51,7 +67,7 @@ def choose_mixed_precision(profile: Optional[str], env: Mapping[str, str] = os.e
         else f"{ENV} set in the environment (not by accelerate launch)"
     if source is not None:
         ignored = f"; the profile's {profile} is not used" if profile and profile != launched else ""
-        return PrecisionChoice(None, f"{source}{ignored}")
+        return PrecisionChoice(None, f"{source}{ignored}", source, _LAUNCHER_FIX if launcher is not None else _ENV_FIX)
     if not profile:
         return PrecisionChoice(None, "accelerate launch's default (no --mixed_precision, no accelerate "
                                      "config); the profile sets none")
