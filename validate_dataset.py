@@ -123,6 +123,11 @@ def _uses_references(family: Optional[str]) -> bool:
     return family is not None and SPECS[family].uses_references
 
 
+def _needs_references(family: Optional[str]) -> bool:
+    """Whether the trainer refuses a dataset without reference folders (Qwen-Image-2.1 trains it text-to-image)."""
+    return _uses_references(family) and not SPECS[family].references_optional
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Check the datasets and print the reports; the exit code says whether training can run."""
     args = parse_args(argv)
@@ -158,7 +163,7 @@ def check_one(check: Check, args: argparse.Namespace) -> Any:
         print(f"note: reference folders found beside {path}; pass --family {users} to check "
               "them as reference images", file=sys.stderr)
     report = check_dataset(path, s.caption_ext, s.img_size, control_dirs=s.control_dirs, min_size=args.min_size)
-    if _uses_references(s.family) and not s.control_dirs:  # the trainer refuses this before anything else
+    if _needs_references(s.family) and not s.control_dirs:  # the trainer refuses this before anything else
         report.problems.insert(0, Problem(Path(path), ERROR, f"{s.family} trains on reference images, "
                                           "and no control/ or control_0/ folder is beside this one",
                                           "add the reference folder, or name it with --control-dir / "
