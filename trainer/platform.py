@@ -19,7 +19,7 @@ from loguru import logger
 from trainer.config import TrainConfig
 from trainer.families.model_index import read_checkpoint_json
 from trainer.families.spec import FamilySpec
-from trainer.precision import PrecisionChoice, find_launcher_process
+from trainer.precision import PrecisionChoice, find_accelerate_launcher
 from utils.errors import ConfigError
 from trainer.model.quantization import QuantizationChoice
 from utils.attention import AttentionChoice, apply_attention_backend, measured_choice, select_attention_backend
@@ -160,19 +160,10 @@ def _thread_flag(args: Sequence[str]) -> Optional[int]:
 
 
 def launcher_settings() -> Optional[Tuple[List[str], Mapping[str, str]]]:
-    """The words after ``launch`` and the environment of the ``accelerate launch`` that started this
-    process (its environment as it was started: the user's, before the launcher adds its own);
-    None without one."""
-    import psutil
-
-    found = find_launcher_process()
-    if found is None:
-        return None
-    process, args = found
-    try:
-        return args, process.environ()
-    except psutil.Error:  # not readable: as if the user exported nothing
-        return args, {}
+    """The words after ``launch`` and the environment (as it was started) of the ``accelerate launch``
+    that started this process; None without one."""
+    found = find_accelerate_launcher()
+    return (found.args, found.env) if found is not None else None
 
 
 def choose_attention(cfg: TrainConfig, transformer: torch.nn.Module,

@@ -101,25 +101,27 @@ def _explicit_source(args: Sequence[str], cwd: str, default_config: Optional[str
     return f"the accelerate config {config} (mixed_precision: {chosen})" if chosen is not None else None
 
 
+@dataclass(frozen=True)
+class Launcher:
+    """accelerate's launcher that started this process: the words after ``launch``, its working folder,
+    and its environment as it was started (the user's, before the launcher adds its own variables)."""
+
+    args: List[str]
+    cwd: str
+    env: Mapping[str, str]
+
+
 def find_launcher() -> Optional[Tuple[List[str], str]]:
     """The arguments after ``launch`` and the working folder of the nearest ancestor process that is
     accelerate's launcher; None when there is none (torchrun, a scheduler or the user's shell set the
     variable)."""
-    import psutil
-
-    found = find_launcher_process()
-    if found is None:
-        return None
-    process, args = found
-    try:
-        return args, process.cwd()
-    except psutil.Error:
-        return None
+    found = find_accelerate_launcher()
+    return (found.args, found.cwd) if found is not None else None
 
 
-def find_launcher_process() -> Optional[Tuple["psutil.Process", List[str]]]:
-    """The nearest ancestor process that is accelerate's launcher, with the words after ``launch``;
-    None when there is none."""
+def find_accelerate_launcher() -> Optional[Launcher]:
+    """The nearest ancestor process that is accelerate's launcher (``launch_arguments``); None when
+    there is none."""
     import psutil
 
     try:
@@ -129,11 +131,20 @@ def find_launcher_process() -> Optional[Tuple["psutil.Process", List[str]]]:
     for process in parents:
         try:
             args = launch_arguments(process.cmdline())
+            if args is not None:
+                return Launcher(args, process.cwd(), _environment(process))
         except psutil.Error:
             continue
-        if args is not None:
-            return process, args
     return None
+
+
+def _environment(process: "psutil.Process") -> Mapping[str, str]:
+    import psutil
+
+    try:
+        return process.environ()
+    except psutil.Error:  # not readable: as if the user exported nothing
+        return {}
 
 
 def launch_arguments(words: Sequence[str]) -> Optional[List[str]]:
