@@ -82,9 +82,9 @@ def configure_device(cfg: TrainConfig, policy: RunPolicy, accelerator: Accelerat
 
 # A CPU run trains on one thread when the transformer is narrower than this: each matmul is then too
 # little work to share out, and a second thread that waits for its core (a busy machine) stalls every
-# step. The tiny models are 32 wide: 60 quick-start steps took 0.90 s/step on two threads and 0.05 on
-# one at load 5 on 2 cores (docs review F1). The narrowest published transformer of the families is
-# 2560 wide (Kandinsky 5 Lite), where threads pay.
+# step. The tiny models are 32 wide: quickstart_tiny.yaml's header command took 1.19-1.66 s/step with
+# accelerate's two threads and 0.06-0.15 with one, 60 steps each, alternating, load 3.6-4.9 on 2 cores.
+# The narrowest published transformer of the families is 2560 wide (Kandinsky 5 Lite), where threads pay.
 SMALL_WIDTH = 1024
 
 
