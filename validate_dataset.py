@@ -7,8 +7,10 @@
 With ``--config`` the image size, caption extension and reference folders come from the profile
 (flags win over it). With ``--config`` and no ``--path`` every dataset of the profile is checked
 (each ``datasets`` entry with its own settings, or ``data_config.img_dir``), each reported under its
-name. Datasets of a family that trains on reference images (``--family
-qwen_image_edit``) find ``control/`` or ``control_0/``, ``control_1/``, ... beside DIR as the trainer does.
+name. The family is ``--family``, else the profile's ``family`` key, else the one that trains the
+profile's model (its model_index.json's pipeline; the Edit profiles name no family). Datasets of a
+family that trains on reference images (Qwen-Image-Edit) find ``control/`` or ``control_0/``,
+``control_1/``, ... beside DIR as the trainer does, and a missing reference is an error.
 
 Exit code: 0 when training can run (warnings allowed), 1 when an error would stop it,
 2 for a usage or config mistake.
@@ -25,7 +27,7 @@ from typing import Any, List, Optional
 
 from trainer.config import FolderKeys, dataset_entries, load_config, same_folder_warnings
 from utils.errors import UserError
-from trainer.families import SPECS  # the light specs: no diffusers, so --help stays instant
+from trainer.families import SPECS, checkpoint_family  # the light specs: no diffusers, so --help stays instant
 
 
 @dataclass
@@ -68,10 +70,10 @@ def resolve_checks(args: argparse.Namespace) -> List[Check]:
         if not args.config:
             raise UserError("give --path DIR (a folder of images and captions) or --config X.yaml (its datasets)")
         cfg = load_config(args.config, [f"family={args.family}"] if args.family else [])
-        labelled = bool(cfg.datasets)
+        labelled, family = bool(cfg.datasets), _family(cfg)
         for warning in same_folder_warnings(cfg.datasets):
             print(f"warning: {warning}", file=sys.stderr)
-        return [_finish(args, entry.img_dir, Settings(entry.caption_type, entry.img_size, _controls(entry), cfg.family),
+        return [_finish(args, entry.img_dir, Settings(entry.caption_type, entry.img_size, _controls(entry), family),
                         f"datasets[{i}] ({entry.name})" if labelled else "")
                 for i, entry in enumerate(dataset_entries(cfg))]
     s = Settings(family=args.family)
@@ -79,8 +81,20 @@ def resolve_checks(args: argparse.Namespace) -> List[Check]:
         overrides = ["datasets=[]", f"data_config.img_dir={args.path}"]
         overrides += [f"family={args.family}"] if args.family else []
         cfg = load_config(args.config, overrides)
-        s = Settings(cfg.data_config.caption_type, cfg.data_config.img_size, _controls(cfg.data_config), cfg.family)
+        s = Settings(cfg.data_config.caption_type, cfg.data_config.img_size, _controls(cfg.data_config), _family(cfg))
     return [_finish(args, args.path, s)]
+
+
+def _family(cfg: Any) -> Optional[str]:
+    """The config's family (``--family`` or its ``family`` key), else the one that trains its model: the
+    entry script for any other family refuses the model, so training checks references exactly then."""
+    if cfg.family:
+        return cfg.family
+    family = checkpoint_family(cfg.pretrained_model_name_or_path, cfg.revision)
+    if family is not None and SPECS[family].uses_references:
+        print(f"note: family {family} (the one that trains {cfg.pretrained_model_name_or_path}): checking its "
+              "reference images; --family F checks for another", file=sys.stderr)
+    return family
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
@@ -107,6 +121,11 @@ def _finish(args: argparse.Namespace, path: str, s: Settings, label: str = "") -
 
 def _uses_references(family: Optional[str]) -> bool:
     return family is not None and SPECS[family].uses_references
+
+
+def _needs_references(family: Optional[str]) -> bool:
+    """Whether the trainer refuses a dataset without reference folders (Qwen-Image-2.1 trains it text-to-image)."""
+    return _uses_references(family) and not SPECS[family].references_optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -144,7 +163,7 @@ def check_one(check: Check, args: argparse.Namespace) -> Any:
         print(f"note: reference folders found beside {path}; pass --family {users} to check "
               "them as reference images", file=sys.stderr)
     report = check_dataset(path, s.caption_ext, s.img_size, control_dirs=s.control_dirs, min_size=args.min_size)
-    if _uses_references(s.family) and not s.control_dirs:  # the trainer refuses this before anything else
+    if _needs_references(s.family) and not s.control_dirs:  # the trainer refuses this before anything else
         report.problems.insert(0, Problem(Path(path), ERROR, f"{s.family} trains on reference images, "
                                           "and no control/ or control_0/ folder is beside this one",
                                           "add the reference folder, or name it with --control-dir / "

@@ -23,6 +23,8 @@ start=$(date +%s)
 # Every launcher setting given, so accelerate has no defaults to warn about. One CPU thread: the tiny
 # model's matrices are too small to share out, and on a busy machine a second thread that waits for
 # its core stalls every step (60 steps took 94 s with two threads and 13 s with one, load 10 on 2 cores).
+# The trainer chooses one thread for the tiny models by itself (trainer/platform.py, set_cpu_threads);
+# the flag here says so to accelerate, which would otherwise warn that it set two.
 # The two samples are the run's own validation renders (no second process to start and load): the
 # base model's before the first step, the LoRA's after the last.
 accelerate launch --cpu --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \

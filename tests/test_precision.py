@@ -7,6 +7,7 @@ the launcher's default ``no`` must not turn a bf16 profile into an fp32 run.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -152,3 +153,68 @@ def test_accelerate_launch_without_a_config_trains_in_the_profiles_precision(
     log = (tmp_path / "explicit" / "train.log").read_text()
     assert "precision no (accelerate launch --mixed_precision no; the profile's bf16 is not used)" in log
     assert _cached_latent_dtypes(tmp_path / "explicit") == {"torch.float32"}
+
+
+@pytest.mark.parametrize("profile, env_value, args, source, fix", [
+    ("fp16", None, None, "key 'mixed_precision'", "in the profile, or add mixed_precision=no to the command"),
+    (None, "fp16", ["--mixed_precision", "fp16", "train.py"], "accelerate launch --mixed_precision fp16",
+     "launch with --mixed_precision no (fp32) or bf16"),
+    ("no", "fp16", None, f"{ENV} set in the environment (not by accelerate launch)", f"set {ENV}=no (fp32) or bf16"),
+])
+def test_fp16_on_the_cpu_is_refused_naming_where_it_came_from(profile, env_value, args, source, fix,
+                                                               no_default_config: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer import precision
+    from utils.errors import ConfigError
+
+    monkeypatch.setattr(precision, "find_launcher", lambda: None)
+    choice = choose(profile, env_value, args, default_config=no_default_config)
+    with pytest.raises(ConfigError) as refused:
+        choice.check_device("fp16", "cpu")
+    message = str(refused.value)
+    assert message.startswith(f"{source}: fp16 does not train on the CPU") and fix in message, message
+    assert "\n" not in message
+    choice.check_device("fp16", "cuda")
+    for mode in ("bf16", "no"):
+        choice.check_device(mode, "cpu")
+
+
+def _launch_fp16(prefix: List[str], out: Path, home: Path, model: Path, data: Path, *extra: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in (ENV, "XDG_CACHE_HOME", "ACCELERATE_CONFIG_FILE")}
+    env.update(HOME=str(home), HF_HOME=str(home / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    cmd = prefix + ["train.py", "--config", "train_configs/quickstart_tiny.yaml",
+                    f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}", f"output_dir={out}",
+                    "max_train_steps=2", "report_to=none", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.e2e
+def test_fp16_on_the_cpu_stops_at_the_start_in_one_line_however_it_is_asked_for(
+        tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    """docs review F2's three forms through the real launcher and entry script, at once: the launcher's
+    --mixed_precision fp16, the override mixed_precision=fp16, and a default accelerate config (what
+    `accelerate config` writes) that says fp16. Each used to fail at step 1 with `c10::Half != float`."""
+    homes = {name: tmp_path / f"home-{name}" for name in ("flag", "override", "config")}
+    for home in homes.values():
+        home.mkdir()
+    default = accelerate_config(homes["config"] / "hf" / "accelerate" / "default_config.yaml", "fp16")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch"]
+    cpu = launcher + ["--cpu", "--num_processes", "1"]
+    runs = {"flag": _launch_fp16(cpu + ["--mixed_precision", "fp16"], tmp_path / "flag", homes["flag"],
+                                 tiny_qwen_image, sample_data),
+            "override": _launch_fp16(cpu, tmp_path / "override", homes["override"], tiny_qwen_image, sample_data,
+                                     "mixed_precision=fp16"),
+            "config": _launch_fp16(launcher, tmp_path / "config", homes["config"], tiny_qwen_image, sample_data)}
+    said = {"flag": "accelerate launch --mixed_precision fp16: fp16 does not train on the CPU",
+            "override": "key 'mixed_precision': fp16 does not train on the CPU",
+            "config": f"the accelerate config {default} (mixed_precision: fp16): fp16 does not train on the CPU"}
+    for name, proc in runs.items():
+        output = proc.communicate(timeout=600)[0]
+        assert proc.returncode != 0, output[-3000:]
+        errors = [line for line in output.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: {said[name]}"), output[-3000:]
+        assert "c10::Half" not in output and "RuntimeError" not in output, output[-3000:]
+        assert not (tmp_path / name / "metrics.jsonl").exists(), "refused before any step"
+        status = json.loads((tmp_path / name / "run_status.json").read_text())
+        assert status["state"] == "failed" and said[name] in status["message"]

@@ -184,6 +184,37 @@ def test_an_fsdp_config_on_the_cpu_never_runs_as_one_process(tiny_qwen_image: Pa
     assert not (tmp_path / "out" / "metrics.jsonl").exists(), "refused before training"
 
 
+@pytest.mark.e2e
+def test_the_shipped_fsdp_config_without_gpus_is_refused_once_and_the_advised_ddp_launch_trains(
+        tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    """docs review F8 (README's FSDP line on a machine without GPUs) with two processes instead of the
+    config's eight: one error line, not one per process, naming the DDP launch that runs there; that
+    launch, started at the same time, trains on two processes."""
+    if torch.cuda.is_available():
+        pytest.skip("a machine without GPUs")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    data = [f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
+            "data_config.img_size=64", "max_train_steps=1", "report_to=none"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch"]
+    fsdp = subprocess.Popen(launch + ["--config_file", "accelerate_configs/fsdp.yaml", "--num_processes", "2",
+                                      "--main_process_port", str(free_port()), FULL,
+                                      "--config", "train_configs/train_full_qwen_image.yaml",
+                                      f"output_dir={tmp_path / 'fsdp'}", *data],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ddp = subprocess.Popen(launch + ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
+                                     FULL, "--config", QUICKSTART, f"output_dir={tmp_path / 'ddp'}", *data],
+                           cwd=ROOT, env={**env, "ACCELERATE_USE_CPU": "true"}, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    refused, trained = fsdp.communicate(timeout=600)[0], ddp.communicate(timeout=600)[0]
+    errors = [line for line in refused.splitlines() if line.startswith("error: ")]
+    assert fsdp.returncode != 0 and len(errors) == 1, refused[-3000:]
+    assert "FSDP and DeepSpeed shard over GPUs, and this machine has none" in errors[0]
+    assert f"ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 {FULL} --config" in errors[0]
+    assert not (tmp_path / "fsdp" / "metrics.jsonl").exists()
+    assert ddp.returncode == 0, trained[-3000:]
+    assert "2 process(es)" in (tmp_path / "ddp" / "train.log").read_text()
+
+
 class FakeAccelerator:
     def __init__(self, kind: str, processes: int):
         from accelerate.utils import DistributedType
@@ -207,6 +238,63 @@ def test_the_launch_guard_refuses_an_unsharded_or_split_run(monkeypatch, env, ki
     monkeypatch.setattr("trainer.distributed.launcher_config", lambda: None)
     with pytest.raises(ConfigError, match=message):
         check_launch(FakeAccelerator(kind, processes))
+
+
+@pytest.mark.parametrize("env, config, said", [
+    ({"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "8"}, None,  # docs review F8: fsdp.yaml on a machine without GPUs
+     "ACCELERATE_USE_FSDP=true (the accelerate config's distributed_type: FSDP) but accelerate set up NO with 1"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "WORLD_SIZE": "2"}, None, "ACCELERATE_USE_DEEPSPEED=true"),
+    ({}, (Path("fsdp.yaml"), {"distributed_type": "FSDP"}),  # --cpu with an FSDP config: one process
+     "fsdp.yaml: key 'distributed_type' is FSDP but accelerate set up NO with 1 process(es)"),
+])
+def test_sharding_on_a_machine_without_gpus_is_refused_with_advice_that_runs_there(
+        monkeypatch: pytest.MonkeyPatch, env: Dict[str, str], config, said: str) -> None:
+    from trainer.distributed import check_launch
+    from utils.errors import LaunchError
+
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("trainer.distributed.launcher_config", lambda: config)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(LaunchError) as refused:
+        check_launch(FakeAccelerator("NO", 1))
+    message = str(refused.value)
+    assert message.startswith(said), message
+    assert "FSDP and DeepSpeed shard over GPUs, and this machine has none" in message
+    assert "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 " in message
+    assert "accelerate launch --cpu --num_processes 1 " in message
+    assert "the launcher started" not in message, "not the world-size mismatch, whose --cpu advice led nowhere"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # GPUs there, but the launch asked for the CPU
+    with pytest.raises(LaunchError, match="this launch runs on the CPU .*: drop that$"):
+        check_launch(FakeAccelerator("MULTI_CPU", 2))
+
+
+def test_a_launch_error_is_said_by_the_first_process_on_each_machine_only(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import signal
+
+    import trainer.cli as cli
+    from utils.errors import LaunchError
+
+    error = LaunchError("FSDP and DeepSpeed shard over GPUs")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the first process of the second machine
+    assert cli.say_once_per_machine(error) == 2
+    assert capsys.readouterr().err == "error: FSDP and DeepSpeed shard over GPUs\n"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(cli, "LAUNCH_ERROR_WAIT_S", 0.01)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cli.say_once_per_machine(error) == 2  # nobody stopped it: it exits after the wait
+        monkeypatch.setattr(cli.time, "sleep", lambda s: signal.raise_signal(signal.SIGTERM))
+        with pytest.raises(SystemExit) as stopped:  # the launcher stops it once the first has exited
+            cli.say_once_per_machine(error)
+        assert stopped.value.code == 2
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err == ""
 
 
 def test_more_processes_than_the_config_expects_are_reported(monkeypatch, logs) -> None:

@@ -308,10 +308,46 @@ def test_cli_reads_the_config_and_finds_edit_references(tmp_path: Path, capsys: 
     assert "did you mean 'learning_rate'" in capsys.readouterr().err
 
 
+def test_an_edit_profile_checks_references_without_family(tiny_qwen_image_edit: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    """docs review F7: `validate_dataset.py --config train_configs/quickstart_edit_tiny.yaml` (no family key:
+    the entry script supplies it) with one reference taken away fails as training would; the family
+    is the one that trains the profile's model (its model_index.json), or a published hub id's."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny-qwen-image-edit").symlink_to(tiny_qwen_image_edit)
+    make_edit_dataset(tmp_path / "data" / "edit_dataset", size=64, count=3, references=1)
+    profile = str(ROOT / "train_configs" / "quickstart_edit_tiny.yaml")
+    assert validate_cli.main(["--config", profile]) == 0
+    assert "OK: 3 sample(s)" in capsys.readouterr().out
+    (tmp_path / "data" / "edit_dataset" / "control" / "pair2.png").unlink()
+    assert validate_cli.main(["--config", profile, "--json"]) == 1
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert report["errors"] == 1 and report["ok_samples"] == 2
+    assert report["problems"][0]["code"] == "reference-missing" and report["problems"][0]["path"].endswith("pair2.png")
+    assert "note: family qwen_image_edit (the one that trains models/tiny-qwen-image-edit)" in err
+    assert validate_cli.main(["--path", "data/edit_dataset/images", "--config", profile]) == 1, "--path with it too"
+    assert "no reference image pair2.* in control/" in capsys.readouterr().out
+    hub = tmp_path / "hub.yaml"  # a published Edit checkpoint, not downloaded: the family from the specs
+    hub.write_text("pretrained_model_name_or_path: Qwen/Qwen-Image-Edit-2511\n"
+                   "data_config:\n  img_dir: data/edit_dataset/images\n  img_size: 64\n", encoding="utf-8")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert validate_cli.main(["--config", str(hub)]) == 1
+    assert "no reference image pair2.* in control/" in capsys.readouterr().out
+    plain = tmp_path / "plain.yaml"  # a text-to-image family ignores control/ folders, as training does
+    plain.write_text("pretrained_model_name_or_path: Qwen/Qwen-Image\n"
+                     "data_config:\n  img_dir: data/edit_dataset/images\n  img_size: 64\n", encoding="utf-8")
+    assert validate_cli.main(["--config", str(plain)]) == 0
+
+
 @pytest.mark.parametrize("family", list(SPECS))
 def test_cli_takes_every_family(family: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--family takes every family of the registry (a list of its own once refused kandinsky5 and
-    z_image); a family that trains on reference images needs the reference folder."""
+    z_image); a family that trains on reference images needs the reference folder, unless it also
+    trains without one (Qwen-Image-2.1: text-to-image), as the trainer decides."""
     plain = make_sample_dataset(tmp_path / "plain", size=32, count=2)
     code = validate_cli.main(["--path", str(plain), "--img-size", "32", "--family", family])
-    assert code == (1 if SPECS[family].uses_references else 0), capsys.readouterr()
+    spec = SPECS[family]
+    assert code == (1 if spec.uses_references and not spec.references_optional else 0), capsys.readouterr()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import time
 from typing import Any, Dict, List, Optional
 
 from trainer.config import load_config
 from trainer.signals import is_main_process
-from utils.errors import TrainingInterrupted, UserError
+from utils.errors import LaunchError, TrainingInterrupted, UserError
 
 
 def parse_args(description: str, argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -44,11 +47,35 @@ def main(default_family: str, description: str, argv: Optional[List[str]] = None
         if is_main_process():  # every process stops; one says so
             print(f"interrupted: {exc}", file=sys.stderr)
         return exc.exit_code
+    except LaunchError as exc:
+        return say_once_per_machine(exc)
     except UserError as exc:
         # One clear message, no traceback: these are mistakes the user can fix.
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+# How long the other processes of a launch wait for the first one to say a launch error. torchrun
+# stops every process once one has exited, and the first to exit must be the one that says it.
+LAUNCH_ERROR_WAIT_S = 60.0
+
+
+def say_once_per_machine(exc: LaunchError) -> int:
+    """Every process of the launch met ``exc``: local rank 0 says it (one line per machine, not one per
+    process) and exits with 2; the others exit with 2 too, silently, once the launcher stops them (it
+    does when the first process exits) or after ``LAUNCH_ERROR_WAIT_S``."""
+    if first_on_machine():
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(2))
+    time.sleep(LAUNCH_ERROR_WAIT_S)
+    return 2
+
+
+def first_on_machine() -> bool:
+    """Local rank 0 of a launch (``LOCAL_RANK``, else ``RANK``, as torchrun sets them), or a lone process."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0
 
 
 def _plan(args: argparse.Namespace, family: str, profile_defaults: Optional[Dict[str, Any]]) -> int:

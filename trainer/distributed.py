@@ -24,6 +24,7 @@ import os
 import re
 import shlex
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -37,7 +38,7 @@ from trainer.families.base import ModelFamily
 from trainer.model.adapters import adapter_parameters
 from trainer.config import TrainConfig
 from trainer.step.optimizer_specs import OPTIMIZERS
-from utils.errors import ConfigError
+from utils.errors import ConfigError, LaunchError
 
 SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED)
 # What accelerate's launcher exports for an FSDP / DeepSpeed config (its multi-process launchers).
@@ -73,38 +74,55 @@ def configure(accelerator: Accelerator, cfg: TrainConfig, family: ModelFamily) -
 
 def check_launch(accelerator: Accelerator) -> None:
     """Refuse a launch that would not shard as its accelerate config asks, or whose processes do not
-    know of each other (each would train alone and race the others on one output folder)."""
+    know of each other (each would train alone and race the others on one output folder). Every
+    process meets the same refusal: a ``LaunchError``, said once per machine."""
+    got, config = accelerator.distributed_type, launcher_config()
+    requested = requested_sharding(config)
+    if requested is not None and got in (DistributedType.NO, DistributedType.MULTI_CPU):
+        raise LaunchError(sharding_needs_gpus(requested[0], got, accelerator.num_processes))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    got = accelerator.distributed_type
     if world != accelerator.num_processes:
-        raise ConfigError(
+        raise LaunchError(
             f"the launcher started {world} processes but each runs as {accelerator.num_processes} process(es) "
-            f"({got.value}): they would train independently on one output folder. On a CPU-only machine "
-            "accelerate needs ACCELERATE_USE_CPU=true (or --cpu) to join the processes; on GPUs check the "
+            f"({got.value}): they would train independently on one output folder. On a machine without GPUs "
+            "ACCELERATE_USE_CPU=true joins them (DDP over gloo), or --cpu runs one process; on GPUs check the "
             "accelerate config's distributed_type and num_processes")
-    for variable, wanted in REQUESTED_BY_ENV.items():
-        if os.environ.get(variable, "false").lower() == "true" and got != wanted:
-            raise ConfigError(f"{variable}=true (the accelerate config's distributed_type: {wanted.value}) "
-                              f"but accelerate set up {got.value}: {_why_not(got)}")
-    config = launcher_config()
+    if requested is not None and got != requested[1]:
+        raise LaunchError(f"{requested[0]} but accelerate set up {got.value}: check the launcher's flags against "
+                          "the accelerate config")
     if config is None:
         return
     path, settings = config
-    wanted_name = str(settings.get("distributed_type", "NO")).upper()
-    if wanted_name in ("FSDP", "DEEPSPEED") and got.value != wanted_name:
-        raise ConfigError(f"{path}: key 'distributed_type' is {wanted_name} but accelerate set up {got.value} "
-                          f"with {accelerator.num_processes} process(es): {_why_not(got)}")
     expected = int(settings.get("num_processes", 1) or 1)
     if accelerator.num_processes > expected:
         logger.warning(f"{path}: key 'num_processes' is {expected} but the run has {accelerator.num_processes} "
                        "processes (the launcher's --num_processes wins): each takes a share of every batch")
 
 
-def _why_not(got: DistributedType) -> str:
-    if got in (DistributedType.NO, DistributedType.MULTI_CPU):
-        return ("accelerate does not shard on a CPU-only machine (--cpu or use_cpu: true give one process or "
-                "DDP); FSDP and DeepSpeed need GPUs")
-    return "check the launcher's flags against the accelerate config"
+def requested_sharding(config: Optional[Tuple[Path, Dict[str, Any]]]) -> Optional[Tuple[str, DistributedType]]:
+    """Whether the launch asks for FSDP or DeepSpeed, by the launcher's variables or its accelerate
+    ``config`` (``launcher_config()``): (where it is asked, which); None when it does not."""
+    for variable, wanted in REQUESTED_BY_ENV.items():
+        if os.environ.get(variable, "false").lower() == "true":
+            return f"{variable}=true (the accelerate config's distributed_type: {wanted.value})", wanted
+    name = str(config[1].get("distributed_type", "NO")).upper() if config is not None else "NO"
+    if name in ("FSDP", "DEEPSPEED"):
+        return f"{config[0]}: key 'distributed_type' is {name}", DistributedType(name)
+    return None
+
+
+def sharding_needs_gpus(asked: str, got: DistributedType, processes: int) -> str:
+    """The refusal of FSDP / DeepSpeed on the CPU (``asked``: where it was asked for): accelerate sets up
+    one process or DDP there instead. What to do: GPUs; on a machine without them, the unsharded
+    launches that run on the CPU (``accelerate launch --cpu`` starts one process whatever
+    ``--num_processes`` says; DDP needs ``--multi_gpu`` with ``ACCELERATE_USE_CPU=true``)."""
+    head = f"{asked} but accelerate set up {got.value} with {processes} process(es): FSDP and DeepSpeed shard over GPUs"
+    if torch.cuda.is_available():
+        return f"{head}, and this launch runs on the CPU (--cpu, use_cpu: true or ACCELERATE_USE_CPU=true): drop that"
+    script = Path(sys.argv[0]).name if sys.argv[0].endswith(".py") else "SCRIPT"
+    return (f"{head}, and this machine has none. To try it on the CPU, train unsharded without --config_file: "
+            f"ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 {script} --config ... (DDP), "
+            f"or accelerate launch --cpu --num_processes 1 {script} --config ... (one process)")
 
 
 def launcher_config() -> Optional[Tuple[Path, Dict[str, Any]]]:

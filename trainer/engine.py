@@ -182,7 +182,7 @@ class Trainer:
         self.metrics = MetricLoggers(JsonlLogger(self.folder.metrics) if self.is_main else None,
                                      TrackerLogger(self.accelerator) if self.accelerator.log_with else None)
         self.metrics.log_config(cfg)
-        configure_device(cfg, self.policy)
+        configure_device(cfg, self.policy, self.accelerator, precision)
         self.monitor = MemoryMonitor(writer=lambda tag, value, step: self.accelerator.log({tag: value}, step=step))
         if cfg.seed is not None:
             set_seed(cfg.seed)

@@ -1,20 +1,25 @@
 """The platform layer applied to one run: what ``utils/`` detects, turned into the run's settings.
 
 Order matters: ``prepare_environment`` runs before the Accelerator (the CUDA allocator reads its
-settings once, when CUDA starts); ``configure_device`` right after it; ``choose_attention`` once the
-transformer is loaded. The config's explicit switches win over what is detected.
+settings once, when CUDA starts); ``configure_device`` right after it (CPU threads, TF32);
+``choose_attention`` once the transformer is loaded. The config's explicit switches win over what is
+detected.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
+from accelerate import Accelerator
 from loguru import logger
 
 from trainer.config import TrainConfig
+from trainer.families.model_index import read_checkpoint_json
 from trainer.families.spec import FamilySpec
+from trainer.precision import PrecisionChoice, find_accelerate_launcher
 from utils.errors import ConfigError
 from trainer.model.quantization import QuantizationChoice
 from utils.attention import AttentionChoice, apply_attention_backend, measured_choice, select_attention_backend
@@ -62,13 +67,103 @@ def requested_features(cfg: TrainConfig) -> List[str]:
     return [name for name, on in wanted.items() if on]
 
 
-def configure_device(cfg: TrainConfig, policy: RunPolicy) -> None:
-    """After the Accelerator: compatibility messages (once), TF32, the unified-memory cap."""
+def configure_device(cfg: TrainConfig, policy: RunPolicy, accelerator: Accelerator, precision: PrecisionChoice) -> None:
+    """After the Accelerator: a precision its device cannot train in is refused; the CPU's threads; on
+    CUDA compatibility messages (once), TF32 and the unified-memory cap."""
+    precision.check_device(accelerator.mixed_precision, accelerator.device.type)
+    if accelerator.device.type == "cpu":
+        set_cpu_threads(cfg)
     if torch.cuda.is_available():
         show_compatibility_warnings(requested_features(cfg))
         enable_tf32(cfg.cuda_features.enable_tf32_compute)
         if policy.unified_memory:
             apply_memory_fraction(cfg.memory_fraction)
+
+
+# A CPU run trains on one thread when the transformer is narrower than this: each matmul is then too
+# little work to share out, and a second thread that waits for its core (a busy machine) stalls every
+# step. The tiny models are 32 wide: quickstart_tiny.yaml's header command took 1.19-1.66 s/step with
+# accelerate's two threads and 0.06-0.15 with one, 60 steps each, alternating, load 3.6-4.9 on 2 cores.
+# The narrowest published transformer of the families is 2560 wide (Kandinsky 5 Lite), where threads pay.
+SMALL_WIDTH = 1024
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """torch's intra-op threads for a CPU run: ``threads`` to set (None: leave torch's) and why."""
+
+    threads: Optional[int]
+    reason: str
+
+
+def set_cpu_threads(cfg: TrainConfig) -> ThreadChoice:
+    """Choose and apply the thread count of a CPU run (``choose_cpu_threads``) and log it in one line."""
+    config = read_checkpoint_json(cfg.pretrained_model_name_or_path, "transformer/config.json", cfg.revision)
+    choice = choose_cpu_threads(transformer_width(config or {}), user_thread_choice(os.environ, launcher_settings()))
+    if choice.threads is not None:
+        torch.set_num_threads(choice.threads)
+    logger.info(f"CPU threads: {torch.get_num_threads()} ({choice.reason})")
+    return choice
+
+
+def choose_cpu_threads(width: Optional[int], user_choice: Optional[str]) -> ThreadChoice:
+    """One thread for a transformer narrower than ``SMALL_WIDTH``; torch's own count for a wider one
+    or one whose width is unknown; the user's (``user_choice``: where it was given) always wins."""
+    if user_choice is not None:
+        return ThreadChoice(None, f"as given: {user_choice}")
+    if width is None:
+        return ThreadChoice(None, "torch's count: the transformer's config.json is not at hand to judge its width")
+    if width < SMALL_WIDTH:
+        return ThreadChoice(1, f"the transformer is {width} wide, under {SMALL_WIDTH}: its matrices are too small "
+                               "to share among threads; accelerate launch --num_cpu_threads_per_process N chooses")
+    return ThreadChoice(None, f"torch's count: the transformer is {width} wide")
+
+
+def transformer_width(config: Mapping[str, Any]) -> Optional[int]:
+    """The transformer's hidden size from its ``config.json``: heads x head size (Qwen-Image, FLUX,
+    FLUX.2, Krea 2), ``dim`` (Z-Image) or ``model_dim`` (Kandinsky 5); None when it gives none."""
+    heads = config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)
+    width = heads or config.get("dim") or config.get("model_dim")
+    return int(width) if width else None
+
+
+def user_thread_choice(env: Mapping[str, str],
+                       launcher: Optional[Tuple[Sequence[str], Mapping[str, str]]]) -> Optional[str]:
+    """Where the user chose the CPU thread count (None: nobody did). ``launcher``: the words after
+    ``accelerate launch`` and the launcher's own environment, when it started this process.
+
+    ``accelerate launch`` always exports ``OMP_NUM_THREADS`` to the script: its
+    ``--num_cpu_threads_per_process``, else the ``OMP_NUM_THREADS`` it was started with, else (``--cpu``)
+    the physical cores per process or 1 (accelerate/commands/launch.py, ``_validate_launch_command``).
+    So under it the count is the user's only when its command has the flag or its own environment has
+    the variable; without it, the variable in this process's environment is the user's (or a scheduler's).
+    """
+    if launcher is None:
+        return f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} in the environment" if "OMP_NUM_THREADS" in env else None
+    args, launcher_env = launcher
+    flag = _thread_flag(args)
+    if flag is not None:
+        return f"accelerate launch --num_cpu_threads_per_process {flag}"
+    if "OMP_NUM_THREADS" in launcher_env:
+        return f"OMP_NUM_THREADS={launcher_env['OMP_NUM_THREADS']} given to accelerate launch"
+    return None
+
+
+def _thread_flag(args: Sequence[str]) -> Optional[int]:
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        parsed, _ = launch_command_parser().parse_known_args(list(args))
+    except SystemExit:  # arguments this accelerate does not know: no flag read
+        return None
+    return parsed.num_cpu_threads_per_process
+
+
+def launcher_settings() -> Optional[Tuple[List[str], Mapping[str, str]]]:
+    """The words after ``launch`` and the environment (as it was started) of the ``accelerate launch``
+    that started this process; None without one."""
+    found = find_accelerate_launcher()
+    return (found.args, found.env) if found is not None else None
 
 
 def choose_attention(cfg: TrainConfig, transformer: torch.nn.Module,

@@ -16,12 +16,21 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Tuple
+
+from utils.errors import ConfigError
+
+if TYPE_CHECKING:
+    import psutil
 
 ENV = "ACCELERATE_MIXED_PRECISION"
 # Ways the launcher is started: `accelerate launch`, `accelerate-launch`, `python -m accelerate.commands.launch`
 # (the tests, the web page), and this project's `python -m trainer.launch`.
 _LAUNCH_MODULES = ("accelerate.commands.launch", "trainer.launch")
+# How to change the precision, by where it came from.
+_PROFILE_FIX = "set mixed_precision: \"no\" (fp32) or bf16 in the profile, or add mixed_precision=no to the command"
+_LAUNCHER_FIX = "launch with --mixed_precision no (fp32) or bf16 (the flag wins over an accelerate config)"
+_ENV_FIX = f"set {ENV}=no (fp32) or bf16"
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,16 @@ class PrecisionChoice:
 
     accelerator_arg: Optional[str]
     reason: str
+    source: str = "key 'mixed_precision'"  # where the precision was chosen (the profile or an override of it)
+    fix: str = _PROFILE_FIX  # how to choose another one there
+
+    def check_device(self, mode: str, device_type: str) -> None:
+        """Refuse fp16 (``mode``: the Accelerator's) on the CPU in one line: accelerate has no fp16
+        autocast there, so the family's fp16 weights would meet the fp32 trained weights in the first
+        matmul (``expected m1 and m2 to have the same dtype``). bf16 and fp32 train on the CPU."""
+        if mode == "fp16" and device_type == "cpu":
+            raise ConfigError(f"{self.source}: fp16 does not train on the CPU (accelerate has no fp16 autocast "
+                              f"there); {self.fix}")
 
 
 def choose_mixed_precision(profile: Optional[str], env: Mapping[str, str] = os.environ,
@@ -48,7 +67,7 @@ def choose_mixed_precision(profile: Optional[str], env: Mapping[str, str] = os.e
         else f"{ENV} set in the environment (not by accelerate launch)"
     if source is not None:
         ignored = f"; the profile's {profile} is not used" if profile and profile != launched else ""
-        return PrecisionChoice(None, f"{source}{ignored}")
+        return PrecisionChoice(None, f"{source}{ignored}", source, _LAUNCHER_FIX if launcher is not None else _ENV_FIX)
     if not profile:
         return PrecisionChoice(None, "accelerate launch's default (no --mixed_precision, no accelerate "
                                      "config); the profile sets none")
@@ -82,10 +101,27 @@ def _explicit_source(args: Sequence[str], cwd: str, default_config: Optional[str
     return f"the accelerate config {config} (mixed_precision: {chosen})" if chosen is not None else None
 
 
+@dataclass(frozen=True)
+class Launcher:
+    """accelerate's launcher that started this process: the words after ``launch``, its working folder,
+    and its environment as it was started (the user's, before the launcher adds its own variables)."""
+
+    args: List[str]
+    cwd: str
+    env: Mapping[str, str]
+
+
 def find_launcher() -> Optional[Tuple[List[str], str]]:
     """The arguments after ``launch`` and the working folder of the nearest ancestor process that is
     accelerate's launcher; None when there is none (torchrun, a scheduler or the user's shell set the
     variable)."""
+    found = find_accelerate_launcher()
+    return (found.args, found.cwd) if found is not None else None
+
+
+def find_accelerate_launcher() -> Optional[Launcher]:
+    """The nearest ancestor process that is accelerate's launcher (``launch_arguments``); None when
+    there is none."""
     import psutil
 
     try:
@@ -94,13 +130,21 @@ def find_launcher() -> Optional[Tuple[List[str], str]]:
         return None
     for process in parents:
         try:
-            words, cwd = process.cmdline(), process.cwd()
+            args = launch_arguments(process.cmdline())
+            if args is not None:
+                return Launcher(args, process.cwd(), _environment(process))
         except psutil.Error:
             continue
-        args = launch_arguments(words)
-        if args is not None:
-            return args, cwd
     return None
+
+
+def _environment(process: "psutil.Process") -> Mapping[str, str]:
+    import psutil
+
+    try:
+        return process.environ()
+    except psutil.Error:  # not readable: as if the user exported nothing
+        return {}
 
 
 def launch_arguments(words: Sequence[str]) -> Optional[List[str]]:

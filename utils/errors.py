@@ -9,6 +9,11 @@ class ConfigError(UserError):
     """The YAML profile or a command-line override does not fit the schema."""
 
 
+class LaunchError(ConfigError):
+    """The launch does not fit the accelerate config or the machine. Every process of the launch finds
+    the same and raises this, so only the first process on each machine says it."""
+
+
 class DataError(UserError):
     """The training data cannot be used as it is."""
 

@@ -45,6 +45,18 @@ def checkpoint_pipeline(name_or_path: str, revision: Optional[str] = None) -> Op
     return index.get("_class_name") if index else None
 
 
+def checkpoint_family(name_or_path: str, revision: Optional[str] = None) -> Optional[str]:
+    """The family that trains the checkpoint (``check_pipeline`` refuses any other): the one whose pipelines
+    include its model_index.json's class (local folder or HF cache), else the one whose published configs
+    hold the hub id; None when neither tells."""
+    pipeline = checkpoint_pipeline(name_or_path, revision)
+    if pipeline is not None:
+        spec = spec_for_pipeline(pipeline)
+    else:
+        spec = next((s for s in SPECS.values() if name_or_path in s.hub_configs), None)
+    return spec.name if spec is not None else None
+
+
 def check_pipeline(family: str, name_or_path: str, revision: Optional[str] = None,
                    pipeline: Optional[str] = None) -> None:
     """A checkpoint whose pipeline class (``pipeline``, default: its model_index.json's) belongs to another
