@@ -590,3 +590,12 @@ def test_the_planners_flags_listed_are_its_own() -> None:
     paragraph = page[page.index("\nFlags:"):].split("\n\n")[0]
     listed = set(re.findall(r"`(--[a-z][\w-]*)", paragraph)) - {"--plan"}
     assert listed == accepted_flags("module", "trainer.planner") - {"--config", "--help"}
+
+
+def test_the_readmes_documentation_index_lists_every_page() -> None:
+    """README.md's "Documentation" section links each docs/*.md once, and nothing that is not there."""
+    readme = (ROOT / "README.md").read_text()
+    assert "\n## Documentation\n" in readme, "the README has a Documentation section"
+    index = readme.split("\n## Documentation\n")[1].split("\n## ")[0]
+    linked = re.findall(r"^- \[[^\]]+\]\((docs/[\w.-]+\.md)\)", index, re.MULTILINE)
+    assert sorted(linked) == sorted(f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md"))
