@@ -26,8 +26,9 @@ LOCK_NAME = ".webui.lock"
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
-    parser.add_argument("--port", type=int, default=7860)
-    parser.add_argument("--runs-dir", default="output", help="folder whose run folders the page lists and starts")
+    parser.add_argument("--port", type=int, default=7860, help="port to listen on (default: 7860)")
+    parser.add_argument("--runs-dir", default="output",
+                        help="folder whose run folders the page lists and starts (default: output)")
     parser.add_argument("--max-concurrent", type=int, metavar="N",
                         help="runs started here that run at once; the others wait as queued (default: one per "
                              "GPU for one-process runs, else one)")

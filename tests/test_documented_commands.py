@@ -6,10 +6,10 @@
                                    a page's blocks in order, from a fresh copy)
       <!-- cpu: run: exit N -->    the same, and the block's exit code is N (the planner's "does not fit")
       <!-- cpu: skip: why -->      not run here (a GPU, real weights, minutes)
-- In every block and every inline command: the scripts, profiles and files named exist, the flags given
-  to the project's scripts are theirs, and each training command's profile loads with its entry
-  script and plans (``--plan``; the planner's own refusals, a family it does not model or full
-  fine-tuning, count as loaded).
+- In every block and every inline command: the scripts, profiles and files named exist, inside the
+  repository (a ``../`` path fails), the flags given to the project's scripts are theirs, and each
+  training command's profile loads with its entry script and plans (``--plan``; the planner's own
+  refusals, a family it does not model or full fine-tuning, count as loaded).
 - Each profile's header: its commands run (tiny-model and data builds, ``--plan`` lines); its training
   command runs one step where it says ``--cpu``, else plans, else (planner refusal) runs one step on
   the family's tiny model.
@@ -207,7 +207,8 @@ def is_project_module(name: str) -> bool:
 
 
 def named_files(words: List[str]) -> Iterator[str]:
-    """The project paths a command names (skipping the value of an output flag: it is created)."""
+    """The project paths a command names (skipping the value of an output flag: it is created), and
+    every relative path that climbs out of the checkout (``../``): a user's clone has nothing there."""
     skip_next = False
     for word in words:
         if skip_next:
@@ -223,10 +224,16 @@ def named_files(words: List[str]) -> Iterator[str]:
         word = _clean(word.strip("[]()"))
         if any(ch in word for ch in "*$<>{}") or word.startswith("/"):
             continue
-        if "/" in word and word.split("/")[0] in PROJECT_DIRS:
+        if "/" in word and word.split("/")[0] in PROJECT_DIRS or word.startswith("../"):
             yield word.rstrip("/")
         elif re.fullmatch(r"[\w-]+\.(py|sh)|requirements[\w-]*\.txt", word):
             yield word
+
+
+def outside_the_checkout(path: str) -> bool:
+    """A path that leads out of the repository (``../shared/x.sh``, ``tests/../../x``): it may exist on a
+    maintainer's machine, never in a fresh clone."""
+    return os.path.normpath(path).split(os.sep)[0] == ".."
 
 
 def flags(args: Tuple[str, ...]) -> Set[str]:
@@ -330,15 +337,22 @@ def test_the_readers_find_what_they_must(tmp_path: Path) -> None:
         ["python", "x.py", "--out", "o/p.json"], ["bash", "s.sh"]]
     assert list(named_files(["--config", "./train_configs/a.yaml", "--out", "benchmarks/new.json", "x=utils/y",
                              "[--config", "X.yaml]", "train.py"])) == ["train_configs/a.yaml", "train.py"]
+    climbing = [path for words in commands("python3 ../shared/tools/layers.py\nbash scripts/../../x/y.sh --k=../z")
+                for path in named_files(words)]
+    assert climbing == ["../shared/tools/layers.py", "scripts/../../x/y.sh", "../z"]
+    assert [outside_the_checkout(path) for path in climbing] == [True, True, True]
+    assert not outside_the_checkout("scripts/../train.py") and not outside_the_checkout("train_configs/a.yaml")
 
 
 def test_files_and_flags_the_docs_name_exist() -> None:
     """Every project file a documented command names exists; every --flag it gives a project script or
     module is one that script's --help lists; every `python -m` module of the project exists."""
-    missing, unknown = [], []
+    missing, unknown, outside = [], [], []
     for where, words in documented_commands():
         prog = program(words)
-        missing += [f"{where}: {path}" for path in named_files(words) if not (ROOT / path).exists()]
+        outside += [f"{where}: {path}" for path in named_files(words) if outside_the_checkout(path)]
+        missing += [f"{where}: {path}" for path in named_files(words)
+                    if not outside_the_checkout(path) and not (ROOT / path).exists()]
         if prog.launcher is not None and prog.target:  # (no script named: a placeholder form)
             bad = flags(prog.launcher) - accepted_flags("module", "accelerate.commands.launch")
             unknown += [f"{where}: accelerate launch {flag}" for flag in sorted(bad)]
@@ -350,6 +364,7 @@ def test_files_and_flags_the_docs_name_exist() -> None:
             continue
         bad = flags(prog.args) - accepted_flags(prog.kind, prog.target)
         unknown += [f"{where}: {prog.target} {flag}" for flag in sorted(bad)]
+    assert not outside, "named outside the repository (a clone has nothing there):\n" + "\n".join(outside)
     assert not missing, "named but missing:\n" + "\n".join(missing)
     assert not unknown, "flags the script does not take:\n" + "\n".join(unknown)
 
@@ -575,3 +590,12 @@ def test_the_planners_flags_listed_are_its_own() -> None:
     paragraph = page[page.index("\nFlags:"):].split("\n\n")[0]
     listed = set(re.findall(r"`(--[a-z][\w-]*)", paragraph)) - {"--plan"}
     assert listed == accepted_flags("module", "trainer.planner") - {"--config", "--help"}
+
+
+def test_the_readmes_documentation_index_lists_every_page() -> None:
+    """README.md's "Documentation" section links each docs/*.md once, and nothing that is not there."""
+    readme = (ROOT / "README.md").read_text()
+    assert "\n## Documentation\n" in readme, "the README has a Documentation section"
+    index = readme.split("\n## Documentation\n")[1].split("\n## ")[0]
+    linked = re.findall(r"^- \[[^\]]+\]\((docs/[\w.-]+\.md)\)", index, re.MULTILINE)
+    assert sorted(linked) == sorted(f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md"))
