@@ -384,6 +384,22 @@ def test_the_token_is_swapped_once_for_a_cookie(runs_dir: Path, monkeypatch: pyt
     assert module.main(["--host", "0.0.0.0"]) == 2  # reachable from other machines: refused without a token
 
 
+def test_children_get_no_page_secret(fake_app: Callable[..., Any], runs_dir: Path, sample_data: Path, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run and ``--plan`` get the server's environment without WEBUI_TOKEN (a config could write an
+    environment value into files the page serves); captioning: tests/test_webui_captioning.py."""
+    monkeypatch.setenv("WEBUI_TOKEN", "the-page-secret")
+    client = TestClient(fake_app())
+    client.post("/api/runs", json={"config": QUICKSTART, "name": "envy", "form": _form(sample_data, max_train_steps="2")})
+    env_file = runs_dir / "envy" / "fake_env.json"
+    env = json.loads(_wait(lambda: env_file.is_file() and env_file.read_text(), 30, "the run started"))
+    assert env["WEBUI_TOKEN"] is None and env["HOME"] == os.environ["HOME"]  # the rest is passed on
+    script = tmp_path / "print_env.py"
+    script.write_text("import os; print(os.environ.get('WEBUI_TOKEN'), os.environ.get('HOME'))")
+    planned = runner.plan("{}", runner.Entry(str(script), "qwen_image", {}, ""), [])  # --plan's child, as started
+    assert planned["output"].split() == ["None", os.environ["HOME"]], planned
+
+
 def test_a_localhost_server_refuses_other_host_names(runs_dir: Path) -> None:
     client = TestClient(create_app(runs_dir, allowed_hosts=["127.0.0.1", "localhost"]), base_url="http://localhost")
     assert client.get("/api/runs").status_code == 200

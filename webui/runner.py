@@ -27,16 +27,15 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from trainer.config import TrainConfig, load_config
-from trainer.run_folder.run_dir import write_text_atomic
 from trainer.run_folder.run_lock import live_owner
 from utils.errors import ConfigError
-from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, launched_alive, read_json, stop_pending
+from webui.children import child_env, recorded_alive, update_json
+from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, read_json, stop_pending
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 PLAN_TIMEOUT_S = 300
 RELAUNCH_KEYS = ("returncode", "ended", "stop_requested", "stopped", "launch_error", "cancelled")
-_RECORD_LOCK = threading.Lock()  # request threads, reapers and the scheduler all update records
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ def plan(text: str, entry: Entry, overrides: List[str], gpu_memory: Optional[str
                 *(["--gpu-memory", gpu_memory] if gpu_memory else []), *overrides]
         try:
             done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=PLAN_TIMEOUT_S,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                  env=child_env())
         except subprocess.TimeoutExpired:
             return {"returncode": None, "output": f"--plan did not finish in {PLAN_TIMEOUT_S} s"}
     return {"returncode": done.returncode, "output": (done.stdout + done.stderr).replace(str(path), "config.yaml")}
@@ -136,13 +135,7 @@ def plan(text: str, entry: Entry, overrides: List[str], gpu_memory: Optional[str
 def update_record(folder: Path, drop: Sequence[str] = (), only_pid: Optional[int] = None, **changes: Any) -> Dict[str, Any]:
     """Rewrite ``webui_launch.json`` with ``changes`` and without the keys in ``drop`` (atomically);
     with ``only_pid``, only while the record is still that launch's. Returns the record."""
-    with _RECORD_LOCK:
-        record = read_json(folder / LAUNCH_NAME) or {}
-        if only_pid is not None and record.get("pid") != only_pid:
-            return record
-        record = {**{k: v for k, v in record.items() if k not in drop}, **changes}
-        write_text_atomic(folder / LAUNCH_NAME, json.dumps(record, indent=2))
-        return record
+    return update_json(folder / LAUNCH_NAME, drop, only_pid, **changes)
 
 
 class Launcher:
@@ -167,7 +160,7 @@ class Launcher:
         with open(folder / CHILD_LOG, "ab") as log:
             child = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_DIR": str(folder), **(env or {})})
+                                     env=child_env({"WANDB_DIR": str(folder), **(env or {})}))
         self.children[run_id] = child
         threading.Thread(target=self._reap, args=(run_id, folder, child), daemon=True).start()
         return child
@@ -197,7 +190,7 @@ class Launcher:
         already (a second signal would make the trainer exit without its checkpoint)."""
         record = read_json(folder / LAUNCH_NAME) or {}
         owner = live_owner(folder)
-        mine = bool(self.alive(run_id)) or launched_alive(record)
+        mine = bool(self.alive(run_id)) or recorded_alive(record)
         if record.get("queued"):
             raise LookupError(f"run '{run_id}' is queued, not running: cancel it instead")
         if stop_pending(folder, record) and (mine or owner):

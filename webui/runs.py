@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import psutil
 from omegaconf import OmegaConf
 
 from trainer.run_folder.checkpoint import list_checkpoints
 from trainer.reporting.summary import smoothed
 from trainer.run_folder.run_dir import CONFIG_NAME, LOG_NAME, METRICS_NAME, STATUS_NAME, SUMMARY_NAME
 from trainer.run_folder.run_lock import LOCK_NAME, live_owner
+from webui.children import read_json, recorded_alive
 from webui.paths import NAME
 
 LAUNCH_NAME = "webui_launch.json"
@@ -45,15 +45,6 @@ END_STATES = ("finished", "failed", "stopped")
 MARKERS = (CONFIG_NAME, METRICS_NAME, STATUS_NAME, LOCK_NAME, LAUNCH_NAME, SUMMARY_NAME, LOG_NAME)
 STOP_CODES = (130, 143, -2, -15)  # SIGINT / SIGTERM: the trainer checkpointed and stopped
 SPEED_WINDOW = 20  # steps over which s/step is measured
-
-
-def read_json(path: Path) -> Optional[Dict[str, Any]]:
-    """The JSON object in ``path``, or None when it is missing, half-written or not an object."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 @dataclass
@@ -121,19 +112,6 @@ def _changed(folder: Path) -> float:
     return max(times)
 
 
-def launched_alive(record: Dict[str, Any]) -> bool:
-    """Whether the launcher a page started for this record (possibly an earlier server) still runs:
-    its pid lives and was created when the record says it started (not a reused pid)."""
-    pid, started = record.get("pid"), record.get("started")
-    if "returncode" in record or not isinstance(pid, int) or not isinstance(started, (int, float)):
-        return False
-    try:
-        created = psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-        return False
-    return abs(created - started) < 5.0
-
-
 def status_of_this_launch(status: Dict[str, Any], launch: Dict[str, Any]) -> bool:
     """Whether ``run_status.json`` was written since the page's latest launch of the run (always,
     for a run the page never launched)."""
@@ -161,7 +139,7 @@ def run_state(folder: Path, child_alive: Optional[bool]) -> str:
         return "queued"
     fresh = status_of_this_launch(status, launch)
     locked = live_owner(folder) is not None
-    alive = child_alive if child_alive is not None else bool(locked or launched_alive(launch))
+    alive = child_alive if child_alive is not None else bool(locked or recorded_alive(launch))
     if alive:  # the trainer is up once it has written its status or taken the lock since this launch
         return "running" if (fresh and status) or locked else "starting"
     if launch.get("cancelled") and "started" not in launch:

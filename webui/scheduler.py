@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 
 from trainer.run_folder.run_dir import write_text_atomic
 from webui import runs
+from webui.children import recorded_alive
 from webui.runner import RELAUNCH_KEYS, Launcher, entry_named, update_record
 from webui.paths import NAME, check_name
 from webui.rules import forced_overrides
@@ -142,7 +143,7 @@ class Scheduler:
         for run_id in runs.list_run_ids(self.runs_dir):
             record = runs.read_json(self.runs_dir / run_id / runs.LAUNCH_NAME) or {}
             if "pid" in record and not record.get("queued") and (
-                    self.launcher.alive(run_id) or runs.launched_alive(record)):
+                    self.launcher.alive(run_id) or recorded_alive(record)):
                 out[run_id] = record.get("device")
         return out
 
