@@ -27,9 +27,9 @@ class PageState:
     scheduler: Scheduler
     profiles: Path
     write_roots: List[Path]  # where a run's config may write: the runs folder, and --cache-root
+    captions: CaptionJobs  # "Caption this folder" children
     metrics: runs.MetricsReader = field(default_factory=runs.MetricsReader)
     plans: Dict[str, Dict[str, Any]] = field(default_factory=dict)
-    captions: CaptionJobs = field(default_factory=CaptionJobs)  # "Caption this folder" children
 
 
 def page(request: Request) -> PageState:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from webui import api_dataset, api_runs, api_start, runner
+from webui.captioning import CaptionJobs
 from webui.deps import PageState, page
 from webui.guard import Guard
 from webui.paths import OutsideRoot, check_name, safe_join
@@ -63,7 +64,7 @@ def create_app(runs_dir: Path, token: Optional[str] = None, allowed_hosts: Optio
 
     app = FastAPI(title="trainer web UI", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     roots = [runs_dir.resolve(), *([Path(cache_root).resolve()] if cache_root else [])]
-    app.state.page = PageState(runs_dir, launcher, scheduler, Path(profiles_dir), roots)
+    app.state.page = PageState(runs_dir, launcher, scheduler, Path(profiles_dir), roots, CaptionJobs(runs_dir))
     app.state.closing = closing  # set when the server stops: open event streams end
     app.add_exception_handler(RequestValidationError, _invalid_request)
     if allowed_hosts:

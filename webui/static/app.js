@@ -384,10 +384,11 @@ function captionFolderControls(id, n, defaultModel) {
   const trigger = el("input", {class: "caption-trigger", size: 12, placeholder: "trigger word", title: "put first in every caption"});
   const overwrite = el("input", {type: "checkbox", class: "caption-overwrite"});
   const start = el("button", {class: "caption-start"}, "Caption this folder");
+  const stop = el("button", {class: "caption-stop", hidden: ""}, "Stop");
   const status = el("span", {class: "caption-status hint"});
   const replace = el("label", {}, " replace existing captions");
   replace.prepend(overwrite);
-  for (const node of [model, trigger, replace, start, status]) row.appendChild(node);
+  for (const node of [model, trigger, replace, start, stop, status]) row.appendChild(node);
   const url = `/api/runs/${enc(id)}/dataset/${n}/caption-folder`;
   const show = job => {
     const counts = job.state === "none" ? "" : `captioned ${job.captioned}, kept ${job.skipped}, failed ${job.failed}`;
@@ -395,6 +396,7 @@ function captionFolderControls(id, n, defaultModel) {
                           interrupted: `interrupted (${counts}); start again to go on`, failed: `failed: ${job.error}`}[job.state] ?? job.state;
     if (job.failures && job.failures.length) status.title = job.failures.map(f => `${f.image}: ${f.reason}`).join("\n");
     start.disabled = job.state === "running";
+    stop.hidden = job.state !== "running";  // also a captioner an earlier server left running
   };
   const poll = async () => {
     clearTimeout(captionTimers[n]);
@@ -404,6 +406,11 @@ function captionFolderControls(id, n, defaultModel) {
     if (job.state === "running") captionTimers[n] = setTimeout(poll, 2000);
     else if (start.dataset.started) { delete start.dataset.started; showDataset(); }  // the new captions
   };
+  stop.addEventListener("click", async () => {
+    stop.disabled = true;
+    try { show(await api(`${url}/stop`, {})); } catch (error) { status.textContent = error.message; }
+    stop.disabled = false;
+  });
   start.addEventListener("click", async () => {
     if (overwrite.checked && !confirm("Replace every existing caption of this folder?")) return;
     start.disabled = true;
