@@ -642,6 +642,82 @@ def test_a_queued_run_waits_across_a_restart_and_gpus_are_shared_out(fake_app: C
             gpus.post(f"/api/runs/g{i}/stop")
 
 
+def test_the_queue_is_capped(fake_app: Callable[..., Any], runs_dir: Path, sample_data: Path) -> None:
+    client = TestClient(fake_app())
+    scheduler = client.app.state.page.scheduler
+    assert scheduler.max_queued == 100  # the default
+    scheduler.max_queued = 2
+    body = {"config": QUICKSTART, "form": _form(sample_data, max_train_steps="100000")}
+    assert client.post("/api/runs", json={**body, "name": "busy"}).json()["state"] == "starting"
+    assert [client.post("/api/runs", json={**body, "name": f"wait{i}"}).json()["state"] for i in (1, 2)] == [
+        "queued", "queued"]
+    full = client.post("/api/runs", json={**body, "name": "wait3"})
+    assert full.status_code == 429 and full.json()["detail"]["errors"] == [
+        "the queue is full (2 runs waiting, at most 2): wait for some to start, or cancel some"]
+    assert not (runs_dir / "wait3").exists()  # nothing of it written
+    client.post("/api/runs/wait1/cancel")
+    assert client.post("/api/runs", json={**body, "name": "wait3"}).json()["state"] == "queued"
+    for run_id in ("wait2", "wait3"):
+        client.post(f"/api/runs/{run_id}/cancel")
+    client.post("/api/runs/busy/stop")
+
+
+def test_one_plan_runs_at_a_time(client: TestClient, sample_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second --plan while one runs is answered 429 at once, in one line; the slot frees after
+    each plan, failed or not."""
+    entered, release = threading.Event(), threading.Event()
+    calls: List[int] = []
+
+    def slow_plan(*args: Any, **kwargs: Any) -> Dict[str, Any]:
+        calls.append(1)
+        entered.set()
+        release.wait(30)
+        return {"returncode": 0, "output": "GPU peak 1 GiB"}
+
+    monkeypatch.setattr(runner, "plan", slow_plan)
+    body = {"config": QUICKSTART, "form": _form(sample_data)}
+    first: Dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: first.update(response=client.post("/api/plan", json=body)))
+    thread.start()
+    assert entered.wait(30)
+    second = client.post("/api/plan", json=body)
+    assert second.status_code == 429 and second.json()["detail"]["errors"] == [
+        "another --plan is running (one at a time): try again when it has finished"]
+    release.set()
+    thread.join(30)
+    assert first["response"].status_code == 200 and len(calls) == 1
+    assert client.post("/api/plan", json=body).status_code == 200 and len(calls) == 2
+
+
+def test_the_runs_list_parses_each_config_once(runs_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The list is polled every 2 s: with 300 runs (CLI runs and queued page runs) a poll parses no
+    YAML unless a config changed (OmegaConf took about 5 ms per run, 90% of the list's time)."""
+    for i in range(150):
+        cli_run = runs_dir / f"cli-{i}"
+        cli_run.mkdir()
+        (cli_run / "config.yaml").write_text(f"pretrained_model_name_or_path: m{i}\nmax_train_steps: {i + 1}\n")
+        queued = runs_dir / f"queued-{i}"
+        queued.mkdir()
+        (queued / "webui_config.yaml").write_text("pretrained_model_name_or_path: base\nmax_train_steps: 5\n")
+        (queued / "webui_launch.json").write_text(json.dumps({"queued": True, "queued_at": 1.0, "created": 1.0,
+                                                              "overrides": [f"pretrained_model_name_or_path=q{i}"]}))
+    from webui import runs
+
+    parsed: List[str] = []
+    real_load, real_merge = runs.OmegaConf.load, runs.OmegaConf.merge
+    monkeypatch.setattr(runs.OmegaConf, "load", lambda path: parsed.append(str(path)) or real_load(path))
+    monkeypatch.setattr(runs.OmegaConf, "merge", lambda *a: parsed.append("merge") or real_merge(*a))
+    client = TestClient(create_app(runs_dir))
+    listed = {r["id"]: r for r in client.get("/api/runs").json()}
+    assert len(listed) == 304 and listed["cli-7"]["model"] == "m7" and listed["queued-7"]["model"] == "q7"
+    first = len(parsed)
+    assert 450 <= first <= 460  # each run's YAML and each queued run's overrides (plus the fixture's four runs)
+    assert len(client.get("/api/runs").json()) == 304 and len(parsed) == first  # nothing parsed again
+    (runs_dir / "cli-7" / "config.yaml").write_text("pretrained_model_name_or_path: changed\n")
+    assert {r["id"]: r for r in client.get("/api/runs").json()}["cli-7"]["model"] == "changed"
+    assert len(parsed) == first + 1
+
+
 # -- clone, delete, checkpoints, dataset ---------------------------------------------------------------
 
 def test_clone_delete_and_checkpoint_downloads(fake_app: Callable[..., Any], runs_dir: Path, sample_data: Path) -> None:

@@ -32,7 +32,7 @@ from webui import runs
 from webui.api_start import check_relaunch
 from webui.deps import bad_request, entry_of_family, folder_of, page, records
 from webui.paths import OutsideRoot, safe_join
-from webui.scheduler import NameTaken, Scheduler
+from webui.scheduler import NameTaken, QueueFull, Scheduler
 from webui.schema import override_values
 
 EVENT_PERIOD_S = 1.0
@@ -202,6 +202,8 @@ def resume(request: Request, run_id: str, body: Optional[ResumeRequest] = None) 
         state.scheduler.resume(run_id, text, entry, overrides, cfg.max_train_steps)
     except NameTaken as exc:
         raise bad_request(str(exc), 409) from None
+    except QueueFull as exc:
+        raise bad_request(str(exc), 429) from None
     return {"id": run_id, "state": state.scheduler.state(run_id)}
 
 

@@ -21,11 +21,12 @@ else what the launcher's exit code says.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
@@ -45,6 +46,8 @@ END_STATES = ("finished", "failed", "stopped")
 MARKERS = (CONFIG_NAME, METRICS_NAME, STATUS_NAME, LOCK_NAME, LAUNCH_NAME, SUMMARY_NAME, LOG_NAME)
 STOP_CODES = (130, 143, -2, -15)  # SIGINT / SIGTERM: the trainer checkpointed and stopped
 SPEED_WINDOW = 20  # steps over which s/step is measured
+CONFIG_CACHE_SIZE = 2048  # run folders whose parsed config is kept (then the cache starts again)
+_CONFIGS: Dict[Path, Tuple[Tuple[Optional[Tuple[int, int, int]], ...], Dict[str, Any]]] = {}
 
 
 @dataclass
@@ -160,7 +163,28 @@ def run_state(folder: Path, child_alive: Optional[bool]) -> str:
 
 def read_config(folder: Path) -> Dict[str, Any]:
     """The run's config as plain data: the ``config.yaml`` the run wrote at its latest start, else
-    what the page launched or queued (its YAML with the overrides applied). Never resolved."""
+    what the page launched or queued (its YAML with the overrides applied). Never resolved. Parsed
+    again only when one of the files it comes from changed (the runs list asks for every run's,
+    every poll, and OmegaConf takes milliseconds per file)."""
+    signature = tuple(_file_signature(folder / name) for name in (LAUNCH_NAME, CONFIG_NAME, LAUNCH_CONFIG))
+    cached = _CONFIGS.get(folder)
+    if cached is None or cached[0] != signature:
+        if len(_CONFIGS) >= CONFIG_CACHE_SIZE:
+            _CONFIGS.clear()
+        cached = _CONFIGS[folder] = (signature, _parse_config(folder))
+    return copy.deepcopy(cached[1])  # the caller's to change
+
+
+def _file_signature(path: Path) -> Optional[Tuple[int, int, int]]:
+    """What changes when a file is written (atomic writes make a new inode): None when it is missing."""
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return found.st_ino, found.st_mtime_ns, found.st_size
+
+
+def _parse_config(folder: Path) -> Dict[str, Any]:
     launch = read_json(folder / LAUNCH_NAME) or {}
     written = folder / CONFIG_NAME
     launched = launch.get("created") or launch.get("started")

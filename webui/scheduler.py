@@ -31,6 +31,11 @@ from webui.paths import NAME, check_name
 from webui.rules import forced_overrides
 
 TICK_S = 1.0  # how often runs that ended outside this server's sight are noticed
+MAX_QUEUED = 100  # runs waiting at once: each costs a folder, its YAML (up to 1 MB) and a row of every list
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queued`` runs: a new one (or a resume) waits until some start or are cancelled."""
 
 
 class NameTaken(Exception):
@@ -44,10 +49,12 @@ class NameTaken(Exception):
 class Scheduler:
     """The page's runs under ``runs_dir``: their folders, the queue and the launches."""
 
-    def __init__(self, runs_dir: Path, launcher: Launcher, max_concurrent: int = 1, devices: Optional[List[str]] = None):
+    def __init__(self, runs_dir: Path, launcher: Launcher, max_concurrent: int = 1, devices: Optional[List[str]] = None,
+                 max_queued: int = MAX_QUEUED):
         self.runs_dir = Path(runs_dir)
         self.launcher = launcher
         self.max_concurrent = max(1, max_concurrent)
+        self.max_queued = max_queued
         self.devices = list(devices or [])
         self.lock = threading.RLock()
         launcher.on_exit = self._exited
@@ -107,8 +114,9 @@ class Scheduler:
     def new_run(self, name: Optional[str], base: str, replace: bool, text: str, entry: str,
                 overrides: List[str], plan: Optional[Dict[str, Any]], max_steps: int) -> str:
         """Reserve a folder, write the run's YAML and record, and queue it (it starts at once when a
-        slot is free). Returns the run's id."""
+        slot is free). Returns the run's id. ``QueueFull`` when ``max_queued`` runs wait already."""
         with self.lock:
+            self._check_room()
             folder = self._reserve(name, base, replace)
             write_text_atomic(folder / runs.LAUNCH_CONFIG, text)
             now = time.time()
@@ -118,16 +126,25 @@ class Scheduler:
             return folder.name
 
     def resume(self, run_id: str, text: str, entry: str, overrides: List[str], max_steps: int) -> None:
-        """Queue a run again from its latest checkpoint (its plan and start time are kept)."""
+        """Queue a run again from its latest checkpoint (its plan and start time are kept). ``NameTaken``
+        while it is queued or running, ``QueueFull`` when ``max_queued`` runs wait already."""
         with self.lock:
             state = self.state(run_id)
             if state in runs.ACTIVE:
                 raise NameTaken(f"run '{run_id}' is {state}")
+            self._check_room()
             folder = self.runs_dir / run_id
             write_text_atomic(folder / runs.LAUNCH_CONFIG, text)
             update_record(folder, drop=("cancelled",), entry=entry, overrides=overrides, max_steps=max_steps,
                           queued=True, queued_at=time.time())
             self.tick()
+
+    def _check_room(self) -> None:
+        """``QueueFull`` when ``max_queued`` runs wait already (free slots would have started them)."""
+        waiting = len(self.queued())
+        if waiting >= self.max_queued:
+            raise QueueFull(f"the queue is full ({waiting} runs waiting, at most {self.max_queued}): "
+                            "wait for some to start, or cancel some")
 
     def cancel(self, run_id: str) -> None:
         """Take a queued run off the queue (``LookupError`` when it is not queued)."""

@@ -34,7 +34,14 @@ async function api(path, body, method) {
 }
 
 // ---- runs list -----------------------------------------------------------------------------------
-let listTimer = null;
+// Polled every 2 s after each answer (never while one is outstanding: with many runs an answer can
+// take longer than the period). `listPoll` counts route changes, so a poll of an earlier visit stops.
+let listTimer = null, listPoll = 0;
+async function pollRuns(poll) {
+  try { await showRuns(); } catch (error) { /* the server restarting: the next poll tries again */ }
+  if (poll === listPoll) listTimer = setTimeout(() => pollRuns(poll), 2000);
+}
+
 async function showRuns() {
   const runs = await api("/api/runs");
   const body = $("#runs tbody");
@@ -448,7 +455,8 @@ function datasetItem(id, n, item) {
 // ---- routing -------------------------------------------------------------------------------------
 async function route() {
   if (source) { source.close(); source = null; }
-  clearInterval(listTimer);
+  clearTimeout(listTimer);
+  listPoll += 1;
   Object.values(captionTimers).forEach(clearTimeout);
   $("#lightbox").hidden = true;
   const hash = location.hash || "#/";
@@ -463,8 +471,7 @@ async function route() {
     await showStart(new URLSearchParams(query || ""));
   } else {
     $("#view-runs").hidden = false;
-    await showRuns();
-    listTimer = setInterval(showRuns, 2000);
+    await pollRuns(listPoll);
   }
 }
 
