@@ -588,6 +588,67 @@ def test_a_finished_run_resumes_only_with_more_steps(fake_app: Callable[..., Any
     assert (view["step"], view["max_steps"], view["checkpoints"][-1]) == (12, 12, "checkpoint-12")
 
 
+def test_a_resume_racing_a_delete_is_never_a_500(fake_app: Callable[..., Any], runs_dir: Path, sample_data: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Case 12: a DELETE arriving while a resume checks the run. The resume either wins (the delete is
+    then refused: the run is active) or finds the run gone; never a 500."""
+    client = TestClient(fake_app(), raise_server_exceptions=False)
+    client.post("/api/runs", json={"config": QUICKSTART, "name": "racy",
+                                   "form": _form(sample_data, max_train_steps="4", checkpointing_steps="2")})
+    _wait(lambda: _view(client, "racy")["state"] == "finished", 30, "finished")
+    from webui import api_runs
+
+    deleted: Dict[str, Any] = {}
+    real_check = api_runs.check_relaunch
+
+    def check_while_deleting(*args: Any) -> Any:  # the DELETE comes in mid-resume, after the config check
+        thread = threading.Thread(target=lambda: deleted.update(response=client.delete("/api/runs/racy")))
+        thread.start()
+        thread.join(2)  # done at once unless the resume holds the run
+        deleted["thread"] = thread
+        return real_check(*args)
+
+    monkeypatch.setattr(api_runs, "check_relaunch", check_while_deleting)
+    resumed = client.post("/api/runs/racy/resume", json={"max_train_steps": 100000})
+    deleted["thread"].join(30)
+    assert (resumed.status_code, deleted["response"].status_code) == (200, 409), (resumed.text, deleted["response"].text)
+    assert "is starting" in deleted["response"].json()["detail"]["message"]
+    client.post("/api/runs/racy/stop")
+
+
+def test_a_killed_trainer_says_so(fake_app: Callable[..., Any], runs_dir: Path, sample_data: Path) -> None:
+    """Case 34: the trainer is SIGKILLed (as the out-of-memory killer does): the run shows failed with
+    the exit code, the step and the checkpoint to resume from, not its stale "started"."""
+    client = TestClient(fake_app())
+    client.post("/api/runs", json={"config": QUICKSTART, "name": "oom",
+                                   "form": _form(sample_data, max_train_steps="100000", checkpointing_steps="3")})
+    _wait(lambda: _view(client, "oom")["step"] >= 4, 30, "past its first checkpoint")
+    os.kill(json.loads((runs_dir / "oom" / "run.lock").read_text())["pid"], signal.SIGKILL)
+    view = _wait(lambda: (v := _view(client, "oom"))["state"] == "failed" and v, 30, "failed")
+    assert view["message"] == f"exited with code 137 (killed: out of memory?) at step {view['step']}; resume from " \
+                              f"{view['checkpoints'][-1]}", view["message"]
+
+
+def test_a_cancelled_resume_leaves_a_finished_cli_run_finished(fake_app: Callable[..., Any], runs_dir: Path,
+                                                               sample_data: Path) -> None:
+    """Case 38: a run the CLI finished, resumed from the page to more steps, waits in the queue and is
+    cancelled: it is still finished, with its own steps."""
+    cli = runs_dir / "cli"
+    _state_file(cli, 60)
+    (cli / "checkpoint-60" / "trainer_state.json").write_text(json.dumps({"step": 60, "global_step": 60, "files": {}}))
+    (cli / "config.yaml").write_text(QUICKSTART.replace("img_dir: data/sample_dataset", f"img_dir: {sample_data}"))
+    (cli / "run_status.json").write_text(json.dumps({"state": "finished", "step": 60, "max_steps": 60,
+                                                     "message": "done", "time": time.time()}))
+    (cli / "summary.json").write_text(json.dumps({"family": "qwen_image", "outputs": {}}))
+    client = TestClient(fake_app())
+    client.post("/api/runs", json={"config": QUICKSTART, "name": "busy", "form": _form(sample_data, max_train_steps="100000")})
+    assert client.post("/api/runs/cli/resume", json={"max_train_steps": 10 ** 6}).json()["state"] == "queued"
+    assert client.post("/api/runs/cli/cancel").status_code == 200
+    view = _view(client, "cli")
+    assert (view["state"], view["step"], view["max_steps"], view["message"]) == ("finished", 60, 60, "done")
+    client.post("/api/runs/busy/stop")
+
+
 def test_runs_queue_and_queued_runs_can_be_cancelled(fake_app: Callable[..., Any], runs_dir: Path,
                                                      sample_data: Path) -> None:
     with TestClient(fake_app()) as client:  # one at a time (one CPU)

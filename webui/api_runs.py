@@ -21,7 +21,7 @@ import io
 import json
 import zipfile
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Type
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Tuple, Type
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, StreamingResponse
@@ -180,13 +180,28 @@ def stop(request: Request, run_id: str) -> Dict[str, Any]:
 @router.post("/api/runs/{run_id}/resume")
 def resume(request: Request, run_id: str, body: Optional[ResumeRequest] = None) -> Dict[str, Any]:
     folder = folder_of(request, run_id)
-    state = page(request)
+    scheduler = page(request).scheduler
+    with scheduler.lock:  # a DELETE meanwhile would take the checkpoint from under the checks (case 12)
+        if not folder.is_dir():
+            raise HTTPException(404, f"no run '{run_id}'")
+        text, entry, overrides, max_steps = _resumed(request, run_id, folder, body.max_train_steps if body else None)
+        try:
+            scheduler.resume(run_id, text, entry, overrides, max_steps)
+        except NameTaken as exc:
+            raise bad_request(str(exc), 409) from None
+        except QueueFull as exc:
+            raise bad_request(str(exc), 429) from None
+    return {"id": run_id, "state": scheduler.state(run_id)}
+
+
+def _resumed(request: Request, run_id: str, folder: Path, more: Optional[int]) -> Tuple[str, str, List[str], int]:
+    """The YAML, entry, overrides and max steps of a resume from the latest checkpoint, after the
+    same checks as a start (409 without a checkpoint, 422 without steps left to train)."""
     latest = ckpt.latest_checkpoint(folder)
     text = _launch_text(folder)
     if latest is None or text is None:
         raise bad_request(f"run '{run_id}' has no checkpoint to resume from", 409)
     record = runs.read_json(folder / runs.LAUNCH_NAME) or {}
-    more = body.max_train_steps if body else None
     dropped = ("resume_from_checkpoint", "max_train_steps") if more is not None else ("resume_from_checkpoint",)
     overrides = [o for o in record.get("overrides", []) if o.partition("=")[0] not in dropped]
     overrides.append("resume_from_checkpoint=latest")
@@ -198,13 +213,7 @@ def resume(request: Request, run_id: str, body: Optional[ResumeRequest] = None) 
     if cfg.max_train_steps <= step:
         raise bad_request(f"run '{run_id}' has trained its {cfg.max_train_steps} steps ({latest.name}); "
                           "give more steps to train")
-    try:
-        state.scheduler.resume(run_id, text, entry, overrides, cfg.max_train_steps)
-    except NameTaken as exc:
-        raise bad_request(str(exc), 409) from None
-    except QueueFull as exc:
-        raise bad_request(str(exc), 429) from None
-    return {"id": run_id, "state": state.scheduler.state(run_id)}
+    return text, entry, overrides, cfg.max_train_steps
 
 
 def scheduler_action(request: Request, run_id: str, action: Callable[[Scheduler, str], None],

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,10 +146,10 @@ def run_state(folder: Path, child_alive: Optional[bool]) -> str:
     alive = child_alive if child_alive is not None else bool(locked or recorded_alive(launch))
     if alive:  # the trainer is up once it has written its status or taken the lock since this launch
         return "running" if (fresh and status) or locked else "starting"
+    if fresh and status.get("state") in END_STATES:  # a CLI run's resume queued and cancelled: still its end
+        return status["state"]
     if launch.get("cancelled") and "started" not in launch:
         return "cancelled"
-    if fresh and status.get("state") in END_STATES:
-        return status["state"]
     code = launch.get("returncode")
     if launch.get("launch_error"):
         return "failed"
@@ -317,6 +318,20 @@ def timing(folder: Path, records: List[Dict[str, Any]], state: str) -> Dict[str,
     return {"started": started, "duration_s": max(0.0, end - started) if end is not None else None}
 
 
+def unexplained_end(folder: Path, code: Optional[int], step: int) -> str:
+    """Why a run ended that wrote no end state, in plain words: the launcher's exit code (137 or -9:
+    SIGKILL, which is what the kernel's out-of-memory killer sends), the step, and where it resumes."""
+    if code is None:
+        said = "ended without saying why"
+    else:
+        signum = -code if code < 0 else code - 128 if code > 128 else None
+        why = " (killed: out of memory?)" if signum == signal.SIGKILL else f" (signal {signum})" if signum else ""
+        said = f"exited with code {code}{why}"
+    latest = list_checkpoints(folder)
+    resume = f"resume from {latest[-1].name}" if latest else "no checkpoint to resume from"
+    return f"{said} at step {step}; {resume}"
+
+
 def overview(folder: Path, records: List[Dict[str, Any]], child_alive: Optional[bool]) -> Dict[str, Any]:
     """One row of the runs list: state, family, model, step, losses, s/step, ETA, start, duration, peak."""
     status = read_json(folder / STATUS_NAME) or {}
@@ -331,7 +346,10 @@ def overview(folder: Path, records: List[Dict[str, Any]], child_alive: Optional[
     max_steps = (status.get("max_steps") if fresh else None) or launch.get("max_steps") or cfg.get("max_train_steps")
     speed = seconds_per_step(records)
     state = run_state(folder, child_alive)
+    said_why = bool(launch.get("launch_error")) or (fresh and status.get("state") in END_STATES)
     message = launch.get("launch_error") or (status.get("message") if fresh or not launch else None)
+    if state == "failed" and not said_why:  # the trainer died without its last word: a stale "started"
+        message = unexplained_end(folder, launch.get("returncode"), step)
     return {
         "id": folder.name, "state": state, "message": message,
         "family": cfg.get("family") or summary.get("family"), "model": cfg.get("pretrained_model_name_or_path"),
