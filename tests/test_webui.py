@@ -835,6 +835,33 @@ def test_a_runs_dataset_shows_and_saves_captions(client: TestClient, runs_dir: P
     assert not (tmp_path / "secret.txt.txt").exists()
 
 
+def test_dataset_captions_are_read_only_inside_the_folder_and_odd_names_work(client: TestClient, runs_dir: Path,
+                                                                             tmp_path: Path, sample_data: Path) -> None:
+    """Case 24: a caption file that is a link to a file outside the folder is not read (and saving
+    replaces the link, not its target). Case 20: an image whose name holds a backslash is shown and
+    its caption saved (on POSIX a backslash is a name's character, not a separator)."""
+    data = tmp_path / "odd"
+    data.mkdir()
+    image = (sample_data / "img1.png").read_bytes()
+    for name in ("linked.png", "<b>bold<\\b>.png", "inside.png"):
+        (data / name).write_bytes(image)
+    (data / "linked.txt").symlink_to(tmp_path / "secret.txt")
+    (data / "inside-words.md").write_text("words kept inside\n")
+    (data / "inside.txt").symlink_to(data / "inside-words.md")  # a link within the folder is read
+    (runs_dir / "done" / "config.yaml").write_text(f"data_config:\n  img_dir: {data}\n  caption_type: txt\n")
+    items = {i["image"]: i["caption"] for i in client.get("/api/runs/done/dataset").json()["folders"][0]["items"]}
+    assert items == {"<b>bold<\\b>.png": None, "inside.png": "words kept inside", "linked.png": None}
+    assert SECRET not in json.dumps(items)
+    odd = "/api/runs/done/dataset/0/images/" + "%3Cb%3Ebold%3C%5Cb%3E.png"
+    assert client.get(odd).content == image
+    saved = client.post("/api/runs/done/dataset/0/captions", json={"image": "<b>bold<\\b>.png", "caption": "bold"})
+    assert saved.status_code == 200 and (data / "<b>bold<\\b>.txt").read_text() == "bold\n"
+    assert client.post("/api/runs/done/dataset/0/captions", json={"image": "linked.png", "caption": "mine"}
+                       ).status_code == 200
+    assert (data / "linked.txt").read_text() == "mine\n" and not (data / "linked.txt").is_symlink()
+    assert (tmp_path / "secret.txt").read_text() == SECRET
+
+
 # -- the real server: Ctrl-C with pages open, runs that go on, a restart ---------------------------
 
 SERVE = r'''
