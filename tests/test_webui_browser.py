@@ -289,6 +289,8 @@ def test_manage_runs_in_the_page(serve: Callable[..., str], browser: Any, tmp_pa
     page.go("#/run/taken")
     page.wait(lambda: page.state() == "finished", 30, "the first run finished")
     page.wait(lambda: len(page.all("#checkpoints tbody tr")) == 2, 10, "its checkpoints")
+    assert "No samples yet" in page.find("#samples").text
+    assert not page.find("#sample-controls").is_displayed()  # no step slider without samples (case 45)
     zipped = urllib.request.urlopen(page.find('#checkpoints tr[data-checkpoint="checkpoint-6"] a.zip').get_attribute("href"))
     assert sorted(zipfile.ZipFile(io.BytesIO(zipped.read())).namelist()) == [
         "checkpoint-6/optimizer.bin", "checkpoint-6/pytorch_lora_weights.safetensors", "checkpoint-6/trainer_state.json"]
@@ -299,6 +301,7 @@ def test_manage_runs_in_the_page(serve: Callable[..., str], browser: Any, tmp_pa
     assert item.find_element(page.by.CSS_SELECTOR, "textarea").get_attribute("value") == \
         (data / image).with_suffix(".txt").read_text().strip()
     assert page.find(".caption-folder .caption-start").is_enabled()  # run: tests/test_webui_captioning.py
+    assert not page.find(".caption-folder .caption-stop").is_displayed()  # nothing to stop
     assert page.find(".caption-folder .caption-model").get_attribute("value") == "Qwen/Qwen3-VL-2B-Instruct"
     caption = item.find_element(page.by.CSS_SELECTOR, "textarea")
     caption.clear()
