@@ -258,6 +258,29 @@ def test_entry_scripts_are_read_with_their_policy() -> None:
 
 # -- bad input: the CLI's messages, 4xx, never a 500 or an echo ------------------------------------
 
+@pytest.mark.parametrize("override, precision", [([], "no"), (["mixed_precision=bf16"], "bf16")])
+def test_a_cpu_run_is_launched_as_the_quick_start_launches_it(runs_dir: Path, sample_data: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture, override: List[str],
+                                                              precision: str) -> None:
+    """Case 40: without a GPU the page's launcher line is the quick-start's (one CPU thread, the
+    config's mixed precision), so accelerate fills in no default, and says so in no warning."""
+    import torch
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    folder = runs_dir / "cpu"
+    folder.mkdir()
+    (folder / "webui_config.yaml").write_text(QUICKSTART)
+    argv = runner.Launcher().argv(folder, runner.entry_named("train.py"), [f"data_config.img_dir={sample_data}", *override])
+    launcher_args = argv[argv.index("trainer.launch") + 1: argv.index(str(ROOT / "train.py"))]
+    assert launcher_args == ["--cpu", "--num_cpu_threads_per_process", "1", "--num_processes", "1", "--num_machines",
+                             "1", "--dynamo_backend", "no", "--mixed_precision", precision]
+    with caplog.at_level("WARNING", logger="accelerate.commands.launch"):
+        _validate_launch_command(launch_command_parser().parse_args([*launcher_args, "train.py"]))
+    assert "had defaults used instead" not in caplog.text, caplog.text
+
+
 def test_config_errors_are_the_clis(client: TestClient, tmp_path: Path, sample_data: Path) -> None:
     bad = QUICKSTART + "learnin_rate: 1\n"
     response = client.post("/api/runs", json={"config": bad, "entry": "train.py", "overrides": ["max_train_steps=x"]})

@@ -144,15 +144,21 @@ class Launcher:
     pid, code)`` is called when a child ends."""
 
     def __init__(self, launcher_args: Optional[List[str]] = None, command: Optional[List[str]] = None):
-        self.command = command or [sys.executable, "-m", "trainer.launch",
-                                   *(launcher_args if launcher_args is not None else default_launcher_args())]
+        self.command = command or [sys.executable, "-m", "trainer.launch"]
+        # None: default_launcher_args() with each run's own mixed precision
+        self.launcher_args = [] if command else launcher_args
         self.children: Dict[str, subprocess.Popen] = {}
         self.on_exit: Callable[[str, Path, int, int], None] = lambda *args: None
 
     def argv(self, folder: Path, entry: Entry, overrides: List[str]) -> List[str]:
-        """The command line of a run in ``folder`` (its YAML is ``folder/webui_config.yaml``)."""
+        """The command line of a run in ``folder`` (its YAML is ``folder/webui_config.yaml``).
+        ``ConfigError`` when the config does not check (the default launcher settings read it)."""
         check_overrides(overrides)
-        return [*self.command, str(ROOT / entry.name), "--config", str(folder / LAUNCH_CONFIG), *overrides]
+        config = folder / LAUNCH_CONFIG
+        launcher_args = self.launcher_args
+        if launcher_args is None:
+            launcher_args = default_launcher_args(check_config(config.read_text(), entry, overrides).mixed_precision)
+        return [*self.command, *launcher_args, str(ROOT / entry.name), "--config", str(config), *overrides]
 
     def start(self, run_id: str, folder: Path, argv: List[str], env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
         """Launch ``argv`` as a child process in its own session, its output in ``launcher.log``.
@@ -210,10 +216,13 @@ class Launcher:
         return [pid]
 
 
-def default_launcher_args() -> List[str]:
-    """One process; ``--cpu`` where no GPU is visible. Every setting given, so accelerate has no
-    defaults to warn about (as in scripts/quickstart.sh)."""
+def default_launcher_args(mixed_precision: Optional[str] = None) -> List[str]:
+    """Every launcher setting given, so accelerate has no defaults to warn about (as in
+    scripts/quickstart.sh): one process; ``--mixed_precision`` the run's config's (else ``no``, the
+    trainer's fp32); on a machine without a GPU ``--cpu`` and one CPU thread (on a busy machine a
+    second thread waiting for its core stalls every step of a small model)."""
     import torch
 
-    cpu = ["--cpu"] if not torch.cuda.is_available() else []
-    return [*cpu, "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no"]
+    cpu = [] if torch.cuda.is_available() else ["--cpu", "--num_cpu_threads_per_process", "1"]
+    return [*cpu, "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no",
+            "--mixed_precision", mixed_precision or "no"]
