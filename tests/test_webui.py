@@ -309,6 +309,25 @@ def test_config_errors_are_the_clis(client: TestClient, tmp_path: Path, sample_d
     assert not (runs_dir := tmp_path / "runs" / "quickstart").exists(), runs_dir
 
 
+def test_the_entry_script_follows_the_models_family(client: TestClient, tmp_path: Path, sample_data: Path) -> None:
+    """Case 39: the form learns a YAML's family (its ``family:``, else its model's pipeline) to pick the
+    entry script; a start whose model is another family's checkpoint is refused at once, in one line."""
+    flux = tmp_path / "some-flux"
+    flux.mkdir()
+    (flux / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    config = QUICKSTART.replace("pretrained_model_name_or_path: ", f"pretrained_model_name_or_path: {flux}  # ")
+    assert client.post("/api/form", json={"config": config}).json()["family"] == "flux"
+    assert client.post("/api/form", json={"config": "family: krea2\n"}).json()["family"] == "krea2"
+    nothing = f"pretrained_model_name_or_path: {tmp_path / 'nothing'}\n"
+    assert client.post("/api/form", json={"config": nothing}).json()["family"] is None  # nothing says
+    refused = client.post("/api/runs", json={"config": config, "entry": "train.py", "name": "mixed",
+                                             "form": _form(sample_data)})
+    assert refused.status_code == 422, refused.text
+    (error,) = refused.json()["detail"]["errors"]
+    assert "is a FluxPipeline checkpoint" in error and "train it with train_flux_lora.py" in error
+    assert not (client.app.state.page.runs_dir / "mixed").exists()
+
+
 def test_a_malformed_value_in_any_field_or_override_is_a_422(client: TestClient, runs_dir: Path, sample_data: Path) -> None:
     """Every key of the schema, as a form field and as an override, with YAML that does not parse:
     the CLI's one-line message naming the key, never a 500. (Text fields of the form are sent
@@ -811,6 +830,7 @@ def test_clone_delete_and_checkpoint_downloads(fake_app: Callable[..., Any], run
     _wait(lambda: _view(client, "orig")["state"] == "finished", 30, "finished")
     launched = client.get("/api/runs/orig/launch").json()
     assert launched["config"] == QUICKSTART and launched["entry"] == "train.py"
+    assert launched["name"] == "orig-2"  # a clone is named after its source
     assert launched["values"] == {"data_config.img_dir": str(sample_data), "max_train_steps": "6",
                                   "checkpointing_steps": "3", "rank": "4"}
     assert client.get("/api/runs/live/launch").json()["config"].startswith("family: qwen_image")  # a CLI run's config.yaml

@@ -325,10 +325,11 @@ def test_manage_runs_in_the_page(serve: Callable[..., str], browser: Any, tmp_pa
     assert page.find("#yaml").get_attribute("value") == QUICKSTART and "taken" in page.find("#clone-note").text
     assert page.find('.form [data-key="max_train_steps"]').get_attribute("value") == "12"
     assert "changed" in page.find('.form [data-key="rank"]').find_element(page.by.XPATH, "..").get_attribute("class")
-    assert page.find("#run-name").get_attribute("value") == ""
+    assert page.find("#run-name").get_attribute("value") == "taken-2"  # named after its source
 
     # naming an existing run: the page asks before replacing it; no: nothing changes
     page.field("max_train_steps", "100000")
+    page.find("#run-name").clear()
     page.find("#run-name").send_keys("taken")
     kept = (runs_dir / "taken" / "checkpoint-12" / "pytorch_lora_weights.safetensors").read_bytes()
     page.find("#launch").click()

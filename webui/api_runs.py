@@ -7,7 +7,8 @@
     GET    /api/runs/{id}/events             the same as server-sent events, once a second while it changes
     GET    /api/runs/{id}/files/{path}       a file of the run folder (samples, the LoRA, a checkpoint's files)
     GET    /api/runs/{id}/checkpoints/{name}.zip   a whole checkpoint folder, streamed as a zip
-    GET    /api/runs/{id}/launch             what the run was started with (a new form from it: "clone")
+    GET    /api/runs/{id}/launch             what the run was started with, and a free name <id>-N (a new
+                                             form from it: "clone")
     POST   /api/runs/{id}/stop               SIGTERM: the run checkpoints and exits
     POST   /api/runs/{id}/resume             {"max_train_steps": N?}: queued again from its latest checkpoint
     POST   /api/runs/{id}/cancel             take a queued run off the queue
@@ -158,7 +159,8 @@ def launched_with(request: Request, run_id: str) -> Dict[str, Any]:
         raise HTTPException(404, f"run '{run_id}' has no config to start from")
     overrides = [o for o in record.get("overrides", []) if o.partition("=")[0] not in NOT_CLONED]
     entry = record.get("entry") or entry_of_family(runs.read_config(folder).get("family"))
-    return {"config": text, "entry": entry, "values": override_values(overrides)}
+    return {"config": text, "entry": entry, "values": override_values(overrides),
+            "name": page(request).scheduler.free_name(run_id)}
 
 
 def _launch_text(folder: Path) -> Optional[str]:

@@ -81,6 +81,40 @@ def entry_named(name: str) -> Entry:
     return known[name]
 
 
+def family_of(values: Dict[str, Any]) -> Optional[str]:
+    """The model family a config trains, from its values: its ``family`` key, else the family whose
+    pipeline its model's ``model_index.json`` names (a local folder or the HF cache; no download).
+    None when neither says."""
+    from trainer.families import spec_for_pipeline
+
+    if values.get("family"):
+        return str(values["family"])
+    pipeline = model_pipeline(values.get("pretrained_model_name_or_path"), values.get("revision"))
+    spec = spec_for_pipeline(pipeline) if pipeline else None
+    return spec.name if spec else None
+
+
+def model_pipeline(model: Any, revision: Any = None) -> Optional[str]:
+    """The diffusers pipeline class a model's ``model_index.json`` names (None when none is found
+    locally or in the HF cache, or the name is no path or hub id)."""
+    from trainer.families import checkpoint_pipeline
+
+    try:
+        return checkpoint_pipeline(str(model), str(revision) if revision else None) if model else None
+    except (OSError, ValueError):  # a NUL byte, a malformed hub id: the trainer's check names it
+        return None
+
+
+def check_model_family(cfg: TrainConfig) -> None:
+    """``ConfigError`` when the model is another family's checkpoint than the run's (the entry
+    script's family, or the config's ``family``): said at submit, not by the trainer after loading."""
+    from trainer.families import check_pipeline
+
+    pipeline = model_pipeline(cfg.pretrained_model_name_or_path, cfg.revision)
+    if pipeline is not None:
+        check_pipeline(cfg.family, cfg.pretrained_model_name_or_path, cfg.revision, pipeline=pipeline)
+
+
 def form_overrides(form: Dict[str, Optional[str]], kinds: Dict[str, str]) -> List[str]:
     """``key=value`` overrides from the form's edited fields: text and choices quoted (so YAML reads
     ``no`` or ``a: b`` as text), numbers, booleans and YAML as typed, empty optional fields as null."""

@@ -93,6 +93,15 @@ class Scheduler:
                 continue
         raise NameTaken(f"no free name for '{base}' in {self.runs_dir}")
 
+    def free_name(self, base: str) -> str:
+        """The first of ``base-2``, ``base-3``, ... that names no folder yet (a clone's name; the start
+        that uses it still reserves it, and a name taken meanwhile is a 409)."""
+        for n in range(2, 10_000):
+            name = f"{base[:120]}-{n}"
+            if not (self.runs_dir / name).exists():
+                return name
+        raise NameTaken(f"no free name for '{base}' in {self.runs_dir}")
+
     def delete(self, run_id: str) -> None:
         """Remove a run's folder (``NameTaken`` while it is queued or running, or when it is not a run's):
         renamed out of sight first, so a half-deleted run is never listed."""

@@ -143,9 +143,17 @@ function fillForm(edits = {}) {
 async function loadForm(edits = {}) {
   $("#errors").replaceChildren();
   try {
-    yamlValues = (await api("/api/form", {config: $("#yaml").value})).values;
+    const form = await api("/api/form", {config: $("#yaml").value});
+    yamlValues = form.values;
     fillForm(edits);
+    selectEntry(form.family);
   } catch (error) { showErrors(error.errors); }
+}
+
+// The entry script of the YAML's family (its `family:`, else its model's pipeline), unless the chosen one is of it.
+function selectEntry(family) {
+  const ofFamily = schema.entries.filter(e => e.family === family).map(e => e.name);
+  if (ofFamily.length && !ofFamily.includes($("#entry").value)) $("#entry").value = ofFamily[0];
 }
 
 async function cloneRun(id) {
@@ -154,7 +162,7 @@ async function cloneRun(id) {
     $("#yaml").value = launched.config;
     $("#profile").value = "";
     if ([...$("#entry").options].some(o => o.value === launched.entry)) $("#entry").value = launched.entry;
-    $("#run-name").value = "";
+    $("#run-name").value = launched.name;  // <source>-2: a clone is named after the run it copies
     await loadForm(launched.values);
     $("#clone-note").textContent = `A new run like '${id}': its YAML and the settings it changed are filled in.`;
     $("#clone-note").hidden = false;
