@@ -442,6 +442,23 @@ def test_children_get_no_page_secret(fake_app: Callable[..., Any], runs_dir: Pat
     assert planned["output"].split() == ["None", os.environ["HOME"]], planned
 
 
+def test_a_recorded_child_is_alive_only_while_it_runs() -> None:
+    """A record's pid counts while that process runs: not once it has ended and waits unreaped (an
+    orphan's zombie, until a container's init reaps it), nor when the pid is another process's."""
+    import psutil
+
+    from webui.children import recorded_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    record = {"pid": child.pid, "started": psutil.Process(child.pid).create_time()}
+    assert recorded_alive(record)
+    assert not recorded_alive({**record, "started": record["started"] - 60})  # the pid, reused by another process
+    child.stdin.close()  # it ends, and is not waited for: a zombie
+    _wait(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 30, "a zombie")
+    assert not recorded_alive(record)
+    child.wait()
+
+
 def test_a_localhost_server_refuses_other_host_names(runs_dir: Path) -> None:
     client = TestClient(create_app(runs_dir, allowed_hosts=["127.0.0.1", "localhost"]), base_url="http://localhost")
     assert client.get("/api/runs").status_code == 200

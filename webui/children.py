@@ -40,10 +40,12 @@ def recorded_alive(record: Dict[str, Any]) -> bool:
     if "returncode" in record or not isinstance(pid, int) or not isinstance(started, (int, float)):
         return False
     try:
-        created = psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        created, ended = process.create_time(), process.status() == psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return False
-    return abs(created - started) < SAME_PROCESS_S
+    # a zombie has ended: an orphan waits as one until an init that reaps slowly (a container's) gets to it
+    return not ended and abs(created - started) < SAME_PROCESS_S
 
 
 def read_json(path: Path) -> Optional[Dict[str, Any]]:
