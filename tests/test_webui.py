@@ -272,7 +272,8 @@ def test_a_cpu_run_is_launched_as_the_quick_start_launches_it(runs_dir: Path, sa
     folder = runs_dir / "cpu"
     folder.mkdir()
     (folder / "webui_config.yaml").write_text(QUICKSTART)
-    argv = runner.Launcher().argv(folder, runner.entry_named("train.py"), [f"data_config.img_dir={sample_data}", *override])
+    overrides = [f"data_config.img_dir={sample_data}", *override]
+    argv = runner.Launcher().argv(folder, runner.entry_named("train.py"), overrides)
     launcher_args = argv[argv.index("trainer.launch") + 1: argv.index(str(ROOT / "train.py"))]
     assert launcher_args == ["--cpu", "--num_cpu_threads_per_process", "1", "--num_processes", "1", "--num_machines",
                              "1", "--dynamo_backend", "no", "--mixed_precision", precision]
@@ -432,7 +433,8 @@ def test_children_get_no_page_secret(fake_app: Callable[..., Any], runs_dir: Pat
     environment value into files the page serves); captioning: tests/test_webui_captioning.py."""
     monkeypatch.setenv("WEBUI_TOKEN", "the-page-secret")
     client = TestClient(fake_app())
-    client.post("/api/runs", json={"config": QUICKSTART, "name": "envy", "form": _form(sample_data, max_train_steps="2")})
+    client.post("/api/runs", json={"config": QUICKSTART, "name": "envy",
+                                   "form": _form(sample_data, max_train_steps="2")})
     env_file = runs_dir / "envy" / "fake_env.json"
     env = json.loads(_wait(lambda: env_file.is_file() and env_file.read_text(), 30, "the run started"))
     assert env["WEBUI_TOKEN"] is None and env["HOME"] == os.environ["HOME"]  # the rest is passed on
@@ -670,8 +672,9 @@ def test_a_resume_racing_a_delete_is_never_a_500(fake_app: Callable[..., Any], r
     monkeypatch.setattr(api_runs, "check_relaunch", check_while_deleting)
     resumed = client.post("/api/runs/racy/resume", json={"max_train_steps": 100000})
     deleted["thread"].join(30)
-    assert (resumed.status_code, deleted["response"].status_code) == (200, 409), (resumed.text, deleted["response"].text)
-    assert "is starting" in deleted["response"].json()["detail"]["message"]
+    refused = deleted["response"]
+    assert (resumed.status_code, refused.status_code) == (200, 409), (resumed.text, refused.text)
+    assert "is starting" in refused.json()["detail"]["message"]
     client.post("/api/runs/racy/stop")
 
 
@@ -700,7 +703,8 @@ def test_a_cancelled_resume_leaves_a_finished_cli_run_finished(fake_app: Callabl
                                                      "message": "done", "time": time.time()}))
     (cli / "summary.json").write_text(json.dumps({"family": "qwen_image", "outputs": {}}))
     client = TestClient(fake_app())
-    client.post("/api/runs", json={"config": QUICKSTART, "name": "busy", "form": _form(sample_data, max_train_steps="100000")})
+    client.post("/api/runs", json={"config": QUICKSTART, "name": "busy",
+                                   "form": _form(sample_data, max_train_steps="100000")})
     assert client.post("/api/runs/cli/resume", json={"max_train_steps": 10 ** 6}).json()["state"] == "queued"
     assert client.post("/api/runs/cli/cancel").status_code == 200
     view = _view(client, "cli")

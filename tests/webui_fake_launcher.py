@@ -25,7 +25,8 @@ from pathlib import Path
 out, max_steps, resume, every = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "latest", int(sys.argv[4])
 startup, period = float(os.environ.get("FAKE_STARTUP_S", "0.3")), float(os.environ.get("FAKE_STEP_S", "0.05"))
 out.mkdir(parents=True, exist_ok=True)
-(out / "fake_env.json").write_text(json.dumps({k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "WEBUI_TOKEN", "HOME")}))
+shown = ("CUDA_VISIBLE_DEVICES", "WEBUI_TOKEN", "HOME")
+(out / "fake_env.json").write_text(json.dumps({k: os.environ.get(k) for k in shown}))
 def status(state, step, message):
     (out / ".s.tmp").write_text(json.dumps({"state": state, "step": step, "max_steps": max_steps,
                                              "message": message, "time": time.time()}))

@@ -128,7 +128,8 @@ class CaptionJobs:
         """The record of a job now captioning image folder ``path`` (any run's), if one is."""
         for found in self.runs_dir.glob(RECORDS):
             record = read_json(found)
-            if record is not None and record.get("folder") == str(path) and self._running(found.with_suffix(""), record):
+            if record is not None and record.get("folder") == str(path) and \
+                    self._running(found.with_suffix(""), record):
                 return record
         return None
 

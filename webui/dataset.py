@@ -52,7 +52,8 @@ def listing(folder: Dict[str, Any], limit: int = MAX_ITEMS) -> Dict[str, Any]:
     images = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
                     and p.resolve().is_relative_to(base))
     items = [{"image": image.relative_to(root).as_posix(),
-              "caption": read_caption(image.with_suffix(f".{folder['caption_type']}"), base)} for image in images[:limit]]
+              "caption": read_caption(image.with_suffix(f".{folder['caption_type']}"), base)}
+             for image in images[:limit]]
     return {"name": folder["name"], "path": str(root), "caption_type": folder["caption_type"], "items": items,
             "total": len(images), "error": None}
 
