@@ -38,7 +38,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="required by every request (default: $WEBUI_TOKEN); needed for a non-local --host")
     parser.add_argument("--token-file", metavar="FILE", help="read the token from this file (not shown in ps)")
     parser.add_argument("--accelerate-config", metavar="FILE",
-                        help="accelerate config for the runs started here (default: one process, --cpu without a GPU)")
+                        help="accelerate config for the runs started here (default: one process, the config's "
+                             "mixed_precision; --cpu with one CPU thread without a GPU)")
     return parser.parse_args(argv)
 
 

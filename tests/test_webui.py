@@ -259,6 +259,30 @@ def test_entry_scripts_are_read_with_their_policy() -> None:
 
 # -- bad input: the CLI's messages, 4xx, never a 500 or an echo ------------------------------------
 
+@pytest.mark.parametrize("override, precision", [([], "no"), (["mixed_precision=bf16"], "bf16")])
+def test_a_cpu_run_is_launched_as_the_quick_start_launches_it(runs_dir: Path, sample_data: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture, override: List[str],
+                                                              precision: str) -> None:
+    """Case 40: without a GPU the page's launcher line is the quick-start's (one CPU thread, the
+    config's mixed precision), so accelerate fills in no default, and says so in no warning."""
+    import torch
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    folder = runs_dir / "cpu"
+    folder.mkdir()
+    (folder / "webui_config.yaml").write_text(QUICKSTART)
+    overrides = [f"data_config.img_dir={sample_data}", *override]
+    argv = runner.Launcher().argv(folder, runner.entry_named("train.py"), overrides)
+    launcher_args = argv[argv.index("trainer.launch") + 1: argv.index(str(ROOT / "train.py"))]
+    assert launcher_args == ["--cpu", "--num_cpu_threads_per_process", "1", "--num_processes", "1", "--num_machines",
+                             "1", "--dynamo_backend", "no", "--mixed_precision", precision]
+    with caplog.at_level("WARNING", logger="accelerate.commands.launch"):
+        _validate_launch_command(launch_command_parser().parse_args([*launcher_args, "train.py"]))
+    assert "had defaults used instead" not in caplog.text, caplog.text
+
+
 def test_config_errors_are_the_clis(client: TestClient, tmp_path: Path, sample_data: Path) -> None:
     bad = QUICKSTART + "learnin_rate: 1\n"
     response = client.post("/api/runs", json={"config": bad, "entry": "train.py", "overrides": ["max_train_steps=x"]})
@@ -285,6 +309,25 @@ def test_config_errors_are_the_clis(client: TestClient, tmp_path: Path, sample_d
         assert client.post("/api/runs", json=body).status_code == 422, body
     assert client.post("/api/runs", content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
     assert not (runs_dir := tmp_path / "runs" / "quickstart").exists(), runs_dir
+
+
+def test_the_entry_script_follows_the_models_family(client: TestClient, tmp_path: Path, sample_data: Path) -> None:
+    """Case 39: the form learns a YAML's family (its ``family:``, else its model's pipeline) to pick the
+    entry script; a start whose model is another family's checkpoint is refused at once, in one line."""
+    flux = tmp_path / "some-flux"
+    flux.mkdir()
+    (flux / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    config = QUICKSTART.replace("pretrained_model_name_or_path: ", f"pretrained_model_name_or_path: {flux}  # ")
+    assert client.post("/api/form", json={"config": config}).json()["family"] == "flux"
+    assert client.post("/api/form", json={"config": "family: krea2\n"}).json()["family"] == "krea2"
+    nothing = f"pretrained_model_name_or_path: {tmp_path / 'nothing'}\n"
+    assert client.post("/api/form", json={"config": nothing}).json()["family"] is None  # nothing says
+    refused = client.post("/api/runs", json={"config": config, "entry": "train.py", "name": "mixed",
+                                             "form": _form(sample_data)})
+    assert refused.status_code == 422, refused.text
+    (error,) = refused.json()["detail"]["errors"]
+    assert "is a FluxPipeline checkpoint" in error and "train it with train_flux_lora.py" in error
+    assert not (client.app.state.page.runs_dir / "mixed").exists()
 
 
 def test_a_malformed_value_in_any_field_or_override_is_a_422(client: TestClient, runs_dir: Path, sample_data: Path) -> None:
@@ -383,6 +426,40 @@ def test_the_token_is_swapped_once_for_a_cookie(runs_dir: Path, monkeypatch: pyt
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--host", "0.0.0.0"]) == 2  # reachable from other machines: refused without a token
+
+
+def test_children_get_no_page_secret(fake_app: Callable[..., Any], runs_dir: Path, sample_data: Path, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run and ``--plan`` get the server's environment without WEBUI_TOKEN (a config could write an
+    environment value into files the page serves); captioning: tests/test_webui_captioning.py."""
+    monkeypatch.setenv("WEBUI_TOKEN", "the-page-secret")
+    client = TestClient(fake_app())
+    client.post("/api/runs", json={"config": QUICKSTART, "name": "envy",
+                                   "form": _form(sample_data, max_train_steps="2")})
+    env_file = runs_dir / "envy" / "fake_env.json"
+    env = json.loads(_wait(lambda: env_file.is_file() and env_file.read_text(), 30, "the run started"))
+    assert env["WEBUI_TOKEN"] is None and env["HOME"] == os.environ["HOME"]  # the rest is passed on
+    script = tmp_path / "print_env.py"
+    script.write_text("import os; print(os.environ.get('WEBUI_TOKEN'), os.environ.get('HOME'))")
+    planned = runner.plan("{}", runner.Entry(str(script), "qwen_image", {}, ""), [])  # --plan's child, as started
+    assert planned["output"].split() == ["None", os.environ["HOME"]], planned
+
+
+def test_a_recorded_child_is_alive_only_while_it_runs() -> None:
+    """A record's pid counts while that process runs: not once it has ended and waits unreaped (an
+    orphan's zombie, until a container's init reaps it), nor when the pid is another process's."""
+    import psutil
+
+    from webui.children import recorded_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    record = {"pid": child.pid, "started": psutil.Process(child.pid).create_time()}
+    assert recorded_alive(record)
+    assert not recorded_alive({**record, "started": record["started"] - 60})  # the pid, reused by another process
+    child.stdin.close()  # it ends, and is not waited for: a zombie
+    _wait(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 30, "a zombie")
+    assert not recorded_alive(record)
+    child.wait()
 
 
 def test_a_localhost_server_refuses_other_host_names(runs_dir: Path) -> None:
@@ -624,6 +701,69 @@ def test_a_finished_run_resumes_only_with_more_steps(fake_app: Callable[..., Any
     assert (view["step"], view["max_steps"], view["checkpoints"][-1]) == (12, 12, "checkpoint-12")
 
 
+def test_a_resume_racing_a_delete_is_never_a_500(fake_app: Callable[..., Any], runs_dir: Path, sample_data: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Case 12: a DELETE arriving while a resume checks the run. The resume either wins (the delete is
+    then refused: the run is active) or finds the run gone; never a 500."""
+    client = TestClient(fake_app(), raise_server_exceptions=False)
+    client.post("/api/runs", json={"config": QUICKSTART, "name": "racy",
+                                   "form": _form(sample_data, max_train_steps="4", checkpointing_steps="2")})
+    _wait(lambda: _view(client, "racy")["state"] == "finished", 30, "finished")
+    from webui import api_runs
+
+    deleted: Dict[str, Any] = {}
+    real_check = api_runs.check_relaunch
+
+    def check_while_deleting(*args: Any) -> Any:  # the DELETE comes in mid-resume, after the config check
+        thread = threading.Thread(target=lambda: deleted.update(response=client.delete("/api/runs/racy")))
+        thread.start()
+        thread.join(2)  # done at once unless the resume holds the run
+        deleted["thread"] = thread
+        return real_check(*args)
+
+    monkeypatch.setattr(api_runs, "check_relaunch", check_while_deleting)
+    resumed = client.post("/api/runs/racy/resume", json={"max_train_steps": 100000})
+    deleted["thread"].join(30)
+    refused = deleted["response"]
+    assert (resumed.status_code, refused.status_code) == (200, 409), (resumed.text, refused.text)
+    assert "is starting" in refused.json()["detail"]["message"]
+    client.post("/api/runs/racy/stop")
+
+
+def test_a_killed_trainer_says_so(fake_app: Callable[..., Any], runs_dir: Path, sample_data: Path) -> None:
+    """Case 34: the trainer is SIGKILLed (as the out-of-memory killer does): the run shows failed with
+    the exit code, the step and the checkpoint to resume from, not its stale "started"."""
+    client = TestClient(fake_app())
+    client.post("/api/runs", json={"config": QUICKSTART, "name": "oom",
+                                   "form": _form(sample_data, max_train_steps="100000", checkpointing_steps="3")})
+    _wait(lambda: _view(client, "oom")["step"] >= 4, 30, "past its first checkpoint")
+    os.kill(json.loads((runs_dir / "oom" / "run.lock").read_text())["pid"], signal.SIGKILL)
+    view = _wait(lambda: (v := _view(client, "oom"))["state"] == "failed" and v, 30, "failed")
+    assert view["message"] == f"exited with code 137 (killed: out of memory?) at step {view['step']}; resume from " \
+                              f"{view['checkpoints'][-1]}", view["message"]
+
+
+def test_a_cancelled_resume_leaves_a_finished_cli_run_finished(fake_app: Callable[..., Any], runs_dir: Path,
+                                                               sample_data: Path) -> None:
+    """Case 38: a run the CLI finished, resumed from the page to more steps, waits in the queue and is
+    cancelled: it is still finished, with its own steps."""
+    cli = runs_dir / "cli"
+    _state_file(cli, 60)
+    (cli / "checkpoint-60" / "trainer_state.json").write_text(json.dumps({"step": 60, "global_step": 60, "files": {}}))
+    (cli / "config.yaml").write_text(QUICKSTART.replace("img_dir: data/sample_dataset", f"img_dir: {sample_data}"))
+    (cli / "run_status.json").write_text(json.dumps({"state": "finished", "step": 60, "max_steps": 60,
+                                                     "message": "done", "time": time.time()}))
+    (cli / "summary.json").write_text(json.dumps({"family": "qwen_image", "outputs": {}}))
+    client = TestClient(fake_app())
+    client.post("/api/runs", json={"config": QUICKSTART, "name": "busy",
+                                   "form": _form(sample_data, max_train_steps="100000")})
+    assert client.post("/api/runs/cli/resume", json={"max_train_steps": 10 ** 6}).json()["state"] == "queued"
+    assert client.post("/api/runs/cli/cancel").status_code == 200
+    view = _view(client, "cli")
+    assert (view["state"], view["step"], view["max_steps"], view["message"]) == ("finished", 60, 60, "done")
+    client.post("/api/runs/busy/stop")
+
+
 def test_runs_queue_and_queued_runs_can_be_cancelled(fake_app: Callable[..., Any], runs_dir: Path,
                                                      sample_data: Path) -> None:
     with TestClient(fake_app()) as client:  # one at a time (one CPU)
@@ -678,6 +818,82 @@ def test_a_queued_run_waits_across_a_restart_and_gpus_are_shared_out(fake_app: C
             gpus.post(f"/api/runs/g{i}/stop")
 
 
+def test_the_queue_is_capped(fake_app: Callable[..., Any], runs_dir: Path, sample_data: Path) -> None:
+    client = TestClient(fake_app())
+    scheduler = client.app.state.page.scheduler
+    assert scheduler.max_queued == 100  # the default
+    scheduler.max_queued = 2
+    body = {"config": QUICKSTART, "form": _form(sample_data, max_train_steps="100000")}
+    assert client.post("/api/runs", json={**body, "name": "busy"}).json()["state"] == "starting"
+    assert [client.post("/api/runs", json={**body, "name": f"wait{i}"}).json()["state"] for i in (1, 2)] == [
+        "queued", "queued"]
+    full = client.post("/api/runs", json={**body, "name": "wait3"})
+    assert full.status_code == 429 and full.json()["detail"]["errors"] == [
+        "the queue is full (2 runs waiting, at most 2): wait for some to start, or cancel some"]
+    assert not (runs_dir / "wait3").exists()  # nothing of it written
+    client.post("/api/runs/wait1/cancel")
+    assert client.post("/api/runs", json={**body, "name": "wait3"}).json()["state"] == "queued"
+    for run_id in ("wait2", "wait3"):
+        client.post(f"/api/runs/{run_id}/cancel")
+    client.post("/api/runs/busy/stop")
+
+
+def test_one_plan_runs_at_a_time(client: TestClient, sample_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second --plan while one runs is answered 429 at once, in one line; the slot frees after
+    each plan, failed or not."""
+    entered, release = threading.Event(), threading.Event()
+    calls: List[int] = []
+
+    def slow_plan(*args: Any, **kwargs: Any) -> Dict[str, Any]:
+        calls.append(1)
+        entered.set()
+        release.wait(30)
+        return {"returncode": 0, "output": "GPU peak 1 GiB"}
+
+    monkeypatch.setattr(runner, "plan", slow_plan)
+    body = {"config": QUICKSTART, "form": _form(sample_data)}
+    first: Dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: first.update(response=client.post("/api/plan", json=body)))
+    thread.start()
+    assert entered.wait(30)
+    second = client.post("/api/plan", json=body)
+    assert second.status_code == 429 and second.json()["detail"]["errors"] == [
+        "another --plan is running (one at a time): try again when it has finished"]
+    release.set()
+    thread.join(30)
+    assert first["response"].status_code == 200 and len(calls) == 1
+    assert client.post("/api/plan", json=body).status_code == 200 and len(calls) == 2
+
+
+def test_the_runs_list_parses_each_config_once(runs_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The list is polled every 2 s: with 300 runs (CLI runs and queued page runs) a poll parses no
+    YAML unless a config changed (OmegaConf took about 5 ms per run, 90% of the list's time)."""
+    for i in range(150):
+        cli_run = runs_dir / f"cli-{i}"
+        cli_run.mkdir()
+        (cli_run / "config.yaml").write_text(f"pretrained_model_name_or_path: m{i}\nmax_train_steps: {i + 1}\n")
+        queued = runs_dir / f"queued-{i}"
+        queued.mkdir()
+        (queued / "webui_config.yaml").write_text("pretrained_model_name_or_path: base\nmax_train_steps: 5\n")
+        (queued / "webui_launch.json").write_text(json.dumps({"queued": True, "queued_at": 1.0, "created": 1.0,
+                                                              "overrides": [f"pretrained_model_name_or_path=q{i}"]}))
+    from webui import runs
+
+    parsed: List[str] = []
+    real_load, real_merge = runs.OmegaConf.load, runs.OmegaConf.merge
+    monkeypatch.setattr(runs.OmegaConf, "load", lambda path: parsed.append(str(path)) or real_load(path))
+    monkeypatch.setattr(runs.OmegaConf, "merge", lambda *a: parsed.append("merge") or real_merge(*a))
+    client = TestClient(create_app(runs_dir))
+    listed = {r["id"]: r for r in client.get("/api/runs").json()}
+    assert len(listed) == 304 and listed["cli-7"]["model"] == "m7" and listed["queued-7"]["model"] == "q7"
+    first = len(parsed)
+    assert 450 <= first <= 460  # each run's YAML and each queued run's overrides (plus the fixture's four runs)
+    assert len(client.get("/api/runs").json()) == 304 and len(parsed) == first  # nothing parsed again
+    (runs_dir / "cli-7" / "config.yaml").write_text("pretrained_model_name_or_path: changed\n")
+    assert {r["id"]: r for r in client.get("/api/runs").json()}["cli-7"]["model"] == "changed"
+    assert len(parsed) == first + 1
+
+
 # -- clone, delete, checkpoints, dataset ---------------------------------------------------------------
 
 def test_clone_delete_and_checkpoint_downloads(fake_app: Callable[..., Any], runs_dir: Path, sample_data: Path) -> None:
@@ -687,6 +903,7 @@ def test_clone_delete_and_checkpoint_downloads(fake_app: Callable[..., Any], run
     _wait(lambda: _view(client, "orig")["state"] == "finished", 30, "finished")
     launched = client.get("/api/runs/orig/launch").json()
     assert launched["config"] == QUICKSTART and launched["entry"] == "train.py"
+    assert launched["name"] == "orig-2"  # a clone is named after its source
     assert launched["values"] == {"data_config.img_dir": str(sample_data), "max_train_steps": "6",
                                   "checkpointing_steps": "3", "rank": "4"}
     assert client.get("/api/runs/live/launch").json()["config"].startswith("family: qwen_image")  # a CLI run's config.yaml
@@ -732,6 +949,33 @@ def test_a_runs_dataset_shows_and_saves_captions(client: TestClient, runs_dir: P
     assert client.post("/api/runs/done/dataset/0/captions", json={"image": first, "caption": "x" * 20_001}).status_code == 422
     assert client.get("/api/runs/done/dataset/1/images/x.png").status_code == 404
     assert not (tmp_path / "secret.txt.txt").exists()
+
+
+def test_dataset_captions_are_read_only_inside_the_folder_and_odd_names_work(client: TestClient, runs_dir: Path,
+                                                                             tmp_path: Path, sample_data: Path) -> None:
+    """Case 24: a caption file that is a link to a file outside the folder is not read (and saving
+    replaces the link, not its target). Case 20: an image whose name holds a backslash is shown and
+    its caption saved (on POSIX a backslash is a name's character, not a separator)."""
+    data = tmp_path / "odd"
+    data.mkdir()
+    image = (sample_data / "img1.png").read_bytes()
+    for name in ("linked.png", "<b>bold<\\b>.png", "inside.png"):
+        (data / name).write_bytes(image)
+    (data / "linked.txt").symlink_to(tmp_path / "secret.txt")
+    (data / "inside-words.md").write_text("words kept inside\n")
+    (data / "inside.txt").symlink_to(data / "inside-words.md")  # a link within the folder is read
+    (runs_dir / "done" / "config.yaml").write_text(f"data_config:\n  img_dir: {data}\n  caption_type: txt\n")
+    items = {i["image"]: i["caption"] for i in client.get("/api/runs/done/dataset").json()["folders"][0]["items"]}
+    assert items == {"<b>bold<\\b>.png": None, "inside.png": "words kept inside", "linked.png": None}
+    assert SECRET not in json.dumps(items)
+    odd = "/api/runs/done/dataset/0/images/" + "%3Cb%3Ebold%3C%5Cb%3E.png"
+    assert client.get(odd).content == image
+    saved = client.post("/api/runs/done/dataset/0/captions", json={"image": "<b>bold<\\b>.png", "caption": "bold"})
+    assert saved.status_code == 200 and (data / "<b>bold<\\b>.txt").read_text() == "bold\n"
+    assert client.post("/api/runs/done/dataset/0/captions", json={"image": "linked.png", "caption": "mine"}
+                       ).status_code == 200
+    assert (data / "linked.txt").read_text() == "mine\n" and not (data / "linked.txt").is_symlink()
+    assert (tmp_path / "secret.txt").read_text() == SECRET
 
 
 # -- the real server: Ctrl-C with pages open, runs that go on, a restart ---------------------------

@@ -289,6 +289,8 @@ def test_manage_runs_in_the_page(serve: Callable[..., str], browser: Any, tmp_pa
     page.go("#/run/taken")
     page.wait(lambda: page.state() == "finished", 30, "the first run finished")
     page.wait(lambda: len(page.all("#checkpoints tbody tr")) == 2, 10, "its checkpoints")
+    assert "No samples yet" in page.find("#samples").text
+    assert not page.find("#sample-controls").is_displayed()  # no step slider without samples (case 45)
     zipped = urllib.request.urlopen(page.find('#checkpoints tr[data-checkpoint="checkpoint-6"] a.zip').get_attribute("href"))
     assert sorted(zipfile.ZipFile(io.BytesIO(zipped.read())).namelist()) == [
         "checkpoint-6/optimizer.bin", "checkpoint-6/pytorch_lora_weights.safetensors", "checkpoint-6/trainer_state.json"]
@@ -299,6 +301,7 @@ def test_manage_runs_in_the_page(serve: Callable[..., str], browser: Any, tmp_pa
     assert item.find_element(page.by.CSS_SELECTOR, "textarea").get_attribute("value") == \
         (data / image).with_suffix(".txt").read_text().strip()
     assert page.find(".caption-folder .caption-start").is_enabled()  # run: tests/test_webui_captioning.py
+    assert not page.find(".caption-folder .caption-stop").is_displayed()  # nothing to stop
     assert page.find(".caption-folder .caption-model").get_attribute("value") == "Qwen/Qwen3-VL-2B-Instruct"
     caption = item.find_element(page.by.CSS_SELECTOR, "textarea")
     caption.clear()
@@ -322,10 +325,11 @@ def test_manage_runs_in_the_page(serve: Callable[..., str], browser: Any, tmp_pa
     assert page.find("#yaml").get_attribute("value") == QUICKSTART and "taken" in page.find("#clone-note").text
     assert page.find('.form [data-key="max_train_steps"]').get_attribute("value") == "12"
     assert "changed" in page.find('.form [data-key="rank"]').find_element(page.by.XPATH, "..").get_attribute("class")
-    assert page.find("#run-name").get_attribute("value") == ""
+    assert page.find("#run-name").get_attribute("value") == "taken-2"  # named after its source
 
     # naming an existing run: the page asks before replacing it; no: nothing changes
     page.field("max_train_steps", "100000")
+    page.find("#run-name").clear()
     page.find("#run-name").send_keys("taken")
     kept = (runs_dir / "taken" / "checkpoint-12" / "pytorch_lora_weights.safetensors").read_bytes()
     page.find("#launch").click()

@@ -10,7 +10,7 @@ checkpointing_steps. On SIGTERM it writes a
 complete checkpoint and "stopped" and exits 143 (``trainer/signals.py``); at max_train_steps it
 writes the final checkpoint, the LoRA, ``summary.json`` and "finished" and exits 0. It resumes from
 its latest checkpoint with ``resume_from_checkpoint=latest``, and records its environment's
-``CUDA_VISIBLE_DEVICES`` in ``fake_env.json``.
+``CUDA_VISIBLE_DEVICES``, ``WEBUI_TOKEN`` and ``HOME`` in ``fake_env.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from pathlib import Path
 out, max_steps, resume, every = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "latest", int(sys.argv[4])
 startup, period = float(os.environ.get("FAKE_STARTUP_S", "0.3")), float(os.environ.get("FAKE_STEP_S", "0.05"))
 out.mkdir(parents=True, exist_ok=True)
-(out / "fake_env.json").write_text(json.dumps({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+shown = ("CUDA_VISIBLE_DEVICES", "WEBUI_TOKEN", "HOME")
+(out / "fake_env.json").write_text(json.dumps({k: os.environ.get(k) for k in shown}))
 def status(state, step, message):
     (out / ".s.tmp").write_text(json.dumps({"state": state, "step": step, "max_steps": max_steps,
                                              "message": message, "time": time.time()}))

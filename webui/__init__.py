@@ -11,6 +11,7 @@ the run folders the engine writes (``trainer/run_folder/run_dir.py``). docs/WEBU
     rules.py      what a config from the page may do beyond the CLI's checks (no ${...}, where it writes)
     runs.py       what a run folder holds (state, metrics, samples, checkpoints, log tail)
     schema.py     the form: TrainConfig's fields as JSON with their help, and a YAML's values for them
+    children.py   what every child process gets (its environment, without the page's token) and its record
     runner.py     entry scripts, config checks, --plan, the launch record, and the child processes
     scheduler.py  which run runs when: folder names, the queue, cancel, delete
     dataset.py    a run's images and captions, and saving a caption

@@ -7,20 +7,21 @@
     POST /api/runs/{id}/dataset/{n}/caption-folder      {"model", "trigger_word", "overwrite"}: caption the
                                                         folder with a vision-language model (caption.py)
     GET  /api/runs/{id}/dataset/{n}/caption-folder      that job's state (``webui/captioning.py``)
+    POST /api/runs/{id}/dataset/{n}/caption-folder/stop stop that job (started again, it goes on)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Annotated, Any, Dict, Optional
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StringConstraints
 
 from image_datasets.captioning import DEFAULT_MODEL
 from webui import dataset, runner, runs
-from webui.captioning import CaptionSettings, job_state
+from webui.captioning import CaptionSettings
 from webui.deps import bad_request, folder_of, page
 from webui.paths import OutsideRoot
 
@@ -33,7 +34,8 @@ class CaptionRequest(BaseModel):
 
 
 class CaptionFolderRequest(BaseModel):
-    model: str = Field(DEFAULT_MODEL, min_length=1, max_length=4096)
+    # stripped before the length check: a blank name is a 422 here, not a captioner that fails to load it
+    model: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=4096)] = DEFAULT_MODEL
     trigger_word: Optional[str] = Field(None, max_length=200)
     overwrite: bool = False
 
@@ -90,8 +92,8 @@ def caption_folder(request: Request, run_id: str, index: int, body: CaptionFolde
     jobs = page(request).captions
     try:
         jobs.start(folder, _job_files(request, run_id, index),
-                   CaptionSettings(model=body.model.strip(), trigger_word=(body.trigger_word or "").strip() or None,
-                              overwrite=body.overwrite))
+                   CaptionSettings(model=body.model, trigger_word=(body.trigger_word or "").strip() or None,
+                                   overwrite=body.overwrite))
     except RuntimeError as exc:
         raise bad_request(str(exc), 409) from None
     return caption_folder_state(request, run_id, index)
@@ -99,6 +101,15 @@ def caption_folder(request: Request, run_id: str, index: int, body: CaptionFolde
 
 @router.get("/api/runs/{run_id}/dataset/{index}/caption-folder")
 def caption_folder_state(request: Request, run_id: str, index: int) -> Dict[str, Any]:
-    folder = _folder(request, run_id, index)
-    jobs = page(request).captions
-    return job_state(_job_files(request, run_id, index), jobs.running(folder), jobs.returncode(folder))
+    _folder(request, run_id, index)
+    return page(request).captions.state(_job_files(request, run_id, index))
+
+
+@router.post("/api/runs/{run_id}/dataset/{index}/caption-folder/stop")
+def stop_caption_folder(request: Request, run_id: str, index: int) -> Dict[str, Any]:
+    _folder(request, run_id, index)
+    try:
+        pid = page(request).captions.stop(_job_files(request, run_id, index))
+    except LookupError as exc:
+        raise bad_request(f"run '{run_id}', folder {index}: {exc}", 409) from None
+    return {**caption_folder_state(request, run_id, index), "signalled": pid}

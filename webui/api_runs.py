@@ -7,7 +7,8 @@
     GET    /api/runs/{id}/events             the same as server-sent events, once a second while it changes
     GET    /api/runs/{id}/files/{path}       a file of the run folder (samples, the LoRA, a checkpoint's files)
     GET    /api/runs/{id}/checkpoints/{name}.zip   a whole checkpoint folder, streamed as a zip
-    GET    /api/runs/{id}/launch             what the run was started with (a new form from it: "clone")
+    GET    /api/runs/{id}/launch             what the run was started with, and a free name <id>-N (a new
+                                             form from it: "clone")
     POST   /api/runs/{id}/stop               SIGTERM: the run checkpoints and exits
     POST   /api/runs/{id}/resume             {"max_train_steps": N?}: queued again from its latest checkpoint
     POST   /api/runs/{id}/cancel             take a queued run off the queue
@@ -21,7 +22,7 @@ import io
 import json
 import zipfile
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Type
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Tuple, Type
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, StreamingResponse
@@ -32,7 +33,7 @@ from webui import runs
 from webui.api_start import check_relaunch
 from webui.deps import bad_request, entry_of_family, folder_of, page, records
 from webui.paths import OutsideRoot, safe_join
-from webui.scheduler import NameTaken, Scheduler
+from webui.scheduler import NameTaken, QueueFull, Scheduler
 from webui.schema import override_values
 
 EVENT_PERIOD_S = 1.0
@@ -158,7 +159,8 @@ def launched_with(request: Request, run_id: str) -> Dict[str, Any]:
         raise HTTPException(404, f"run '{run_id}' has no config to start from")
     overrides = [o for o in record.get("overrides", []) if o.partition("=")[0] not in NOT_CLONED]
     entry = record.get("entry") or entry_of_family(runs.read_config(folder).get("family"))
-    return {"config": text, "entry": entry, "values": override_values(overrides)}
+    return {"config": text, "entry": entry, "values": override_values(overrides),
+            "name": page(request).scheduler.free_name(run_id)}
 
 
 def _launch_text(folder: Path) -> Optional[str]:
@@ -180,13 +182,28 @@ def stop(request: Request, run_id: str) -> Dict[str, Any]:
 @router.post("/api/runs/{run_id}/resume")
 def resume(request: Request, run_id: str, body: Optional[ResumeRequest] = None) -> Dict[str, Any]:
     folder = folder_of(request, run_id)
-    state = page(request)
+    scheduler = page(request).scheduler
+    with scheduler.lock:  # a DELETE meanwhile would take the checkpoint from under the checks (case 12)
+        if not folder.is_dir():
+            raise HTTPException(404, f"no run '{run_id}'")
+        text, entry, overrides, max_steps = _resumed(request, run_id, folder, body.max_train_steps if body else None)
+        try:
+            scheduler.resume(run_id, text, entry, overrides, max_steps)
+        except NameTaken as exc:
+            raise bad_request(str(exc), 409) from None
+        except QueueFull as exc:
+            raise bad_request(str(exc), 429) from None
+    return {"id": run_id, "state": scheduler.state(run_id)}
+
+
+def _resumed(request: Request, run_id: str, folder: Path, more: Optional[int]) -> Tuple[str, str, List[str], int]:
+    """The YAML, entry, overrides and max steps of a resume from the latest checkpoint, after the
+    same checks as a start (409 without a checkpoint, 422 without steps left to train)."""
     latest = ckpt.latest_checkpoint(folder)
     text = _launch_text(folder)
     if latest is None or text is None:
         raise bad_request(f"run '{run_id}' has no checkpoint to resume from", 409)
     record = runs.read_json(folder / runs.LAUNCH_NAME) or {}
-    more = body.max_train_steps if body else None
     dropped = ("resume_from_checkpoint", "max_train_steps") if more is not None else ("resume_from_checkpoint",)
     overrides = [o for o in record.get("overrides", []) if o.partition("=")[0] not in dropped]
     overrides.append("resume_from_checkpoint=latest")
@@ -198,11 +215,7 @@ def resume(request: Request, run_id: str, body: Optional[ResumeRequest] = None) 
     if cfg.max_train_steps <= step:
         raise bad_request(f"run '{run_id}' has trained its {cfg.max_train_steps} steps ({latest.name}); "
                           "give more steps to train")
-    try:
-        state.scheduler.resume(run_id, text, entry, overrides, cfg.max_train_steps)
-    except NameTaken as exc:
-        raise bad_request(str(exc), 409) from None
-    return {"id": run_id, "state": state.scheduler.state(run_id)}
+    return text, entry, overrides, cfg.max_train_steps
 
 
 def scheduler_action(request: Request, run_id: str, action: Callable[[Scheduler, str], None],

@@ -48,18 +48,25 @@ def listing(folder: Dict[str, Any], limit: int = MAX_ITEMS) -> Dict[str, Any]:
     if not root.is_dir():
         return {"name": folder["name"], "path": str(root), "caption_type": folder["caption_type"], "items": [],
                 "total": 0, "error": f"folder '{root}' does not exist"}
+    base = root.resolve()
     images = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
-                    and p.resolve().is_relative_to(root.resolve()))
-    items = []
-    for image in images[:limit]:
-        caption_path = image.with_suffix(f".{folder['caption_type']}")
-        try:
-            caption: Optional[str] = caption_path.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError):
-            caption = None
-        items.append({"image": image.relative_to(root).as_posix(), "caption": caption})
+                    and p.resolve().is_relative_to(base))
+    items = [{"image": image.relative_to(root).as_posix(),
+              "caption": read_caption(image.with_suffix(f".{folder['caption_type']}"), base)}
+             for image in images[:limit]]
     return {"name": folder["name"], "path": str(root), "caption_type": folder["caption_type"], "items": items,
             "total": len(images), "error": None}
+
+
+def read_caption(path: Path, base: Path) -> Optional[str]:
+    """The caption in ``path`` (None when missing or unreadable); a link leading out of the folder
+    ``base`` is not followed (it would show any file the server may read)."""
+    try:
+        if not path.resolve().is_relative_to(base):
+            return None
+        return path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError, RuntimeError):  # RuntimeError: a symlink loop
+        return None
 
 
 def image_path(folder: Dict[str, Any], relative: str) -> Path:

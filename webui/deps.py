@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -15,6 +16,7 @@ from webui.captioning import CaptionJobs
 from webui.paths import OutsideRoot, run_folder
 from webui.scheduler import Scheduler
 
+PLANS_AT_ONCE = 1  # --plan children at a time: each is a ~500 MB Python process for up to a minute
 PROBLEM_START = re.compile(r"; (?=(?:key|keys|unknown key|override|entry|output_dir|config file) )")
 
 
@@ -27,9 +29,10 @@ class PageState:
     scheduler: Scheduler
     profiles: Path
     write_roots: List[Path]  # where a run's config may write: the runs folder, and --cache-root
+    captions: CaptionJobs  # "Caption this folder" children
     metrics: runs.MetricsReader = field(default_factory=runs.MetricsReader)
     plans: Dict[str, Dict[str, Any]] = field(default_factory=dict)
-    captions: CaptionJobs = field(default_factory=CaptionJobs)  # "Caption this folder" children
+    plan_slots: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(PLANS_AT_ONCE))
 
 
 def page(request: Request) -> PageState:

@@ -26,8 +26,9 @@ def check_name(name: str) -> str:
 
 
 def safe_join(root: Path, relative: str) -> Path:
-    """``root / relative`` resolved, when it stays inside ``root``; ``OutsideRoot`` otherwise."""
-    parts = PurePosixPath(relative.replace("\\", "/"))
+    """``root / relative`` resolved, when it stays inside ``root``; ``OutsideRoot`` otherwise. A
+    request's paths use '/'; a backslash is a file name's own character here (POSIX), not a separator."""
+    parts = PurePosixPath(relative)
     if not relative or parts.is_absolute() or ".." in parts.parts or ":" in relative or "\x00" in relative:
         raise OutsideRoot(f"path '{relative}' must be relative, without '..'")
     base = root.resolve()

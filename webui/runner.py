@@ -27,16 +27,15 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from trainer.config import TrainConfig, load_config
-from trainer.run_folder.run_dir import write_text_atomic
 from trainer.run_folder.run_lock import live_owner
 from utils.errors import ConfigError
-from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, launched_alive, read_json, stop_pending
+from webui.children import child_env, recorded_alive, update_json
+from webui.runs import CHILD_LOG, LAUNCH_CONFIG, LAUNCH_NAME, read_json, stop_pending
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 PLAN_TIMEOUT_S = 300
 RELAUNCH_KEYS = ("returncode", "ended", "stop_requested", "stopped", "launch_error", "cancelled")
-_RECORD_LOCK = threading.Lock()  # request threads, reapers and the scheduler all update records
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,40 @@ def entry_named(name: str) -> Entry:
     if name not in known:
         raise ConfigError(f"entry '{name}' is not one of {', '.join(known)}")
     return known[name]
+
+
+def family_of(values: Dict[str, Any]) -> Optional[str]:
+    """The model family a config trains, from its values: its ``family`` key, else the family whose
+    pipeline its model's ``model_index.json`` names (a local folder or the HF cache; no download).
+    None when neither says."""
+    from trainer.families import spec_for_pipeline
+
+    if values.get("family"):
+        return str(values["family"])
+    pipeline = model_pipeline(values.get("pretrained_model_name_or_path"), values.get("revision"))
+    spec = spec_for_pipeline(pipeline) if pipeline else None
+    return spec.name if spec else None
+
+
+def model_pipeline(model: Any, revision: Any = None) -> Optional[str]:
+    """The diffusers pipeline class a model's ``model_index.json`` names (None when none is found
+    locally or in the HF cache, or the name is no path or hub id)."""
+    from trainer.families import checkpoint_pipeline
+
+    try:
+        return checkpoint_pipeline(str(model), str(revision) if revision else None) if model else None
+    except (OSError, ValueError):  # a NUL byte, a malformed hub id: the trainer's check names it
+        return None
+
+
+def check_model_family(cfg: TrainConfig) -> None:
+    """``ConfigError`` when the model is another family's checkpoint than the run's (the entry
+    script's family, or the config's ``family``): said at submit, not by the trainer after loading."""
+    from trainer.families import check_pipeline
+
+    pipeline = model_pipeline(cfg.pretrained_model_name_or_path, cfg.revision)
+    if pipeline is not None:
+        check_pipeline(cfg.family, cfg.pretrained_model_name_or_path, cfg.revision, pipeline=pipeline)
 
 
 def form_overrides(form: Dict[str, Optional[str]], kinds: Dict[str, str]) -> List[str]:
@@ -127,7 +160,7 @@ def plan(text: str, entry: Entry, overrides: List[str], gpu_memory: Optional[str
                 *(["--gpu-memory", gpu_memory] if gpu_memory else []), *overrides]
         try:
             done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=PLAN_TIMEOUT_S,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                  env=child_env())
         except subprocess.TimeoutExpired:
             return {"returncode": None, "output": f"--plan did not finish in {PLAN_TIMEOUT_S} s"}
     return {"returncode": done.returncode, "output": (done.stdout + done.stderr).replace(str(path), "config.yaml")}
@@ -136,13 +169,7 @@ def plan(text: str, entry: Entry, overrides: List[str], gpu_memory: Optional[str
 def update_record(folder: Path, drop: Sequence[str] = (), only_pid: Optional[int] = None, **changes: Any) -> Dict[str, Any]:
     """Rewrite ``webui_launch.json`` with ``changes`` and without the keys in ``drop`` (atomically);
     with ``only_pid``, only while the record is still that launch's. Returns the record."""
-    with _RECORD_LOCK:
-        record = read_json(folder / LAUNCH_NAME) or {}
-        if only_pid is not None and record.get("pid") != only_pid:
-            return record
-        record = {**{k: v for k, v in record.items() if k not in drop}, **changes}
-        write_text_atomic(folder / LAUNCH_NAME, json.dumps(record, indent=2))
-        return record
+    return update_json(folder / LAUNCH_NAME, drop, only_pid, **changes)
 
 
 class Launcher:
@@ -151,15 +178,21 @@ class Launcher:
     pid, code)`` is called when a child ends."""
 
     def __init__(self, launcher_args: Optional[List[str]] = None, command: Optional[List[str]] = None):
-        self.command = command or [sys.executable, "-m", "trainer.launch",
-                                   *(launcher_args if launcher_args is not None else default_launcher_args())]
+        self.command = command or [sys.executable, "-m", "trainer.launch"]
+        # None: default_launcher_args() with each run's own mixed precision
+        self.launcher_args = [] if command else launcher_args
         self.children: Dict[str, subprocess.Popen] = {}
         self.on_exit: Callable[[str, Path, int, int], None] = lambda *args: None
 
     def argv(self, folder: Path, entry: Entry, overrides: List[str]) -> List[str]:
-        """The command line of a run in ``folder`` (its YAML is ``folder/webui_config.yaml``)."""
+        """The command line of a run in ``folder`` (its YAML is ``folder/webui_config.yaml``).
+        ``ConfigError`` when the config does not check (the default launcher settings read it)."""
         check_overrides(overrides)
-        return [*self.command, str(ROOT / entry.name), "--config", str(folder / LAUNCH_CONFIG), *overrides]
+        config = folder / LAUNCH_CONFIG
+        launcher_args = self.launcher_args
+        if launcher_args is None:
+            launcher_args = default_launcher_args(check_config(config.read_text(), entry, overrides).mixed_precision)
+        return [*self.command, *launcher_args, str(ROOT / entry.name), "--config", str(config), *overrides]
 
     def start(self, run_id: str, folder: Path, argv: List[str], env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
         """Launch ``argv`` as a child process in its own session, its output in ``launcher.log``.
@@ -167,7 +200,7 @@ class Launcher:
         with open(folder / CHILD_LOG, "ab") as log:
             child = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_DIR": str(folder), **(env or {})})
+                                     env=child_env({"WANDB_DIR": str(folder), **(env or {})}))
         self.children[run_id] = child
         threading.Thread(target=self._reap, args=(run_id, folder, child), daemon=True).start()
         return child
@@ -197,7 +230,7 @@ class Launcher:
         already (a second signal would make the trainer exit without its checkpoint)."""
         record = read_json(folder / LAUNCH_NAME) or {}
         owner = live_owner(folder)
-        mine = bool(self.alive(run_id)) or launched_alive(record)
+        mine = bool(self.alive(run_id)) or recorded_alive(record)
         if record.get("queued"):
             raise LookupError(f"run '{run_id}' is queued, not running: cancel it instead")
         if stop_pending(folder, record) and (mine or owner):
@@ -217,10 +250,13 @@ class Launcher:
         return [pid]
 
 
-def default_launcher_args() -> List[str]:
-    """One process; ``--cpu`` where no GPU is visible. Every setting given, so accelerate has no
-    defaults to warn about (as in scripts/quickstart.sh)."""
+def default_launcher_args(mixed_precision: Optional[str] = None) -> List[str]:
+    """Every launcher setting given, so accelerate has no defaults to warn about (as in
+    scripts/quickstart.sh): one process; ``--mixed_precision`` the run's config's (else ``no``, the
+    trainer's fp32); on a machine without a GPU ``--cpu`` and one CPU thread (on a busy machine a
+    second thread waiting for its core stalls every step of a small model)."""
     import torch
 
-    cpu = ["--cpu"] if not torch.cuda.is_available() else []
-    return [*cpu, "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no"]
+    cpu = [] if torch.cuda.is_available() else ["--cpu", "--num_cpu_threads_per_process", "1"]
+    return [*cpu, "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no",
+            "--mixed_precision", mixed_precision or "no"]

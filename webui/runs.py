@@ -21,19 +21,21 @@ else what the launcher's exit code says.
 
 from __future__ import annotations
 
+import copy
 import json
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-import psutil
 from omegaconf import OmegaConf
 
 from trainer.run_folder.checkpoint import list_checkpoints
 from trainer.reporting.summary import smoothed
 from trainer.run_folder.run_dir import CONFIG_NAME, LOG_NAME, METRICS_NAME, STATUS_NAME, SUMMARY_NAME
 from trainer.run_folder.run_lock import LOCK_NAME, live_owner
+from webui.children import read_json, recorded_alive
 from webui.paths import NAME
 
 LAUNCH_NAME = "webui_launch.json"
@@ -45,15 +47,8 @@ END_STATES = ("finished", "failed", "stopped")
 MARKERS = (CONFIG_NAME, METRICS_NAME, STATUS_NAME, LOCK_NAME, LAUNCH_NAME, SUMMARY_NAME, LOG_NAME)
 STOP_CODES = (130, 143, -2, -15)  # SIGINT / SIGTERM: the trainer checkpointed and stopped
 SPEED_WINDOW = 20  # steps over which s/step is measured
-
-
-def read_json(path: Path) -> Optional[Dict[str, Any]]:
-    """The JSON object in ``path``, or None when it is missing, half-written or not an object."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+CONFIG_CACHE_SIZE = 2048  # run folders whose parsed config is kept (then the cache starts again)
+_CONFIGS: Dict[Path, Tuple[Tuple[Optional[Tuple[int, int, int]], ...], Dict[str, Any]]] = {}
 
 
 @dataclass
@@ -121,19 +116,6 @@ def _changed(folder: Path) -> float:
     return max(times)
 
 
-def launched_alive(record: Dict[str, Any]) -> bool:
-    """Whether the launcher a page started for this record (possibly an earlier server) still runs:
-    its pid lives and was created when the record says it started (not a reused pid)."""
-    pid, started = record.get("pid"), record.get("started")
-    if "returncode" in record or not isinstance(pid, int) or not isinstance(started, (int, float)):
-        return False
-    try:
-        created = psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-        return False
-    return abs(created - started) < 5.0
-
-
 def status_of_this_launch(status: Dict[str, Any], launch: Dict[str, Any]) -> bool:
     """Whether ``run_status.json`` was written since the page's latest launch of the run (always,
     for a run the page never launched)."""
@@ -161,13 +143,13 @@ def run_state(folder: Path, child_alive: Optional[bool]) -> str:
         return "queued"
     fresh = status_of_this_launch(status, launch)
     locked = live_owner(folder) is not None
-    alive = child_alive if child_alive is not None else bool(locked or launched_alive(launch))
+    alive = child_alive if child_alive is not None else bool(locked or recorded_alive(launch))
     if alive:  # the trainer is up once it has written its status or taken the lock since this launch
         return "running" if (fresh and status) or locked else "starting"
+    if fresh and status.get("state") in END_STATES:  # a CLI run's resume queued and cancelled: still its end
+        return status["state"]
     if launch.get("cancelled") and "started" not in launch:
         return "cancelled"
-    if fresh and status.get("state") in END_STATES:
-        return status["state"]
     code = launch.get("returncode")
     if launch.get("launch_error"):
         return "failed"
@@ -182,7 +164,28 @@ def run_state(folder: Path, child_alive: Optional[bool]) -> str:
 
 def read_config(folder: Path) -> Dict[str, Any]:
     """The run's config as plain data: the ``config.yaml`` the run wrote at its latest start, else
-    what the page launched or queued (its YAML with the overrides applied). Never resolved."""
+    what the page launched or queued (its YAML with the overrides applied). Never resolved. Parsed
+    again only when one of the files it comes from changed (the runs list asks for every run's,
+    every poll, and OmegaConf takes milliseconds per file)."""
+    signature = tuple(_file_signature(folder / name) for name in (LAUNCH_NAME, CONFIG_NAME, LAUNCH_CONFIG))
+    cached = _CONFIGS.get(folder)
+    if cached is None or cached[0] != signature:
+        if len(_CONFIGS) >= CONFIG_CACHE_SIZE:
+            _CONFIGS.clear()
+        cached = _CONFIGS[folder] = (signature, _parse_config(folder))
+    return copy.deepcopy(cached[1])  # the caller's to change
+
+
+def _file_signature(path: Path) -> Optional[Tuple[int, int, int]]:
+    """What changes when a file is written (atomic writes make a new inode): None when it is missing."""
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return found.st_ino, found.st_mtime_ns, found.st_size
+
+
+def _parse_config(folder: Path) -> Dict[str, Any]:
     launch = read_json(folder / LAUNCH_NAME) or {}
     written = folder / CONFIG_NAME
     launched = launch.get("created") or launch.get("started")
@@ -315,6 +318,20 @@ def timing(folder: Path, records: List[Dict[str, Any]], state: str) -> Dict[str,
     return {"started": started, "duration_s": max(0.0, end - started) if end is not None else None}
 
 
+def unexplained_end(folder: Path, code: Optional[int], step: int) -> str:
+    """Why a run ended that wrote no end state, in plain words: the launcher's exit code (137 or -9:
+    SIGKILL, which is what the kernel's out-of-memory killer sends), the step, and where it resumes."""
+    if code is None:
+        said = "ended without saying why"
+    else:
+        signum = -code if code < 0 else code - 128 if code > 128 else None
+        why = " (killed: out of memory?)" if signum == signal.SIGKILL else f" (signal {signum})" if signum else ""
+        said = f"exited with code {code}{why}"
+    latest = list_checkpoints(folder)
+    resume = f"resume from {latest[-1].name}" if latest else "no checkpoint to resume from"
+    return f"{said} at step {step}; {resume}"
+
+
 def overview(folder: Path, records: List[Dict[str, Any]], child_alive: Optional[bool]) -> Dict[str, Any]:
     """One row of the runs list: state, family, model, step, losses, s/step, ETA, start, duration, peak."""
     status = read_json(folder / STATUS_NAME) or {}
@@ -329,7 +346,10 @@ def overview(folder: Path, records: List[Dict[str, Any]], child_alive: Optional[
     max_steps = (status.get("max_steps") if fresh else None) or launch.get("max_steps") or cfg.get("max_train_steps")
     speed = seconds_per_step(records)
     state = run_state(folder, child_alive)
+    said_why = bool(launch.get("launch_error")) or (fresh and status.get("state") in END_STATES)
     message = launch.get("launch_error") or (status.get("message") if fresh or not launch else None)
+    if state == "failed" and not said_why:  # the trainer died without its last word: a stale "started"
+        message = unexplained_end(folder, launch.get("returncode"), step)
     return {
         "id": folder.name, "state": state, "message": message,
         "family": cfg.get("family") or summary.get("family"), "model": cfg.get("pretrained_model_name_or_path"),

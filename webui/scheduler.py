@@ -25,11 +25,17 @@ from typing import Any, Dict, List, Optional
 
 from trainer.run_folder.run_dir import write_text_atomic
 from webui import runs
+from webui.children import recorded_alive
 from webui.runner import RELAUNCH_KEYS, Launcher, entry_named, update_record
 from webui.paths import NAME, check_name
 from webui.rules import forced_overrides
 
 TICK_S = 1.0  # how often runs that ended outside this server's sight are noticed
+MAX_QUEUED = 100  # runs waiting at once: each costs a folder, its YAML (up to 1 MB) and a row of every list
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queued`` runs: a new one (or a resume) waits until some start or are cancelled."""
 
 
 class NameTaken(Exception):
@@ -43,10 +49,12 @@ class NameTaken(Exception):
 class Scheduler:
     """The page's runs under ``runs_dir``: their folders, the queue and the launches."""
 
-    def __init__(self, runs_dir: Path, launcher: Launcher, max_concurrent: int = 1, devices: Optional[List[str]] = None):
+    def __init__(self, runs_dir: Path, launcher: Launcher, max_concurrent: int = 1, devices: Optional[List[str]] = None,
+                 max_queued: int = MAX_QUEUED):
         self.runs_dir = Path(runs_dir)
         self.launcher = launcher
         self.max_concurrent = max(1, max_concurrent)
+        self.max_queued = max_queued
         self.devices = list(devices or [])
         self.lock = threading.RLock()
         launcher.on_exit = self._exited
@@ -85,6 +93,15 @@ class Scheduler:
                 continue
         raise NameTaken(f"no free name for '{base}' in {self.runs_dir}")
 
+    def free_name(self, base: str) -> str:
+        """The first of ``base-2``, ``base-3``, ... that names no folder yet (a clone's name; the start
+        that uses it still reserves it, and a name taken meanwhile is a 409)."""
+        for n in range(2, 10_000):
+            name = f"{base[:120]}-{n}"
+            if not (self.runs_dir / name).exists():
+                return name
+        raise NameTaken(f"no free name for '{base}' in {self.runs_dir}")
+
     def delete(self, run_id: str) -> None:
         """Remove a run's folder (``NameTaken`` while it is queued or running, or when it is not a run's):
         renamed out of sight first, so a half-deleted run is never listed."""
@@ -106,8 +123,9 @@ class Scheduler:
     def new_run(self, name: Optional[str], base: str, replace: bool, text: str, entry: str,
                 overrides: List[str], plan: Optional[Dict[str, Any]], max_steps: int) -> str:
         """Reserve a folder, write the run's YAML and record, and queue it (it starts at once when a
-        slot is free). Returns the run's id."""
+        slot is free). Returns the run's id. ``QueueFull`` when ``max_queued`` runs wait already."""
         with self.lock:
+            self._check_room()
             folder = self._reserve(name, base, replace)
             write_text_atomic(folder / runs.LAUNCH_CONFIG, text)
             now = time.time()
@@ -117,16 +135,25 @@ class Scheduler:
             return folder.name
 
     def resume(self, run_id: str, text: str, entry: str, overrides: List[str], max_steps: int) -> None:
-        """Queue a run again from its latest checkpoint (its plan and start time are kept)."""
+        """Queue a run again from its latest checkpoint (its plan and start time are kept). ``NameTaken``
+        while it is queued or running, ``QueueFull`` when ``max_queued`` runs wait already."""
         with self.lock:
             state = self.state(run_id)
             if state in runs.ACTIVE:
                 raise NameTaken(f"run '{run_id}' is {state}")
+            self._check_room()
             folder = self.runs_dir / run_id
             write_text_atomic(folder / runs.LAUNCH_CONFIG, text)
             update_record(folder, drop=("cancelled",), entry=entry, overrides=overrides, max_steps=max_steps,
                           queued=True, queued_at=time.time())
             self.tick()
+
+    def _check_room(self) -> None:
+        """``QueueFull`` when ``max_queued`` runs wait already (free slots would have started them)."""
+        waiting = len(self.queued())
+        if waiting >= self.max_queued:
+            raise QueueFull(f"the queue is full ({waiting} runs waiting, at most {self.max_queued}): "
+                            "wait for some to start, or cancel some")
 
     def cancel(self, run_id: str) -> None:
         """Take a queued run off the queue (``LookupError`` when it is not queued)."""
@@ -142,7 +169,7 @@ class Scheduler:
         for run_id in runs.list_run_ids(self.runs_dir):
             record = runs.read_json(self.runs_dir / run_id / runs.LAUNCH_NAME) or {}
             if "pid" in record and not record.get("queued") and (
-                    self.launcher.alive(run_id) or runs.launched_alive(record)):
+                    self.launcher.alive(run_id) or recorded_alive(record)):
                 out[run_id] = record.get("device")
         return out
 

@@ -4,7 +4,7 @@ events for a run's live updates, and the static page.
     GET  /                          the page
     GET  /api/schema                the start form: every config key with its kind, default and help
     GET  /api/profiles, /api/profiles/{name}    the YAML profiles in train_configs/
-    POST /api/form                  a YAML's values for the form
+    POST /api/form                  a YAML's values for the form, and the family it trains
 
 Every request first passes ``webui/guard.py`` (other sites, body size, token). Bad input is answered
 4xx with ``{"detail": {"errors": [...], "message": ...}}`` (config errors: the CLI's own messages),
@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from webui import api_dataset, api_runs, api_start, runner
+from webui.captioning import CaptionJobs
 from webui.deps import PageState, page
 from webui.guard import Guard
 from webui.paths import OutsideRoot, check_name, safe_join
@@ -63,7 +64,7 @@ def create_app(runs_dir: Path, token: Optional[str] = None, allowed_hosts: Optio
 
     app = FastAPI(title="trainer web UI", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     roots = [runs_dir.resolve(), *([Path(cache_root).resolve()] if cache_root else [])]
-    app.state.page = PageState(runs_dir, launcher, scheduler, Path(profiles_dir), roots)
+    app.state.page = PageState(runs_dir, launcher, scheduler, Path(profiles_dir), roots, CaptionJobs(runs_dir))
     app.state.closing = closing  # set when the server stops: open event streams end
     app.add_exception_handler(RequestValidationError, _invalid_request)
     if allowed_hosts:
@@ -113,8 +114,10 @@ def _add_page_routes(app: FastAPI) -> None:
 
     @app.post("/api/form")
     def form(body: FormRequest) -> Dict[str, Any]:
+        """A YAML's values for the form, and the family it trains (the page picks its entry script)."""
         try:
-            return {"values": yaml_values(body.config)}
+            values = yaml_values(body.config)
+            return {"values": values, "family": runner.family_of(values)}
         except Exception as exc:  # YAML syntax errors of every kind: say what the parser said
             first = " ".join(str(exc).split())[:300]
             raise HTTPException(422, {"errors": [f"config.yaml: not valid YAML: {first}"]}) from None

@@ -34,7 +34,14 @@ async function api(path, body, method) {
 }
 
 // ---- runs list -----------------------------------------------------------------------------------
-let listTimer = null;
+// Polled every 2 s after each answer (never while one is outstanding: with many runs an answer can
+// take longer than the period). `listPoll` counts route changes, so a poll of an earlier visit stops.
+let listTimer = null, listPoll = 0;
+async function pollRuns(poll) {
+  try { await showRuns(); } catch (error) { /* the server restarting: the next poll tries again */ }
+  if (poll === listPoll) listTimer = setTimeout(() => pollRuns(poll), 2000);
+}
+
 async function showRuns() {
   const runs = await api("/api/runs");
   const body = $("#runs tbody");
@@ -136,9 +143,17 @@ function fillForm(edits = {}) {
 async function loadForm(edits = {}) {
   $("#errors").replaceChildren();
   try {
-    yamlValues = (await api("/api/form", {config: $("#yaml").value})).values;
+    const form = await api("/api/form", {config: $("#yaml").value});
+    yamlValues = form.values;
     fillForm(edits);
+    selectEntry(form.family);
   } catch (error) { showErrors(error.errors); }
+}
+
+// The entry script of the YAML's family (its `family:`, else its model's pipeline), unless the chosen one is of it.
+function selectEntry(family) {
+  const ofFamily = schema.entries.filter(e => e.family === family).map(e => e.name);
+  if (ofFamily.length && !ofFamily.includes($("#entry").value)) $("#entry").value = ofFamily[0];
 }
 
 async function cloneRun(id) {
@@ -147,7 +162,7 @@ async function cloneRun(id) {
     $("#yaml").value = launched.config;
     $("#profile").value = "";
     if ([...$("#entry").options].some(o => o.value === launched.entry)) $("#entry").value = launched.entry;
-    $("#run-name").value = "";
+    $("#run-name").value = launched.name;  // <source>-2: a clone is named after the run it copies
     await loadForm(launched.values);
     $("#clone-note").textContent = `A new run like '${id}': its YAML and the settings it changed are filled in.`;
     $("#clone-note").hidden = false;
@@ -384,10 +399,11 @@ function captionFolderControls(id, n, defaultModel) {
   const trigger = el("input", {class: "caption-trigger", size: 12, placeholder: "trigger word", title: "put first in every caption"});
   const overwrite = el("input", {type: "checkbox", class: "caption-overwrite"});
   const start = el("button", {class: "caption-start"}, "Caption this folder");
+  const stop = el("button", {class: "caption-stop", hidden: ""}, "Stop");
   const status = el("span", {class: "caption-status hint"});
   const replace = el("label", {}, " replace existing captions");
   replace.prepend(overwrite);
-  for (const node of [model, trigger, replace, start, status]) row.appendChild(node);
+  for (const node of [model, trigger, replace, start, stop, status]) row.appendChild(node);
   const url = `/api/runs/${enc(id)}/dataset/${n}/caption-folder`;
   const show = job => {
     const counts = job.state === "none" ? "" : `captioned ${job.captioned}, kept ${job.skipped}, failed ${job.failed}`;
@@ -395,6 +411,7 @@ function captionFolderControls(id, n, defaultModel) {
                           interrupted: `interrupted (${counts}); start again to go on`, failed: `failed: ${job.error}`}[job.state] ?? job.state;
     if (job.failures && job.failures.length) status.title = job.failures.map(f => `${f.image}: ${f.reason}`).join("\n");
     start.disabled = job.state === "running";
+    stop.hidden = job.state !== "running";  // also a captioner an earlier server left running
   };
   const poll = async () => {
     clearTimeout(captionTimers[n]);
@@ -404,6 +421,11 @@ function captionFolderControls(id, n, defaultModel) {
     if (job.state === "running") captionTimers[n] = setTimeout(poll, 2000);
     else if (start.dataset.started) { delete start.dataset.started; showDataset(); }  // the new captions
   };
+  stop.addEventListener("click", async () => {
+    stop.disabled = true;
+    try { show(await api(`${url}/stop`, {})); } catch (error) { status.textContent = error.message; }
+    stop.disabled = false;
+  });
   start.addEventListener("click", async () => {
     if (overwrite.checked && !confirm("Replace every existing caption of this folder?")) return;
     start.disabled = true;
@@ -441,7 +463,8 @@ function datasetItem(id, n, item) {
 // ---- routing -------------------------------------------------------------------------------------
 async function route() {
   if (source) { source.close(); source = null; }
-  clearInterval(listTimer);
+  clearTimeout(listTimer);
+  listPoll += 1;
   Object.values(captionTimers).forEach(clearTimeout);
   $("#lightbox").hidden = true;
   const hash = location.hash || "#/";
@@ -456,8 +479,7 @@ async function route() {
     await showStart(new URLSearchParams(query || ""));
   } else {
     $("#view-runs").hidden = false;
-    await showRuns();
-    listTimer = setInterval(showRuns, 2000);
+    await pollRuns(listPoll);
   }
 }
 
