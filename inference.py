@@ -82,11 +82,18 @@ def pipeline_name(in_checkpoint: str, family: Optional[str]) -> str:
     return SPECS[family].pipelines[0]
 
 
+def check_local_files(args: argparse.Namespace) -> None:
+    """``SystemExit`` naming a ``--lora`` or ``--image`` path that does not exist."""
+    if args.lora and not Path(args.lora).exists():
+        raise SystemExit(f"error: LoRA file '{args.lora}' does not exist")
+    for path in args.image:
+        if not path.is_file():
+            raise SystemExit(f"error: reference image '{path}' does not exist")
+
+
 def add_lora(pipe, lora: str, scale: float) -> None:
     """Load a LoRA file as adapter 'lora' at ``scale``."""
     path = Path(lora)
-    if not path.exists():
-        raise SystemExit(f"error: LoRA file '{lora}' does not exist")
     folder, name = (path, None) if path.is_dir() else (path.parent, path.name)
     pipe.load_lora_weights(str(folder), weight_name=name, adapter_name="lora")
     pipe.set_adapters(["lora"], adapter_weights=[scale])
@@ -128,9 +135,6 @@ def reference_images(pipe, paths: List[Path]):
         raise SystemExit(f"error: {name} takes {least} to {limit} --image reference(s), got {len(paths)}")
     if not paths:  # text-to-image (Qwen-Image-2.1)
         return None
-    for path in paths:
-        if not path.is_file():
-            raise SystemExit(f"error: reference image '{path}' does not exist")
     images = [Image.open(p).convert("RGB") for p in paths]
     return images if limit > 1 else images[0]
 
@@ -139,6 +143,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.base_out is not None and not args.lora:
         raise SystemExit("error: --base-out renders the base model beside a LoRA: give --lora too")
+    check_local_files(args)  # before the model loads (minutes, or hub retries when offline)
     pipe, device = load_pipeline(args.model, args.family, args.dtype)
     if args.base_out is not None:
         render(pipe, args, args.base_out, device)

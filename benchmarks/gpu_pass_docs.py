@@ -187,7 +187,7 @@ def header(p: Pass, doc: str) -> str:
     dry = " **Dry run on the CPU: tiny models; these numbers say nothing about a GPU.**" if p.dry_run else ""
     return (f"### GPU pass at commit {p.commit} on {p.device}\n\n"
             f"Measured by `bash benchmarks/gpu_pass.sh` ({p.when}, wall {fmt(p.wall, '.0f')} s of a "
-            f"{fmt(p.budget, '.0f')} s budget, one device call): {p.device}, driver {m.get('driver')}, "
+            f"{fmt(p.budget, '.0f')} s budget, one run of the pass): {p.device}, driver {m.get('driver')}, "
             f"torch {m.get('torch')}, CUDA {m.get('cuda')}, cuDNN {m.get('cudnn')}, diffusers {ver.get('diffusers')}, "
             f"optimum-quanto {ver.get('optimum-quanto')}, bitsandbytes {ver.get('bitsandbytes')}, torchao "
             f"{ver.get('torchao')}; full-size random-weight transformers (nothing downloaded), 1024^2, batch 1, "

@@ -355,6 +355,11 @@ def run_all(configs: List[Config], args: argparse.Namespace, model: Path, data: 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if args.model and not (args.model / "transformer" / "config.json").is_file():
+        print(f"error: --model {args.model}: no diffusers Qwen-Image folder there (no transformer/config.json); "
+              "give a local folder (hf download Qwen/Qwen-Image --local-dir DIR), or leave --model out to build "
+              "a benchmark pipeline", file=sys.stderr)
+        return 2
     work = args.work_dir.resolve()
     model = args.model.resolve() if args.model else \
         build_bench_pipeline(work / f"pipeline_{args.layers}x_{args.stored_dtype}", args.layers, args.stored_dtype)

@@ -92,9 +92,13 @@ def test_flux_renders(tiny_flux: Path, tmp_path: Path) -> None:
 
 
 def test_bad_inputs_are_one_line_errors(tiny_qwen_image: Path, tmp_path: Path) -> None:
-    result = infer("--model", str(tiny_qwen_image), "--prompt", "x", "--lora", str(tmp_path / "none.safetensors"),
-                   "--out", str(tmp_path / "x.png"))
+    result = infer("--model", "no/such-model", "--prompt", "x", "--lora", str(tmp_path / "none.safetensors"),
+                   "--out", str(tmp_path / "x.png"))  # named before the model is looked for (hub retries)
     assert result.returncode != 0 and "LoRA file" in result.stderr and "Traceback" not in result.stderr
+    result = infer("--model", "no/such-model", "--prompt", "x", "--image", str(tmp_path / "r.png"),
+                   "--out", str(tmp_path / "x.png"))  # named before the model is looked for
+    assert result.returncode != 0 and "reference image" in result.stderr and "does not exist" in result.stderr
+    Image.new("RGB", (64, 64)).save(tmp_path / "r.png")
     result = infer("--model", str(tiny_qwen_image), "--prompt", "x", "--image", str(tmp_path / "r.png"),
                    "--out", str(tmp_path / "x.png"))
     assert result.returncode != 0 and "--image is for Qwen-Image-Edit" in result.stderr

@@ -331,3 +331,19 @@ def test_checkpoint_cpu_offload_needs_checkpointing(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="gradient_checkpointing_cpu_offload.*disable_gradient_checkpointing"):
         load_config(None, ["pretrained_model_name_or_path=x/y", f"data_config.img_dir={tmp_path / 'd'}",
                            "gradient_checkpointing_cpu_offload=true", "disable_gradient_checkpointing=true"])
+
+
+def test_the_benchmark_names_a_missing_model_folder_in_one_line(tmp_path: Path) -> None:
+    """``benchmarks/low_memory.py --model`` that is not a diffusers folder: one line, exit 2 (a raw
+    FileNotFoundError before), and nothing built."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "low_memory.py"), "--model",
+                           str(tmp_path / "nope"), "--work-dir", str(tmp_path / "work")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"--model {tmp_path / 'nope'}: no diffusers Qwen-Image folder" in done.stderr
+    assert not (tmp_path / "work").exists()

@@ -166,3 +166,17 @@ def test_cli_refuses_non_empty_folder_without_force(tmp_path, capsys):
     assert cli_main(["--family", "flux", "--out", str(out), "--force"]) == 0
     assert (out / "model_index.json").is_file() and not (out / "keep.txt").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temp folder left behind
+
+
+def test_cli_building_the_same_model_again_is_a_no_op(tmp_path, capsys):
+    """The README's and the CPU profiles' build lines run after the quick-start built that model: the
+    same family and seed is done already (exit 0, nothing rebuilt); another one is still refused."""
+    out = tmp_path / "model"
+    assert cli_main(["--family", "flux", "--out", str(out)]) == 0
+    weights = sorted(out.rglob("*.safetensors"))
+    stamps = [w.stat().st_mtime_ns for w in weights]
+    assert cli_main(["--family", "flux", "--out", str(out)]) == 0
+    assert "there already" in capsys.readouterr().out
+    assert [w.stat().st_mtime_ns for w in weights] == stamps
+    assert cli_main(["--family", "flux", "--out", str(out), "--seed", "1"]) == 2
+    assert cli_main(["--family", "flux2", "--out", str(out)]) == 2

@@ -11,6 +11,19 @@ from pathlib import Path
 from . import FAMILIES, build_tiny_pipeline
 from ._common import folder_size
 
+STAMP = "tiny_family.txt"  # which family the folder holds, so that building it again is a no-op
+
+
+def stamp(family: str, seed: int) -> str:
+    """What ``STAMP`` holds for a model built with these arguments."""
+    return f"{family} seed={seed}"
+
+
+def built_as(folder: Path) -> str | None:
+    """How this CLI built ``folder`` (its stamp), or None."""
+    path = folder / STAMP
+    return path.read_text().strip() if path.is_file() else None
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m utils.tiny_models", description=__doc__)
@@ -25,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {out} exists and is not a folder", file=sys.stderr)
         return 2
     if out.is_dir() and any(out.iterdir()) and not args.force:
+        if built_as(out) == stamp(args.family, args.seed):  # the README's and profiles' lines, run again
+            print(f"{out}: the tiny {args.family} model is there already (--force builds it again)")
+            return 0
         print(f"error: {out} is not empty; pass --force to replace it", file=sys.stderr)
         return 2
 
@@ -33,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         build_tiny_pipeline(args.family, tmp / "model", seed=args.seed)
+        (tmp / "model" / STAMP).write_text(stamp(args.family, args.seed) + "\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
