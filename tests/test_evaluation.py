@@ -222,8 +222,8 @@ def test_every_family_evaluates_a_holdout_reproducibly(name: str, tiny_model: An
     assert again == logged[1]
 
 
-def fault_run(argv: List[str], fault: str = "none:0") -> subprocess.CompletedProcess:
-    env = {**os.environ, "FAULT": fault, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+def fault_run(argv: List[str], fault: str = "none:0", **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FAULT": fault, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env_vars}
     return subprocess.run([sys.executable, str(ROOT / "tests" / "fault_driver.py"), *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -255,6 +255,44 @@ def test_the_evaluation_state_survives_kill_9_and_resume(tiny_qwen_image: Path, 
     summaries = [json.loads((folder / "summary.json").read_text())["evaluation"] for folder in (tmp_path / "reference", out)]
     for key in ("best_step", "best_eval_loss", "overfitting_detected_at", "evaluations", "held_out_images"):
         assert summaries[0][key] == summaries[1][key], key
+
+
+def lora_tensors(out: Path) -> Dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "pytorch_lora_weights.safetensors"))
+
+
+@pytest.mark.e2e
+def test_a_stop_when_overfitting_survives_a_kill_after_its_checkpoint_and_a_sigterm_on_its_step(
+        tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    """The detector fires at step 4 (injected: OVERFIT_AT) and the run stops there. Killed with SIGKILL as
+    the final LoRA is written (checkpoint-4 sealed), or stopped by SIGTERM during step 4, the resumed run
+    stops at step 4 too: the same final LoRA, bit for bit, and run_status "finished" at step 4."""
+    import torch
+
+    def argv(out: Path, *extra: str) -> List[str]:
+        return ["--config", str(ROOT / QUICKSTART), *base(tiny_qwen_image, sample_data, out), "max_train_steps=8",
+                "checkpointing_steps=2", "checkpoints_total_limit=null", "overwrite_output_dir=false",
+                "evaluation.holdout=2", "evaluation.stop_when_overfitting=true", *extra]
+
+    reference = fault_run(argv(tmp_path / "reference"), OVERFIT_AT="4")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert json.loads((tmp_path / "reference" / "run_status.json").read_text())["step"] == 4
+    want = lora_tensors(tmp_path / "reference")
+    for fault, code in (("kill_in_export", -9), ("signal_rank:0:TERM:4", 143)):
+        out = tmp_path / fault.split(":")[0]
+        stopped = fault_run(argv(out), fault=fault, OVERFIT_AT="4")
+        assert stopped.returncode == code, stopped.stderr[-3000:]
+        assert (out / "checkpoint-4").is_dir() and not (out / "pytorch_lora_weights.safetensors").exists()
+        resumed = fault_run(argv(out, "resume_from_checkpoint=latest"), OVERFIT_AT="4")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        status = json.loads((out / "run_status.json").read_text())
+        assert (status["state"], status["step"]) == ("finished", 4), fault
+        assert "the run stops at step 4 without training further" in resumed.stderr
+        assert not (out / "checkpoint-6").exists() and json.loads((out / "summary.json").read_text())["steps"] == 4
+        got = lora_tensors(out)
+        assert got.keys() == want.keys() and all(torch.equal(want[k], got[k]) for k in want), fault
 
 
 @pytest.mark.e2e

@@ -320,7 +320,7 @@ class Trainer:
 
     def _loop(self, progress: tqdm) -> None:
         cfg, acc, state = self.cfg, self.accelerator, self.state
-        if state.step >= cfg.max_train_steps:
+        if state.step >= cfg.max_train_steps or self.evaluation.stopping:  # (stopped before a resume)
             return
         losses: List[torch.Tensor] = []
         for micro, batch in micro_batches(self.dataloader, self.sampler, state):
