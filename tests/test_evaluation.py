@@ -42,6 +42,23 @@ def test_overfitting_needs_patience_evaluations_above_the_best_while_training_fa
     assert "step 0" in overfitting(from_start, patience=2), "best before training: compared with the first after"
 
 
+def test_a_detection_in_a_checkpoint_stops_the_resumed_run_only_when_asked(sample_data: Path) -> None:
+    from trainer.evaluation.held_out import Evaluation
+
+    saved = {"global_step": 6, "evaluation": {"history": [h(0, 1.0, None), h(2, 0.5, 0.9), h(4, 0.6, 0.7)],
+                                              "overfit_at": 4, "window": [0.0, 0.0]}}
+    for stop, expected in (("true", True), ("false", False)):
+        cfg = load_config(ROOT / QUICKSTART, [f"data_config.img_dir={sample_data}", "evaluation.holdout=2",
+                                              f"evaluation.stop_when_overfitting={stop}"])
+        evaluation = Evaluation(cfg)
+        evaluation.load_state_dict(saved)
+        assert (evaluation.overfit_at, evaluation.stopping) == (4, expected), stop
+    saved["evaluation"]["overfit_at"] = None
+    evaluation.cfg.evaluation.stop_when_overfitting = True
+    evaluation.load_state_dict(saved)
+    assert not evaluation.stopping, "no detection yet: the run trains on"
+
+
 def test_pruning_keeps_the_protected_step_beside_the_newest(tmp_path: Path) -> None:
     for step in (10, 20, 30, 40):
         folder = tmp_path / f"checkpoint-{step}"
