@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -307,5 +308,45 @@ def test_a_lock_a_live_process_holds_is_refused(tmp_path: Path) -> None:
         holder.wait()
     assert not run_lock.is_held(tmp_path / "run.lock"), "the kernel dropped the dead holder's flock"
     folder = RunFolder(tmp_path, LORA)
+    folder.open(None, overwrite=False)
+    folder.release(0)
+
+
+def test_a_deleted_lock_still_keeps_a_second_run_out(tmp_path: Path) -> None:
+    """The refusal never invites deleting the lock of a live run on this machine; deleted anyway (#58),
+    the owner still holds the folder, so a second run is refused and the first one's files stay."""
+    holder = subprocess.Popen(lock_script(tmp_path, "holding"), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+        with pytest.raises(ConfigError) as err:
+            RunFolder(tmp_path, LORA).open("latest", overwrite=False)
+        assert f"pid {holder.pid} on {socket.gethostname()}" in str(err.value)
+        assert not re.search(r"\bdelete\b", str(err.value)), "a live run's lock is not to be deleted"
+        (tmp_path / "run.lock").unlink()
+        for resume in ("latest", None):
+            with pytest.raises(ConfigError) as err:
+                RunFolder(tmp_path, LORA).open(resume, overwrite=True)
+            message = str(err.value)
+            assert f"output_dir '{tmp_path}' is in use by another run on this machine" in message, message
+            assert "run.lock is missing" in message and not re.search(r"\bdelete\b", message) and "\n" not in message
+        assert not (tmp_path / "run.lock").exists() and (tmp_path / "metrics.jsonl").is_file(), "nothing touched"
+    finally:
+        holder.kill()
+        holder.wait()
+    folder = RunFolder(tmp_path, LORA)
+    folder.open("latest", overwrite=False)  # the owner is gone: the folder is free
+    folder.release(0)
+
+
+def test_a_folder_named_like_the_lock_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "run.lock").mkdir()
+    with pytest.raises(ConfigError) as err:
+        RunFolder(tmp_path, LORA).open(None, overwrite=False)
+    assert str(err.value) == (f"{tmp_path / 'run.lock'} is a folder, not a lock file: remove it (it is not the "
+                              "trainer's) or choose another output_dir")
+    assert (tmp_path / "run.lock").is_dir(), "left as it is"
+    folder = RunFolder(tmp_path, LORA)  # the refused run let go of the folder
+    (tmp_path / "run.lock").rmdir()
     folder.open(None, overwrite=False)
     folder.release(0)
