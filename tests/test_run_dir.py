@@ -350,3 +350,25 @@ def test_a_folder_named_like_the_lock_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "run.lock").rmdir()
     folder.open(None, overwrite=False)
     folder.release(0)
+
+
+def test_what_a_killed_save_leaves_is_removed_at_the_next_start(tmp_path: Path) -> None:
+    """Each is a full-size copy of the weights (#21): the final LoRA's and its EMA copy's .lora-XXXX
+    folder, a full fine-tune's .final_model.tmp, a PEFT file's .adapter_model.safetensors.XXXX.tmp."""
+    leftovers = [".checkpoint-4.tmp/x", ".lora-a1b2/pytorch_lora_weights.safetensors",
+                 "ema/.lora-c3d4/pytorch_lora_weights.safetensors"]
+    for name in leftovers:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"w" * 100)
+    (tmp_path / "notes.txt").write_text("the user's")
+    opened(tmp_path)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if "run_status" not in p.name) \
+        == ["ema", "notes.txt"]
+    for final, leftover in (("final_model", ".final_model.tmp/transformer/w"),
+                            ("adapter_model.safetensors", ".adapter_model.safetensors.k2j9.tmp")):
+        (tmp_path / leftover).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / leftover).write_bytes(b"w")
+        folder = RunFolder(tmp_path, final)
+        folder.open(None, overwrite=False)
+        folder.release(0)
+        assert not (tmp_path / leftover.split("/")[0]).exists(), leftover

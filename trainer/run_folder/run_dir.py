@@ -106,10 +106,17 @@ class RunFolder:
         return None
 
     def _remove_partial_saves(self) -> None:
-        """``.checkpoint-N.tmp`` folders of a killed save (the lock says no run is writing them)."""
-        for tmp in self.path.glob(".checkpoint-*.tmp"):
-            shutil.rmtree(tmp, ignore_errors=True)
-            logger.info(f"removed {tmp.name}, left by an interrupted save")
+        """What a killed save leaves (the lock says no run is writing them): ``.checkpoint-N.tmp`` folders,
+        and what the final weights (and their EMA copy) are written in before the rename: a ``.lora-*``
+        folder, or ``.<final name>*.tmp``; each is a full-size copy of the weights."""
+        temporaries = (f"{ckpt.LORA_TEMP_PREFIX}*", f".{self.final.name}*.tmp")
+        for pattern in (".checkpoint-*.tmp", *temporaries, *(f"ema/{t}" for t in temporaries)):
+            for tmp in self.path.glob(pattern):
+                if tmp.is_dir() and not tmp.is_symlink():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    tmp.unlink(missing_ok=True)
+                logger.info(f"removed {tmp.relative_to(self.path)}, left by an interrupted save")
 
     def _move_old_metrics(self) -> None:
         """A fresh start never appends to another run's ``metrics.jsonl``: it is kept aside."""
