@@ -345,7 +345,8 @@ def test_model_and_data_paths_that_are_not_folders_are_named(tmp_path: Path, cap
     image = next((tmp_path / "data").iterdir())
     done = main(capsys, "--data", str(image), "--dry-run")
     assert done.returncode == 2
-    assert done.stderr.strip() == f"error: --data: '{image}' is a file, not a folder of images; give the folder that holds it"
+    assert done.stderr.strip() == f"error: --data: '{image}' is a file, not a folder of images; give the folder " \
+        "that holds it"
 
 
 def test_two_images_of_one_name_are_warned_about(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
