@@ -352,6 +352,26 @@ def test_a_folder_named_like_the_lock_is_one_line(tmp_path: Path) -> None:
     folder.release(0)
 
 
+def test_a_fresh_start_keeps_the_previous_summary_and_loss_curve_aside(tmp_path: Path, logs) -> None:
+    """Else the judge and the web page read the previous run's summary (its over-fitting step) as this
+    run's (#31); overwrite_output_dir removes them with the rest of the previous run."""
+    (tmp_path / "summary.json").write_text('{"steps": 200, "evaluation": {"overfitting_detected_at": 200}}')
+    (tmp_path / "loss_curve.png").write_bytes(b"png")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    assert opened(tmp_path) is None, "no checkpoint, no final file: a fresh start"
+    for name in ("summary.json", "loss_curve.png", "metrics.jsonl"):
+        assert not (tmp_path / name).exists(), name
+    aside = list(tmp_path.glob("summary-*.json.old"))
+    assert len(aside) == 1 and "overfitting_detected_at" in aside[0].read_text()
+    assert [len(list(tmp_path.glob(f"{name}-*.old"))) for name in ("loss_curve", "metrics")] == [1, 1]
+    assert any(f"the previous summary.json was moved to {aside[0].name}" in r["message"] for r in logs)
+    finished_run(tmp_path / "done")
+    (tmp_path / "done" / "summary.json").write_text("{}")
+    (tmp_path / "done" / "loss_curve.png").write_bytes(b"png")
+    assert opened(tmp_path / "done", overwrite=True) is None
+    assert not [p.name for p in (tmp_path / "done").iterdir() if "summary" in p.name or "loss_curve" in p.name]
+
+
 def test_what_a_killed_save_leaves_is_removed_at_the_next_start(tmp_path: Path) -> None:
     """Each is a full-size copy of the weights (#21): the final LoRA's and its EMA copy's .lora-XXXX
     folder, a full fine-tune's .final_model.tmp, a PEFT file's .adapter_model.safetensors.XXXX.tmp."""

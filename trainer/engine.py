@@ -521,7 +521,7 @@ class Trainer:
         if self.is_main:
             sheet = self.validation.contact_sheet()
             self.metrics.close()  # metrics.jsonl complete before it is read
-            curve = plot_losses(read_metrics(self.folder.metrics), self.output_dir / "loss_curve.png")
+            curve = plot_losses(read_metrics(self.folder.metrics), self.folder.loss_curve)
             log_wall_time(self.wall)
             write_summary(self.folder, self.cfg, self.train_seconds, self.monitor.log_summary(),
                           {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME,

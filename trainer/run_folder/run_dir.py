@@ -10,7 +10,8 @@ the engine keeps in it besides checkpoints (``trainer/run_folder/checkpoint.py``
       metrics.jsonl               one JSON line per logged step (``trainer/reporting/metric_logging.py``);
                                   truncated to the checkpoint on resume, moved aside on a fresh start
       train.log                   the full log
-      summary.json                written at the end (``trainer/reporting/summary.py``)
+      summary.json, loss_curve.png   written at the end (``trainer/reporting/summary.py``); moved aside
+                                  on a fresh start with metrics.jsonl (removed by overwrite_output_dir)
       checkpoint-N/               complete checkpoints only
       pytorch_lora_weights.safetensors | adapter_model.safetensors | final_model/   the final artefact
 
@@ -42,6 +43,7 @@ CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 LOG_NAME = "train.log"
 SUMMARY_NAME = "summary.json"
+LOSS_CURVE_NAME = "loss_curve.png"
 STATUS_NAME = "run_status.json"
 
 
@@ -54,6 +56,7 @@ class RunFolder:
         self.metrics = self.path / METRICS_NAME
         self.log = self.path / LOG_NAME
         self.summary = self.path / SUMMARY_NAME
+        self.loss_curve = self.path / LOSS_CURVE_NAME
         self.status_file = self.path / STATUS_NAME
         self.max_steps = max_steps
         self.lock = RunLock(self.path)
@@ -74,7 +77,7 @@ class RunFolder:
             self._remove_partial_saves()
         resume = self._choose_resume(resume_from_checkpoint, overwrite, main)
         if resume is None and main:
-            self._move_old_metrics()
+            self._move_previous_results()
         if main:
             self._started = True
             self.write_status("running", ckpt.read_state(resume)["global_step"] if resume else 0, "started")
@@ -118,12 +121,16 @@ class RunFolder:
                     tmp.unlink(missing_ok=True)
                 logger.info(f"removed {tmp.relative_to(self.path)}, left by an interrupted save")
 
-    def _move_old_metrics(self) -> None:
-        """A fresh start never appends to another run's ``metrics.jsonl``: it is kept aside."""
-        if self.metrics.is_file() and self.metrics.stat().st_size:
-            aside = self.metrics.with_name(f"metrics-{time.strftime('%Y%m%d-%H%M%S')}.jsonl.old")
-            os.replace(self.metrics, aside)
-            logger.warning(f"a fresh start: the previous {METRICS_NAME} was moved to {aside.name}")
+    def _move_previous_results(self) -> None:
+        """A fresh start never appends to another run's ``metrics.jsonl``, nor leaves its ``summary.json``
+        and loss curve to be read as this run's (the judge, the web page): they are kept aside."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for path in (self.metrics, self.summary, self.loss_curve):
+            if not path.is_file() or (path == self.metrics and not path.stat().st_size):
+                continue  # (an empty metrics.jsonl holds nothing to keep)
+            aside = path.with_name(f"{path.stem}-{stamp}{path.suffix}.old")
+            os.replace(path, aside)
+            logger.warning(f"a fresh start: the previous {path.name} was moved to {aside.name}")
 
     def _remove_previous_run(self, checkpoints: List[Path]) -> None:
         for path in checkpoints:
@@ -131,7 +138,8 @@ class RunFolder:
         if self.final.is_dir():
             shutil.rmtree(self.final)
         self.final.unlink(missing_ok=True)
-        self.metrics.unlink(missing_ok=True)
+        for path in (self.metrics, self.summary, self.loss_curve):
+            path.unlink(missing_ok=True)
         logger.warning(f"overwrite_output_dir: removed the previous run's outputs in {self.path}")
 
     # -- status and end of the run ----------------------------------------------------------------
