@@ -503,6 +503,72 @@ def test_the_judge_refuses_what_it_cannot_judge_in_one_line(tmp_path: Path, caps
     assert verdict["checkpoints"] == [{"step": 5, "checkpoint": "checkpoint-5", "train_loss_smoothed": 0.5}]
 
 
+def test_a_damaged_or_another_runs_summary_and_garbage_metrics_are_one_line(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    """#30: a summary.json cut short or not an object; #31: one that is not this run's (its best held-out
+    loss is not the one logged at its step); #33: a metrics.jsonl of garbage, named."""
+    from trainer.judge import main
+
+    (tmp_path / "checkpoint-5").mkdir()
+    (tmp_path / "checkpoint-5" / ckpt.STATE_NAME).write_text(json.dumps({"global_step": 5, "files": {}}))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5, "loss": 0.5, "eval_loss": 0.25}) + "\n")
+    summary = tmp_path / "summary.json"
+    mine = {"steps": 5, "evaluation": {"best_step": 5, "best_eval_loss": 0.25, "overfitting_detected_at": 5}}
+    summary.write_text(json.dumps(mine))
+    assert main([str(tmp_path)]) == 0
+    assert "the run detected over-fitting at step 5" in capsys.readouterr().out
+    stale = {"steps": 200, "evaluation": {"best_step": 5, "best_eval_loss": 0.75, "overfitting_detected_at": 200}}
+    for text, why in (('{"steps": 5, "evalu', "is cut short or unreadable (Unterminated string"),
+                      ("[1, 2]", "holds a JSON list, not an object"),
+                      (json.dumps(stale), "does not match metrics.jsonl (a previous run's)")):
+        summary.write_text(text)
+        assert main([str(tmp_path)]) == 0, text
+        out, err = capsys.readouterr()
+        assert f"keep {tmp_path / 'checkpoint-5'}: lowest held-out loss 0.250000" in out and "over-fitting" not in out
+        assert err.strip().startswith(f"WARNING: {summary} {why}") and "Traceback" not in err, err
+        assert err.strip().endswith(": the run's over-fitting step, if any, is not reported") and "\n" not in err.strip()
+    summary.unlink()
+    (tmp_path / "metrics.jsonl").write_bytes(os.urandom(300).replace(b"\n", b" ") + b"\n\x00garbage\n")
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().endswith(f"no checkpoint has a held-out loss: {tmp_path / 'metrics.jsonl'} holds no metrics "
+                                "record (no line is a JSON object with a step): it is damaged or not a metrics "
+                                "file; or give --holdout DIR"), out
+
+
+@pytest.mark.e2e
+def test_the_judge_skips_a_checkpoint_the_run_prunes_while_it_runs(tiny_qwen_image: Path, sample_data: Path,
+                                                                   tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """#29: the judge lists the checkpoints, then loads the model (minutes for a real one) while a run with
+    checkpoints_total_limit deletes old ones: the pruned one is skipped, said in one line; all of them
+    gone is one line too."""
+    from trainer.model import prepare
+
+    train, held = split_folder(sample_data, tmp_path, [1, 2, 3, 4], [5, 6])
+    out = tmp_path / "run"
+    train_in_process(QUICKSTART, "qwen_image", *base(tiny_qwen_image, train, out), "max_train_steps=4",
+                     "checkpointing_steps=2", "checkpoints_total_limit=null")
+    pruned: List[str] = ["checkpoint-2"]
+    real_prepare = prepare.prepare_transformer
+
+    def prepare_then_prune(*args: Any, **kwargs: Any) -> Any:
+        for name in pruned:
+            shutil.rmtree(out / name)
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(prepare, "prepare_transformer", prepare_then_prune)
+    verdict = judge_in_process(out, held)
+    assert [row["checkpoint"] for row in verdict["checkpoints"]] == ["checkpoint-4"]
+    assert verdict["keep"] == "checkpoint-4" and 0 < verdict["eval_loss"] < 10
+    assert "checkpoint-2: skipped, removed while the judge ran" in capsys.readouterr().err
+    pruned[:] = ["checkpoint-4"]
+    from utils.errors import UserError
+
+    with pytest.raises(UserError, match="every checkpoint was removed while the judge ran"):
+        judge_in_process(out, held)
+
+
 @pytest.mark.e2e
 def test_the_judge_evaluates_a_finished_run_that_had_no_evaluation(tiny_qwen_image: Path, sample_data: Path,
                                                                    tmp_path: Path) -> None:
