@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -116,6 +117,47 @@ def test_metrics_deleted_or_rotated_during_the_run_are_started_again(tmp_path: P
     assert [r["step"] for r in read_metrics(path)] == [3, 4]
     said = [r["message"] for r in logs if "was deleted or replaced during the run" in r["message"]]
     assert len(said) == 2 and str(tmp_path / "metrics.jsonl") in said[0], "one warning each time"
+
+
+def test_a_deleted_output_dir_stops_the_run_in_one_line(tmp_path: Path, logs) -> None:
+    """#67: ``rm -rf output_dir`` mid-run. The logger keeps no closed handle (its ``close(ok=False)`` in the
+    engine's clean-up gave a second traceback), never raises when the run is failing, and the failure
+    becomes one line naming the folder; nothing makes the folder again."""
+    out = tmp_path / "run"
+    folder = RunFolder(out, LORA)
+    folder.open(None, overwrite=False)
+    metrics = JsonlLogger(folder.metrics)
+    metrics.log_dict({"loss": 1.0}, 1)
+    shutil.rmtree(out)
+    metrics.log_dict({"loss": 0.5}, 2)
+    with pytest.raises(FileNotFoundError) as raw:
+        metrics.flush()
+    assert raw.value.filename == str(out) and metrics._file is None, "no closed handle kept"
+    with pytest.raises(run_dir.OutputFolderLost) as err:
+        folder.explain_failure(raw.value, 7)
+    assert str(err.value) == (f"output_dir '{out}' was deleted (or replaced) during the run: training stopped at step "
+                              "7, and the checkpoints went with the folder. Start the run again (another output_dir, "
+                              "or this one with overwrite_output_dir: true)")
+    metrics.close(ok=False)  # what the engine's finally does: quiet, no second error
+    folder.release(7, err.value)
+    assert not out.exists(), "not made again"
+    assert not [r for r in logs if r["level"].name == "WARNING"], "the error is said once, by the run"
+    with pytest.raises(FileNotFoundError):
+        checkpoint(out, 8)  # a checkpoint does not make the folder again either
+    assert not out.exists()
+
+
+def test_an_output_dir_made_again_by_someone_stops_the_run_at_its_checkpoint(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run", LORA)
+    folder.open(None, overwrite=False)
+    folder.checkpointed(2, None)
+    folder.explain_failure(ValueError("not about the folder"), 2)  # passes through: the run's own error
+    shutil.rmtree(tmp_path / "run")
+    (tmp_path / "run").mkdir()  # (deleted, then made again by another run or a script)
+    with pytest.raises(run_dir.OutputFolderLost, match="was deleted .or replaced. during the run: training stopped "
+                                                       "at step 4"):
+        folder.checkpointed(4, None)
+    folder.release(4)
 
 
 def test_config_and_summary_are_written_whole(sample_data: Path, tmp_path: Path) -> None:

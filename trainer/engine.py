@@ -128,7 +128,7 @@ class Trainer:
                             "resume_from_checkpoint=latest", exit_code=self.stop.exit_code)
                     return self.finish()
                 except Exception as exc:  # inside the signal handlers: the launcher's SIGTERM waits for this
-                    self.folder.raise_if_disk_full(exc)  # a full disk anywhere: one clear line
+                    self.folder.explain_failure(exc, self.state.step)  # a full disk, output_dir deleted: one line
                     worker = from_loader_worker(exc)
                     if worker is not None:  # a data-loader worker's error: its own line, not its traceback
                         raise worker from None

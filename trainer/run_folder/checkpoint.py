@@ -142,7 +142,7 @@ def write_checkpoint(
         try:
             remove_tmp()  # a leftover of a killed save
             if is_main:
-                tmp.mkdir(parents=True)
+                tmp.mkdir()  # (not its parents: an output_dir deleted during the run is not made again)
             barrier()  # the folder exists before any process writes into it
             save_contents(tmp)
             barrier()  # every process has written its files before the folder is sealed

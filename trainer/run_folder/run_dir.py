@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from loguru import logger
 
@@ -47,6 +47,10 @@ LOSS_CURVE_NAME = "loss_curve.png"
 STATUS_NAME = "run_status.json"
 
 
+class OutputFolderLost(UserError):
+    """``output_dir`` was deleted or replaced while the run used it."""
+
+
 class RunFolder:
     """``output_dir`` of one run; ``final_name`` is the name of its final artefact."""
 
@@ -62,6 +66,7 @@ class RunFolder:
         self.lock = RunLock(self.path)
         self._unregister = lambda: None
         self._started = False  # run_status.json belongs to this run once it has started
+        self._identity: Optional[Tuple[int, int]] = None  # the folder the run took (main process): still there?
 
     def open(self, resume_from_checkpoint: Optional[str], overwrite: bool) -> Optional[Path]:
         """Create and lock the folder and decide between a fresh run and a resume: returns the
@@ -72,6 +77,7 @@ class RunFolder:
         main = int(os.environ.get("RANK", "0")) == 0  # before the Accelerator: the launcher's rank
         if main:
             writable_folder(self.path, "output_dir")
+            self._identity = _identity(self.path)
             self.lock.acquire()
             self._unregister = register_cleanup(self.lock.release)  # a second signal's hard exit
             self._remove_partial_saves()
@@ -153,13 +159,39 @@ class RunFolder:
             try:  # a full disk has no room for a new file: rewrite the old one's block in place
                 _rewrite_in_place(self.status_file, json.dumps(status))
             except OSError as exc:
-                logger.warning(f"{self.status_file} not updated: {exc}")
+                if self.path.is_dir():  # (a deleted output_dir is the run's error, said once)
+                    logger.warning(f"{self.status_file} not updated: {exc}")
 
     def checkpointed(self, step: int, limit: Optional[int], keep: Sequence[int] = ()) -> None:
         """After checkpoint-``step`` is saved (main process): prune old ones (not the steps in ``keep``:
-        the best held-out loss), update the status."""
+        the best held-out loss), update the status. A folder replaced since the start (deleted, then made
+        again by someone) stops the run here, in one line."""
+        if not self._still_there():
+            raise OutputFolderLost(self._lost(step))
         ckpt.prune_checkpoints(self.path, limit, keep)
         self.write_status("running", step, f"saved checkpoint-{step}")
+
+    def explain_failure(self, exc: BaseException, step: int) -> None:
+        """A run failing at ``step`` because of its folder says so in one line: ``OutputFolderLost`` when
+        the folder was deleted or replaced during the run, ``DiskFullError`` when its disk is full."""
+        self.raise_if_lost(exc, step)
+        self.raise_if_disk_full(exc)
+
+    def raise_if_lost(self, exc: BaseException, step: int) -> None:
+        """``exc`` came after ``output_dir`` was deleted (``rm -rf``) or replaced during the run: one line.
+        The folder is not made again: its checkpoints and lock went with it, and a run started meanwhile
+        in a new folder of that name would be written into."""
+        if not isinstance(exc, UserError) and not self._still_there():
+            raise OutputFolderLost(self._lost(step)) from None
+
+    def _still_there(self) -> bool:
+        """``output_dir`` is the folder this run took (always, on the processes that did not take it)."""
+        return self._identity is None or self._identity == _identity(self.path)
+
+    def _lost(self, step: int) -> str:
+        return (f"output_dir '{self.path}' was deleted (or replaced) during the run: training stopped at step "
+                f"{step}, and the checkpoints went with the folder. Start the run again (another output_dir, or "
+                "this one with overwrite_output_dir: true)")
 
     def raise_if_disk_full(self, exc: BaseException) -> None:
         """Turn an out-of-space ``exc`` from anywhere in a run (metrics, export, cache, plots) into one
@@ -218,6 +250,15 @@ def _explicit_checkpoint(path: Path) -> Path:
     others = [p for p in ckpt.checkpoint_folders(path.parent) if p.resolve() != path.resolve() and not ckpt.problem(p)]
     instead = f"; resume from {others[-1]} instead (resume_from_checkpoint={others[-1]})" if others else ""
     raise ConfigError(f"key 'resume_from_checkpoint': '{path}' is not a complete checkpoint folder: {why}{instead}")
+
+
+def _identity(folder: Path) -> Optional[Tuple[int, int]]:
+    """The folder's (device, inode); None when it is gone."""
+    try:
+        stat = os.stat(folder)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def _rewrite_in_place(path: Path, text: str) -> None:
