@@ -12,7 +12,8 @@ run picks up where it stopped when run again. The default model is a small Qwen-
 ``--json`` prints one JSON line per image and a last one with the summary (for programs).
 
 Exit code: 0 when every image has a caption, 1 when some failed (each named with its reason), 2 for
-a usage mistake.
+a usage mistake or a folder that cannot take captions (read-only, no permission: said before the model
+loads; a full disk: the captions written so far are kept).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import List, Optional, Tuple
 
 import utils.quiet  # noqa: F401  (first: silences known-harmless messages of transformers' imports)
 from image_datasets.captioning import (DEFAULT_MODEL, DEFAULT_PROMPT, DTYPES, QUANTIZATIONS, CaptionOptions,
-                                       CaptionReport, Captioner, caption_folder, plan_folder)
+                                       CaptionReport, CaptionWriteError, Captioner, Plan, caption_folder,
+                                       check_writable, plan_folder)
 from utils.errors import UserError
 
 
@@ -72,42 +74,64 @@ def jobs(args: argparse.Namespace) -> List[Tuple[Path, CaptionOptions]]:
             for entry in dataset_entries(cfg)]
 
 
-def dry_run(work: List[Tuple[Path, CaptionOptions]]) -> int:
-    for folder, options in work:
-        plan = plan_folder(folder, options)
+def dry_run(work: List[Tuple[Path, CaptionOptions]], plans: List[Plan]) -> int:
+    for (folder, options), plan in zip(work, plans):
         print(f"{folder}: would caption {len(plan.todo)}, skip {len(plan.skipped)} (caption exists) "
               f"with {options.model}")
         for image in plan.todo[:10]:
             print(f"  {image}")
         if len(plan.todo) > 10:
             print(f"  ... and {len(plan.todo) - 10} more")
+        for image, reason in plan.failed:
+            print(f"  cannot caption {image}: {reason}")
     return 0
+
+
+def caption_all(work: List[Tuple[Path, CaptionOptions]], plans: List[Plan], reports: List[CaptionReport],
+                as_json: bool) -> None:
+    """Caption each folder into ``reports``, the model loaded once, on the first folder that needs it."""
+    on_event = (lambda event: print(json.dumps(event), flush=True)) if as_json else None
+    captioner = None
+    for (folder, options), plan in zip(work, plans):
+        if captioner is None and plan.todo:
+            captioner = Captioner.load(options)
+        reports.append(caption_folder(folder, options, captioner, on_event=on_event))
+
+
+def print_summaries(reports: List[CaptionReport], as_json: bool, error: Optional[str] = None) -> None:
+    """Each folder's summary (``--json``: one line each, the last with ``error`` when the run stopped)."""
+    for index, report in enumerate(reports):
+        if as_json:
+            stopped = {"error": error} if error and index == len(reports) - 1 else {}
+            print(json.dumps({"summary": {**report.to_dict(), **stopped}}), flush=True)
+        elif report.captioned or report.skipped or report.failed or not error:
+            print(report.summary())
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    reports: List[CaptionReport] = []
     try:
         work = jobs(args)
         problems = [p for _, options in work for p in options.problems()]
         if problems:
             raise UserError("; ".join(dict.fromkeys(problems)))
+        plans = [plan_folder(folder, options) for folder, options in work]
+        for warning in [w for plan in plans for w in plan.warnings]:
+            print(f"warning: {warning}", file=sys.stderr)
         if args.dry_run:
-            return dry_run(work)
-        on_event = (lambda event: print(json.dumps(event), flush=True)) if args.json else None
-        captioner = None  # loaded once, on the first folder that needs it
-        reports: List[CaptionReport] = []
-        for folder, options in work:
-            if captioner is None and plan_folder(folder, options).todo:
-                captioner = Captioner.load(options)
-            reports.append(caption_folder(folder, options, captioner, on_event=on_event))
+            return dry_run(work, plans)
+        for (folder, _), plan in zip(work, plans):
+            check_writable(plan, folder)  # before the model loads (minutes for the default one)
+        caption_all(work, plans, reports, args.json)
+    except CaptionWriteError as exc:
+        print_summaries(reports + [exc.report], args.json, error=str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for report in reports:
-        if args.json:
-            print(json.dumps({"summary": report.to_dict()}), flush=True)
-        else:
-            print(report.summary())
+    print_summaries(reports, args.json)
     return 1 if any(report.failed for report in reports) else 0
 
 

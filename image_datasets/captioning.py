@@ -12,7 +12,10 @@ What users can count on:
   skipped. An interrupted ``overwrite`` run resumes too: ``.captioning.json`` in the folder records
   when it started and with which settings, and captions written since are kept;
 - an unreadable image is named with its reason and skipped; the others are captioned;
-- the trigger word, when given, is put first (``"ohwx, a photo of ..."``).
+- the trigger word, when given, is put first (``"ohwx, a photo of ..."``);
+- a folder that cannot take captions (read-only, no permission) is refused before the model loads, and
+  a write that fails mid-run (a full disk) stops the run with ``CaptionWriteError``: one line, the
+  captions written so far kept.
 
 For the web page and other callers: ``caption_folder(folder, options, captioner, on_event=...)``
 returns a ``CaptionReport`` and reports each image as it is done; ``plan_folder`` says what a run
@@ -21,14 +24,19 @@ would do without loading a model; ``read_caption``/``write_caption`` read and sa
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from image_datasets.checks import same_name
 from image_datasets.dataset import IMAGE_EXTENSIONS
 from utils.errors import UserError
 from utils.files import write_text_atomic
@@ -105,10 +113,21 @@ class CaptionReport:
                 "failed": [{"image": str(p), "reason": r} for p, r in self.failed]}
 
 
+class CaptionWriteError(UserError):
+    """Captions cannot be written in a folder (read-only, no permission, a full disk); ``report`` says
+    what was done before."""
+
+    def __init__(self, message: str, report: CaptionReport):
+        super().__init__(message)
+        self.report = report
+
+
 # --------------------------------------------------------------------------- files
 def find_images(folder: Path) -> List[Path]:
     """Every image the trainer would read under ``folder`` (sub-folders included), sorted."""
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--data: '{folder}' is a file, not a folder of images; give the folder that holds it")
     if not folder.is_dir():
         raise UserError(f"--data: folder '{folder}' does not exist")
     return sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
@@ -152,23 +171,54 @@ def load_image(path: Path, max_side: int) -> Image.Image:
 # --------------------------------------------------------------------------- what to do
 @dataclass
 class Plan:
-    """The images of a folder to caption and those skipped because a caption is there."""
+    """The images of a folder to caption, those skipped because a caption is there, those that cannot
+    have one (with the reason), and warnings about the folder."""
 
     todo: List[Path]
     skipped: List[Path]
     started: float  # this (overwrite) session's start: captions written since are done
+    failed: List[Tuple[Path, str]] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)
 
 
 def plan_folder(folder: Path, options: CaptionOptions) -> Plan:
     """What a run on ``folder`` would do, without loading a model (``--dry-run``, the web page)."""
     images = find_images(folder)
-    started = _session_start(Path(folder), options)
-    todo, skipped = [], []
+    plan = Plan([], [], _session_start(Path(folder), options))
     for image in images:
         caption = caption_path(image, options.caption_ext)
-        done = caption.is_file() and (not options.overwrite or caption.stat().st_mtime >= started)
-        (skipped if done else todo).append(image)
-    return Plan(todo, skipped, started)
+        if caption.exists() and not caption.is_file():
+            plan.failed.append((image, f"its caption path {caption} is a folder, not a file; rename or remove it"))
+            continue
+        done = caption.is_file() and (not options.overwrite or caption.stat().st_mtime >= plan.started)
+        (plan.skipped if done else plan.todo).append(image)
+    # img1.png and img1.jpg read one img1.txt: the second is skipped (caption exists) once the first has it.
+    plan.warnings = [f"{p.path}: {p.message}; {p.fix}" for p in same_name(Path(folder), images)]
+    return plan
+
+
+def check_writable(plan: Plan, folder: Path) -> None:
+    """Each folder ``plan`` writes captions in takes a file: ``CaptionWriteError`` naming the first that
+    does not (before any model loads)."""
+    for parent in sorted({image.parent for image in plan.todo}):
+        try:
+            fd, probe = tempfile.mkstemp(dir=parent, prefix=".write-test-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise CaptionWriteError(f"cannot write captions in '{parent}': {_write_problem(exc)}",
+                                    CaptionReport(Path(folder))) from None
+
+
+def _write_problem(exc: OSError) -> str:
+    """What keeps a caption from being written, and what to do (the captions written so far are kept)."""
+    if exc.errno == errno.EROFS:
+        return "the file system is read-only; make it writable, or caption a copy of the folder on a writable disk"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied; make the folder writable for this user"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left on the disk; free some space and run caption.py again (done captions are kept)"
+    return f"{exc.strerror or exc}; fix that and run caption.py again (done captions are kept)"
 
 
 def _session_start(folder: Path, options: CaptionOptions) -> float:
@@ -203,6 +253,9 @@ class Captioner:
 
         from utils.qwen_processor import load_vl_processor
 
+        problem = local_model_problem(options.model)
+        if problem:
+            raise UserError(problem)
         device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
         kwargs = load_kwargs(options, device)
         hub = {"revision": options.revision} if options.revision else {}
@@ -230,6 +283,20 @@ class Captioner:
         with torch.inference_mode():
             out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         return self.processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def local_model_problem(model: str) -> Optional[str]:
+    """Why ``--model`` cannot be a local model folder when it is meant as one (a file; a path that does
+    not exist and cannot be a hub id ``owner/name``), else None: without this, a missing folder is
+    reported as a malformed repo id."""
+    path = Path(model).expanduser()
+    hint = "give a model folder (with config.json) or a hub id such as Qwen/Qwen3-VL-2B-Instruct"
+    if path.exists() and not path.is_dir():
+        return f"--model {model}: cannot load it: it is a file, not a model folder; {hint}"
+    meant_local = model.startswith(("/", ".", "~")) or model.count("/") > 1 or "\\" in model
+    if not path.exists() and meant_local:
+        return f"--model {model}: cannot load it: the folder does not exist; {hint}"
+    return None
 
 
 def load_kwargs(options: CaptionOptions, device: str) -> Dict[str, Any]:
@@ -280,30 +347,53 @@ def caption_folder(folder: Path, options: CaptionOptions, captioner: Optional[Ca
     emit = on_event or (lambda event: None)
     for image in plan.skipped:
         emit({"image": str(image), "status": "skipped"})
+    for image, reason in plan.failed:
+        report.failed.append((image, reason))
+        emit({"image": str(image), "status": "failed", "reason": reason})
     if not plan.todo:
         return report
+    check_writable(plan, folder)
+    session = folder / SESSION_NAME
     if options.overwrite:
-        write_text_atomic(folder / SESSION_NAME, json.dumps({"started": plan.started,
-                                                             "settings": options.fingerprint()}, indent=2))
+        with _stop_on_write_error(session, report):
+            write_text_atomic(session, json.dumps({"started": plan.started, "settings": options.fingerprint()},
+                                                  indent=2))
     captioner = captioner or Captioner.load(options)
-    bar = tqdm(total=len(plan.todo), desc=f"captioning {folder.name}", unit="image", disable=not progress)
-    for batch in _batches(plan.todo, options.batch_size):
-        for image, status, text in _caption_batch(captioner, batch, options):
-            if not options.overwrite and caption_path(image, options.caption_ext).exists():
-                report.skipped.append(image)  # written meanwhile (the web page's editor): theirs stays
-                emit({"image": str(image), "status": "skipped"})
-            elif status == "captioned":
-                write_caption(image, text, options.caption_ext)
-                report.captioned.append(image)
-                emit({"image": str(image), "status": status, "caption": text})
-            else:
-                report.failed.append((image, text))
-                emit({"image": str(image), "status": status, "reason": text})
-        bar.update(len(batch))
-    bar.close()
+    with tqdm(total=len(plan.todo), desc=f"captioning {folder.name}", unit="image", disable=not progress) as bar:
+        for batch in _batches(plan.todo, options.batch_size):  # (the bar ends its line before an error's)
+            for image, status, text in _caption_batch(captioner, batch, options):
+                _record(image, status, text, options, report, emit)
+            bar.update(len(batch))
     if options.overwrite and not report.failed:  # finished: the next overwrite run starts afresh
-        (folder / SESSION_NAME).unlink(missing_ok=True)
+        with _stop_on_write_error(session, report):
+            session.unlink(missing_ok=True)
     return report
+
+
+def _record(image: Path, status: str, text: str, options: CaptionOptions, report: CaptionReport,
+            emit: Callable[[Event], None]) -> None:
+    """Write one image's caption (or note its failure) and report it."""
+    if not options.overwrite and caption_path(image, options.caption_ext).is_file():
+        report.skipped.append(image)  # written meanwhile (the web page's editor): theirs stays
+        emit({"image": str(image), "status": "skipped"})
+    elif status == "captioned":
+        with _stop_on_write_error(caption_path(image, options.caption_ext), report):
+            write_caption(image, text, options.caption_ext)
+        report.captioned.append(image)
+        emit({"image": str(image), "status": status, "caption": text})
+    else:
+        report.failed.append((image, text))
+        emit({"image": str(image), "status": status, "reason": text})
+
+
+@contextmanager
+def _stop_on_write_error(path: Path, report: CaptionReport) -> Iterator[None]:
+    """A caption or the session file that cannot be written (a full disk, a folder made read-only) ends
+    the run in one line naming ``path``: every later write would fail the same way."""
+    try:
+        yield
+    except OSError as exc:
+        raise CaptionWriteError(f"cannot write {path}: {_write_problem(exc)}", report) from None
 
 
 def _batches(items: List[Path], size: int) -> Iterator[List[Path]]:

@@ -560,7 +560,7 @@ def _reference_size_problems(ref: Path, ref_facts: _ImageFacts, facts: _ImageFac
 
 def _check_folder(root: Path, files: List[Path], images: List[Path], caption_ext: str,
                   controls: List[Path]) -> List[Problem]:
-    return (_duplicates(images) + _same_name(root, images) + _orphan_captions(files, images, caption_ext)
+    return (_duplicates(images) + same_name(root, images) + _orphan_captions(files, images, caption_ext)
             + _orphan_references(root, images, controls) + _unsupported(files, controls))
 
 
@@ -586,8 +586,9 @@ def _duplicates(images: List[Path]) -> List[Problem]:
     return problems
 
 
-def _same_name(root: Path, images: List[Path]) -> List[Problem]:
-    """``img1.png`` and ``img1.jpg`` both read ``img1.txt`` (and the same references)."""
+def same_name(root: Path, images: List[Path]) -> List[Problem]:
+    """``img1.png`` and ``img1.jpg`` both read ``img1.txt`` (and the same references); also warned by
+    caption.py, which would give the second the first's caption."""
     first: Dict[Path, Path] = {}
     problems = []
     for path in images:

@@ -6,7 +6,12 @@ Faults: kill_at_call:N (SIGKILL at the N-th micro-batch), kill_in_save:N:WHERE (
 N-th checkpoint save, WHERE = contents | manifest), slow:SECONDS (each micro-batch sleeps),
 nan_at:A-B (loss is NaN for micro-batch calls A..B),
 signal_rank:RANK:SIGNAL:N (the process of that rank sends itself SIGNAL, e.g. KILL or STOP, at its N-th micro-batch),
-slow_cache:SECONDS (each cache entry written sleeps first), fill_after_save:N (after the N-th save, a file beside output_dir fills its filesystem: a real full disk).
+slow_cache:SECONDS (each cache entry written sleeps first), fill_after_save:N (after the N-th save, a file beside output_dir fills its filesystem: a real full disk),
+kill_in_export (SIGKILL as the final weights are about to be written), kill_in_final_rename (SIGKILL as the
+final LoRA file is renamed out of its temporary folder into output_dir).
+
+OVERFIT_AT=N (beside any fault): the over-fitting detector fires at the first evaluation at or after
+step N (a stand-in for a real detection, which takes a long run: tests/test_evaluation.py has one).
 """
 
 from __future__ import annotations
@@ -102,6 +107,22 @@ if kind == "slow_cache":
 
     real_put = FeatureCache.put
     FeatureCache.put = slow_put
+if kind == "kill_in_export":
+    Trainer._export = lambda self: die()
+if kind == "kill_in_final_rename":
+    real_replace = os.replace
+
+    def replace_then_die(src, dst):
+        if f"/{ckpt.LORA_TEMP_PREFIX}" in str(src) and ".checkpoint-" not in str(dst):
+            die()
+        return real_replace(src, dst)
+
+    os.replace = replace_then_die
+if "OVERFIT_AT" in os.environ:
+    from trainer.evaluation import held_out
+
+    held_out.overfitting = lambda history, patience: (
+        "over-fitting: (injected)" if history[-1]["step"] >= int(os.environ["OVERFIT_AT"]) else None)
 Trainer.training_step = faulty_step
 ckpt.write_checkpoint = faulty_write
 sys.exit(cli.main("qwen_image", "fault-injection driver", sys.argv[1:]))

@@ -5,12 +5,14 @@ a training profile, and the errors a user can make."""
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import pytest
 from PIL import Image
@@ -19,6 +21,7 @@ import caption as caption_script
 from conftest import ROOT
 from image_datasets.captioning import (SESSION_NAME, CaptionOptions, Captioner, caption_folder, load_image,
                                        load_kwargs, read_caption, with_trigger)
+from utils.files import write_text_atomic
 from utils.tiny_models import build_tiny_vlm
 
 COLOURS = ("red", "green", "blue", "yellow", "purple", "white")
@@ -167,13 +170,15 @@ def test_dry_run_loads_no_model(tmp_path: Path, capsys: pytest.CaptureFixture) -
 
 @pytest.mark.parametrize("argv, message", [
     (["--quantize", "4bit", "--device", "cpu"], "--quantize 4bit: bitsandbytes quantization needs a CUDA GPU"),
-    (["--model", "{missing}"], "cannot load it as a vision-language model"),
+    (["--model", "{missing}"], "--model {missing}: cannot load it: the folder does not exist"),
+    (["--model", "owner/not-a-model"], "cannot load it as a vision-language model"),
     (["--batch-size", "0"], "--batch-size: value 0 must be >= 1"),
 ])
 def test_mistakes_are_one_line(tmp_path: Path, tiny_vlm: Path, capsys: pytest.CaptureFixture, argv: List[str],
                                message: str) -> None:
     images(tmp_path / "data", 1)
     argv = [a.replace("{missing}", str(tmp_path / "missing")) for a in argv]
+    message = message.replace("{missing}", str(tmp_path / "missing"))
     done = main(capsys, "--data", str(tmp_path / "data"), "--model", str(tiny_vlm), *argv)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
@@ -211,3 +216,142 @@ def test_a_folder_without_images_says_so(tmp_path: Path, capsys: pytest.CaptureF
     (tmp_path / "notes.txt").write_text("not an image")
     done = main(capsys, "--data", str(tmp_path), "--model", str(tmp_path / "never-loaded"))
     assert done.returncode == 0 and f"{tmp_path}: no images found (.png, .jpg, .jpeg, .webp)" in done.stdout
+
+
+# -- folders that cannot take captions, paths that are not what they should be ---------------------------
+class FakeCaptioner:
+    """Stands in for a model where only the files matter: one caption per image, numbered."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def caption(self, images: List[Image.Image], prompt: str, max_new_tokens: int) -> List[str]:
+        self.calls += 1
+        return [f"a picture, call {self.calls}" for _ in images]
+
+
+@pytest.fixture
+def fake_model(monkeypatch: pytest.MonkeyPatch) -> List[FakeCaptioner]:
+    """``Captioner.load`` gives a ``FakeCaptioner``; the list holds each one loaded."""
+    loaded: List[FakeCaptioner] = []
+    monkeypatch.setattr(Captioner, "load", classmethod(lambda cls, options: loaded.append(FakeCaptioner())
+                                                       or loaded[-1]))
+    return loaded
+
+
+def refuse_writes(monkeypatch: pytest.MonkeyPatch, folder: Path, code: int, after: int = 0) -> None:
+    """Files under ``folder`` cannot be written, as on a read-only (EROFS: nothing can be created,
+    renamed or removed either) or full (ENOSPC: after ``after`` files) filesystem; reading works. The
+    tests run as root, which chmod does not stop: the OS calls are refused instead."""
+    real_open, real_os_open = io.open, os.open
+    written = [0]
+
+    def inside(path: Any) -> bool:
+        return isinstance(path, (str, os.PathLike)) and str(folder) in os.fspath(path)
+
+    def refuse(path: Any) -> None:
+        raise OSError(code, os.strerror(code), os.fspath(path))
+
+    def io_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if inside(file) and any(c in mode for c in "wax+"):
+            written[0] += 1
+            if written[0] > after:
+                refuse(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def os_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if code == errno.EROFS and inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            refuse(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", io_open)
+    monkeypatch.setattr(os, "open", os_open)
+    if code == errno.EROFS:
+        for name in ("replace", "rename", "unlink", "remove", "link", "mkdir"):
+            real = getattr(os, name)
+            monkeypatch.setattr(os, name, lambda path, *a, _real=real, **k: refuse(path) if inside(path)
+                                else _real(path, *a, **k))
+
+
+def test_an_atomic_write_that_fails_reports_its_own_error_not_the_cleanups(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    refuse_writes(monkeypatch, tmp_path, errno.EROFS)
+    with pytest.raises(OSError) as err:
+        write_text_atomic(tmp_path / "a.txt", "text")
+    assert err.value.errno == errno.EROFS and err.value.filename == str(tmp_path / ".a.txt.tmp")
+    assert err.value.__context__ is None, "the clean-up's own failure (read-only too) is not chained on"
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_a_read_only_folder_is_one_line_before_the_model_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture,
+                                                               fake_model: List[FakeCaptioner],
+                                                               overwrite: List[str]) -> None:
+    images(tmp_path / "data", 2)
+    refuse_writes(monkeypatch, tmp_path / "data", errno.EROFS)
+    for flags in ([], ["--json"]):
+        done = main(capsys, "--data", str(tmp_path / "data"), "--model", "owner/model", *overwrite, *flags)
+        assert done.returncode == 2 and not fake_model, "refused before any model loads"
+        assert done.stderr.strip() == (f"error: cannot write captions in '{tmp_path / 'data'}': the file system "
+                                       "is read-only; make it writable, or caption a copy of the folder on a "
+                                       "writable disk")
+    summary = json.loads(done.stdout)["summary"]
+    assert summary["captioned"] == [] and summary["error"].startswith("cannot write captions in"), done.stdout
+    assert not list((tmp_path / "data").glob("*.txt")) and not list((tmp_path / "data").glob(".*"))
+
+
+def test_a_full_disk_mid_run_is_one_line_and_keeps_the_done_captions(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture,
+                                                                     fake_model: List[FakeCaptioner]) -> None:
+    paths = images(tmp_path / "data", 3)
+    refuse_writes(monkeypatch, tmp_path / "data", errno.ENOSPC, after=1)  # the second caption finds no space
+    done = main(capsys, "--data", str(tmp_path / "data"), "--model", "owner/model", "--json")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    second = paths[1].with_suffix(".txt")
+    assert done.stderr.strip().splitlines()[-1] == (f"error: cannot write {second}: no space left on the disk; free "
+                                                    "some space and run caption.py again (done captions are kept)")
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [e.get("status") for e in events[:-1]] == ["captioned"], events
+    assert events[-1]["summary"]["captioned"] == [str(paths[0])] and "no space left" in events[-1]["summary"]["error"]
+    assert read_caption(paths[0]) == "a picture, call 1" and read_caption(paths[1]) is None
+    assert sorted(p.name for p in (tmp_path / "data").iterdir() if p.suffix == ".txt" or p.name.startswith(".")) \
+        == ["img0.txt"], "the done caption kept, no temporary file left"
+
+
+def test_a_caption_path_that_is_a_folder_is_a_failure(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                      fake_model: List[FakeCaptioner]) -> None:
+    paths = images(tmp_path, 2)
+    blocked = paths[0].with_suffix(".txt")
+    blocked.mkdir()
+    done = main(capsys, "--data", str(tmp_path), "--model", "owner/model")
+    assert done.returncode == 1, done.stderr
+    assert "captioned 1, skipped 0 (caption exists), failed 1" in done.stdout
+    assert f"failed: {paths[0]}: its caption path {blocked} is a folder, not a file; rename or remove it" \
+        in done.stdout
+    assert blocked.is_dir() and read_caption(paths[1]) == "a picture, call 1"
+
+
+def test_model_and_data_paths_that_are_not_folders_are_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    images(tmp_path / "data", 1)
+    (tmp_path / "model.bin").write_text("weights")
+    hint = "give a model folder (with config.json) or a hub id such as Qwen/Qwen3-VL-2B-Instruct"
+    for model, said in ((str(tmp_path / "no" / "such"), "the folder does not exist"),
+                        ("./models/nope", "the folder does not exist"),
+                        (str(tmp_path / "model.bin"), "it is a file, not a model folder")):
+        done = main(capsys, "--data", str(tmp_path / "data"), "--model", model)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip() == f"error: --model {model}: cannot load it: {said}; {hint}", done.stderr
+    image = next((tmp_path / "data").iterdir())
+    done = main(capsys, "--data", str(image), "--dry-run")
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: --data: '{image}' is a file, not a folder of images; give the folder " \
+        "that holds it"
+
+
+def test_two_images_of_one_name_are_warned_about(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "twin.png")
+    Image.new("RGB", (64, 64), "blue").save(tmp_path / "twin.jpg")
+    done = main(capsys, "--data", str(tmp_path), "--dry-run")
+    assert done.returncode == 0
+    assert f"warning: {tmp_path / 'twin.png'}: shares its name with twin.jpg: both use the same caption" in done.stderr

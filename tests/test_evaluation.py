@@ -42,6 +42,23 @@ def test_overfitting_needs_patience_evaluations_above_the_best_while_training_fa
     assert "step 0" in overfitting(from_start, patience=2), "best before training: compared with the first after"
 
 
+def test_a_detection_in_a_checkpoint_stops_the_resumed_run_only_when_asked(sample_data: Path) -> None:
+    from trainer.evaluation.held_out import Evaluation
+
+    saved = {"global_step": 6, "evaluation": {"history": [h(0, 1.0, None), h(2, 0.5, 0.9), h(4, 0.6, 0.7)],
+                                              "overfit_at": 4, "window": [0.0, 0.0]}}
+    for stop, expected in (("true", True), ("false", False)):
+        cfg = load_config(ROOT / QUICKSTART, [f"data_config.img_dir={sample_data}", "evaluation.holdout=2",
+                                              f"evaluation.stop_when_overfitting={stop}"])
+        evaluation = Evaluation(cfg)
+        evaluation.load_state_dict(saved)
+        assert (evaluation.overfit_at, evaluation.stopping) == (4, expected), stop
+    saved["evaluation"]["overfit_at"] = None
+    evaluation.cfg.evaluation.stop_when_overfitting = True
+    evaluation.load_state_dict(saved)
+    assert not evaluation.stopping, "no detection yet: the run trains on"
+
+
 def test_pruning_keeps_the_protected_step_beside_the_newest(tmp_path: Path) -> None:
     for step in (10, 20, 30, 40):
         folder = tmp_path / f"checkpoint-{step}"
@@ -222,8 +239,8 @@ def test_every_family_evaluates_a_holdout_reproducibly(name: str, tiny_model: An
     assert again == logged[1]
 
 
-def fault_run(argv: List[str], fault: str = "none:0") -> subprocess.CompletedProcess:
-    env = {**os.environ, "FAULT": fault, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+def fault_run(argv: List[str], fault: str = "none:0", **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FAULT": fault, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env_vars}
     return subprocess.run([sys.executable, str(ROOT / "tests" / "fault_driver.py"), *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -255,6 +272,44 @@ def test_the_evaluation_state_survives_kill_9_and_resume(tiny_qwen_image: Path, 
     summaries = [json.loads((folder / "summary.json").read_text())["evaluation"] for folder in (tmp_path / "reference", out)]
     for key in ("best_step", "best_eval_loss", "overfitting_detected_at", "evaluations", "held_out_images"):
         assert summaries[0][key] == summaries[1][key], key
+
+
+def lora_tensors(out: Path) -> Dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "pytorch_lora_weights.safetensors"))
+
+
+@pytest.mark.e2e
+def test_a_stop_when_overfitting_survives_a_kill_after_its_checkpoint_and_a_sigterm_on_its_step(
+        tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    """The detector fires at step 4 (injected: OVERFIT_AT) and the run stops there. Killed with SIGKILL as
+    the final LoRA is written (checkpoint-4 sealed), or stopped by SIGTERM during step 4, the resumed run
+    stops at step 4 too: the same final LoRA, bit for bit, and run_status "finished" at step 4."""
+    import torch
+
+    def argv(out: Path, *extra: str) -> List[str]:
+        return ["--config", str(ROOT / QUICKSTART), *base(tiny_qwen_image, sample_data, out), "max_train_steps=8",
+                "checkpointing_steps=2", "checkpoints_total_limit=null", "overwrite_output_dir=false",
+                "evaluation.holdout=2", "evaluation.stop_when_overfitting=true", *extra]
+
+    reference = fault_run(argv(tmp_path / "reference"), OVERFIT_AT="4")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert json.loads((tmp_path / "reference" / "run_status.json").read_text())["step"] == 4
+    want = lora_tensors(tmp_path / "reference")
+    for fault, code in (("kill_in_export", -9), ("signal_rank:0:TERM:4", 143)):
+        out = tmp_path / fault.split(":")[0]
+        stopped = fault_run(argv(out), fault=fault, OVERFIT_AT="4")
+        assert stopped.returncode == code, stopped.stderr[-3000:]
+        assert (out / "checkpoint-4").is_dir() and not (out / "pytorch_lora_weights.safetensors").exists()
+        resumed = fault_run(argv(out, "resume_from_checkpoint=latest"), OVERFIT_AT="4")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        status = json.loads((out / "run_status.json").read_text())
+        assert (status["state"], status["step"]) == ("finished", 4), fault
+        assert "the run stops at step 4 without training further" in resumed.stderr
+        assert not (out / "checkpoint-6").exists() and json.loads((out / "summary.json").read_text())["steps"] == 4
+        got = lora_tensors(out)
+        assert got.keys() == want.keys() and all(torch.equal(want[k], got[k]) for k in want), fault
 
 
 @pytest.mark.e2e
@@ -446,6 +501,72 @@ def test_the_judge_refuses_what_it_cannot_judge_in_one_line(tmp_path: Path, caps
     verdict = json.loads(capsys.readouterr().out)
     assert verdict["keep"] is None and "give --holdout DIR" in verdict["reason"]
     assert verdict["checkpoints"] == [{"step": 5, "checkpoint": "checkpoint-5", "train_loss_smoothed": 0.5}]
+
+
+def test_a_damaged_or_another_runs_summary_and_garbage_metrics_are_one_line(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    """#30: a summary.json cut short or not an object; #31: one that is not this run's (its best held-out
+    loss is not the one logged at its step); #33: a metrics.jsonl of garbage, named."""
+    from trainer.judge import main
+
+    (tmp_path / "checkpoint-5").mkdir()
+    (tmp_path / "checkpoint-5" / ckpt.STATE_NAME).write_text(json.dumps({"global_step": 5, "files": {}}))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5, "loss": 0.5, "eval_loss": 0.25}) + "\n")
+    summary = tmp_path / "summary.json"
+    mine = {"steps": 5, "evaluation": {"best_step": 5, "best_eval_loss": 0.25, "overfitting_detected_at": 5}}
+    summary.write_text(json.dumps(mine))
+    assert main([str(tmp_path)]) == 0
+    assert "the run detected over-fitting at step 5" in capsys.readouterr().out
+    stale = {"steps": 200, "evaluation": {"best_step": 5, "best_eval_loss": 0.75, "overfitting_detected_at": 200}}
+    for text, why in (('{"steps": 5, "evalu', "is cut short or unreadable (Unterminated string"),
+                      ("[1, 2]", "holds a JSON list, not an object"),
+                      (json.dumps(stale), "does not match metrics.jsonl (a previous run's)")):
+        summary.write_text(text)
+        assert main([str(tmp_path)]) == 0, text
+        out, err = capsys.readouterr()
+        assert f"keep {tmp_path / 'checkpoint-5'}: lowest held-out loss 0.250000" in out and "over-fitting" not in out
+        assert err.strip().startswith(f"WARNING: {summary} {why}") and "Traceback" not in err, err
+        assert err.strip().endswith(": the run's over-fitting step, if any, is not reported") and "\n" not in err.strip()
+    summary.unlink()
+    (tmp_path / "metrics.jsonl").write_bytes(os.urandom(300).replace(b"\n", b" ") + b"\n\x00garbage\n")
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().endswith(f"no checkpoint has a held-out loss: {tmp_path / 'metrics.jsonl'} holds no metrics "
+                                "record (no line is a JSON object with a step): it is damaged or not a metrics "
+                                "file; or give --holdout DIR"), out
+
+
+@pytest.mark.e2e
+def test_the_judge_skips_a_checkpoint_the_run_prunes_while_it_runs(tiny_qwen_image: Path, sample_data: Path,
+                                                                   tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """#29: the judge lists the checkpoints, then loads the model (minutes for a real one) while a run with
+    checkpoints_total_limit deletes old ones: the pruned one is skipped, said in one line; all of them
+    gone is one line too."""
+    from trainer.model import prepare
+
+    train, held = split_folder(sample_data, tmp_path, [1, 2, 3, 4], [5, 6])
+    out = tmp_path / "run"
+    train_in_process(QUICKSTART, "qwen_image", *base(tiny_qwen_image, train, out), "max_train_steps=4",
+                     "checkpointing_steps=2", "checkpoints_total_limit=null")
+    pruned: List[str] = ["checkpoint-2"]
+    real_prepare = prepare.prepare_transformer
+
+    def prepare_then_prune(*args: Any, **kwargs: Any) -> Any:
+        for name in pruned:
+            shutil.rmtree(out / name)
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(prepare, "prepare_transformer", prepare_then_prune)
+    verdict = judge_in_process(out, held)
+    assert [row["checkpoint"] for row in verdict["checkpoints"]] == ["checkpoint-4"]
+    assert verdict["keep"] == "checkpoint-4" and 0 < verdict["eval_loss"] < 10
+    assert "checkpoint-2: skipped, removed while the judge ran" in capsys.readouterr().err
+    pruned[:] = ["checkpoint-4"]
+    from utils.errors import UserError
+
+    with pytest.raises(UserError, match="every checkpoint was removed while the judge ran"):
+        judge_in_process(out, held)
 
 
 @pytest.mark.e2e

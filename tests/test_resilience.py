@@ -90,6 +90,40 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tiny_qwen_image: Path, s
     assert not list(out.glob(".checkpoint-*.tmp")), "the leftover temporary folder was replaced"
 
 
+def test_a_kill_as_the_final_lora_is_renamed_leaves_no_copy_behind(tiny_qwen_image: Path, sample_data: Path,
+                                                                    tmp_path: Path) -> None:
+    """The final LoRA is written in a hidden .lora-XXXX folder and renamed into place: killed in between,
+    that full-size copy is removed by the next start (#21), which then writes the final file."""
+    out = tmp_path / "run"
+    killed = run(args(tiny_qwen_image, sample_data, out, "max_train_steps=3"), fault="kill_in_final_rename")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    left = list(out.glob(".lora-*"))
+    assert len(left) == 1 and (left[0] / "pytorch_lora_weights.safetensors").stat().st_size > 10_000
+    resumed = run(args(tiny_qwen_image, sample_data, out, "max_train_steps=3", "resume_from_checkpoint=latest"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"removed {left[0].name}, left by an interrupted save" in resumed.stderr
+    assert not list(out.rglob(".lora-*")) and (out / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_output_dir_deleted_mid_run_is_one_line(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+    """#67: ``rm -rf output_dir`` while the run trains: one line naming the folder, no traceback (it
+    was two chained ones), and the folder is not made again behind the user's back."""
+    out = tmp_path / "run"
+    proc = run(args(tiny_qwen_image, sample_data, out, "max_train_steps=3000", "checkpointing_steps=1000"),
+               fault="slow:0.02", wait=False)
+    deadline = time.time() + 240
+    while not (out / "metrics.jsonl").is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    shutil.rmtree(out)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 2, stderr[-3000:]
+    assert "Traceback" not in stderr and "I/O operation on closed file" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: output_dir '{out}' was deleted (or replaced) during "
+                                                     "the run: training stopped at step "), stderr[-3000:]
+    assert not out.exists()
+
+
 def test_sigterm_checkpoints_and_says_how_to_resume(tiny_qwen_image: Path, sample_data: Path,
                                                     tmp_path: Path) -> None:
     out = tmp_path / "run"

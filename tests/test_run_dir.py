@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -115,6 +117,47 @@ def test_metrics_deleted_or_rotated_during_the_run_are_started_again(tmp_path: P
     assert [r["step"] for r in read_metrics(path)] == [3, 4]
     said = [r["message"] for r in logs if "was deleted or replaced during the run" in r["message"]]
     assert len(said) == 2 and str(tmp_path / "metrics.jsonl") in said[0], "one warning each time"
+
+
+def test_a_deleted_output_dir_stops_the_run_in_one_line(tmp_path: Path, logs) -> None:
+    """#67: ``rm -rf output_dir`` mid-run. The logger keeps no closed handle (its ``close(ok=False)`` in the
+    engine's clean-up gave a second traceback), never raises when the run is failing, and the failure
+    becomes one line naming the folder; nothing makes the folder again."""
+    out = tmp_path / "run"
+    folder = RunFolder(out, LORA)
+    folder.open(None, overwrite=False)
+    metrics = JsonlLogger(folder.metrics)
+    metrics.log_dict({"loss": 1.0}, 1)
+    shutil.rmtree(out)
+    metrics.log_dict({"loss": 0.5}, 2)
+    with pytest.raises(FileNotFoundError) as raw:
+        metrics.flush()
+    assert raw.value.filename == str(out) and metrics._file is None, "no closed handle kept"
+    with pytest.raises(run_dir.OutputFolderLost) as err:
+        folder.explain_failure(raw.value, 7)
+    assert str(err.value) == (f"output_dir '{out}' was deleted (or replaced) during the run: training stopped at step "
+                              "7, and the checkpoints went with the folder. Start the run again (another output_dir, "
+                              "or this one with overwrite_output_dir: true)")
+    metrics.close(ok=False)  # what the engine's finally does: quiet, no second error
+    folder.release(7, err.value)
+    assert not out.exists(), "not made again"
+    assert not [r for r in logs if r["level"].name == "WARNING"], "the error is said once, by the run"
+    with pytest.raises(FileNotFoundError):
+        checkpoint(out, 8)  # a checkpoint does not make the folder again either
+    assert not out.exists()
+
+
+def test_an_output_dir_made_again_by_someone_stops_the_run_at_its_checkpoint(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run", LORA)
+    folder.open(None, overwrite=False)
+    folder.checkpointed(2, None)
+    folder.explain_failure(ValueError("not about the folder"), 2)  # passes through: the run's own error
+    shutil.rmtree(tmp_path / "run")
+    (tmp_path / "run").mkdir()  # (deleted, then made again by another run or a script)
+    with pytest.raises(run_dir.OutputFolderLost, match="was deleted .or replaced. during the run: training stopped "
+                                                       "at step 4"):
+        folder.checkpointed(4, None)
+    folder.release(4)
 
 
 def test_config_and_summary_are_written_whole(sample_data: Path, tmp_path: Path) -> None:
@@ -309,3 +352,85 @@ def test_a_lock_a_live_process_holds_is_refused(tmp_path: Path) -> None:
     folder = RunFolder(tmp_path, LORA)
     folder.open(None, overwrite=False)
     folder.release(0)
+
+
+def test_a_deleted_lock_still_keeps_a_second_run_out(tmp_path: Path) -> None:
+    """The refusal never invites deleting the lock of a live run on this machine; deleted anyway (#58),
+    the owner still holds the folder, so a second run is refused and the first one's files stay."""
+    holder = subprocess.Popen(lock_script(tmp_path, "holding"), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+        with pytest.raises(ConfigError) as err:
+            RunFolder(tmp_path, LORA).open("latest", overwrite=False)
+        assert f"pid {holder.pid} on {socket.gethostname()}" in str(err.value)
+        assert not re.search(r"\bdelete\b", str(err.value)), "a live run's lock is not to be deleted"
+        (tmp_path / "run.lock").unlink()
+        for resume in ("latest", None):
+            with pytest.raises(ConfigError) as err:
+                RunFolder(tmp_path, LORA).open(resume, overwrite=True)
+            message = str(err.value)
+            assert f"output_dir '{tmp_path}' is in use by another run on this machine" in message, message
+            assert "run.lock is missing" in message and not re.search(r"\bdelete\b", message) and "\n" not in message
+        assert not (tmp_path / "run.lock").exists() and (tmp_path / "metrics.jsonl").is_file(), "nothing touched"
+    finally:
+        holder.kill()
+        holder.wait()
+    folder = RunFolder(tmp_path, LORA)
+    folder.open("latest", overwrite=False)  # the owner is gone: the folder is free
+    folder.release(0)
+
+
+def test_a_folder_named_like_the_lock_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "run.lock").mkdir()
+    with pytest.raises(ConfigError) as err:
+        RunFolder(tmp_path, LORA).open(None, overwrite=False)
+    assert str(err.value) == (f"{tmp_path / 'run.lock'} is a folder, not a lock file: remove it (it is not the "
+                              "trainer's) or choose another output_dir")
+    assert (tmp_path / "run.lock").is_dir(), "left as it is"
+    folder = RunFolder(tmp_path, LORA)  # the refused run let go of the folder
+    (tmp_path / "run.lock").rmdir()
+    folder.open(None, overwrite=False)
+    folder.release(0)
+
+
+def test_a_fresh_start_keeps_the_previous_summary_and_loss_curve_aside(tmp_path: Path, logs) -> None:
+    """Else the judge and the web page read the previous run's summary (its over-fitting step) as this
+    run's (#31); overwrite_output_dir removes them with the rest of the previous run."""
+    (tmp_path / "summary.json").write_text('{"steps": 200, "evaluation": {"overfitting_detected_at": 200}}')
+    (tmp_path / "loss_curve.png").write_bytes(b"png")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    assert opened(tmp_path) is None, "no checkpoint, no final file: a fresh start"
+    for name in ("summary.json", "loss_curve.png", "metrics.jsonl"):
+        assert not (tmp_path / name).exists(), name
+    aside = list(tmp_path.glob("summary-*.json.old"))
+    assert len(aside) == 1 and "overfitting_detected_at" in aside[0].read_text()
+    assert [len(list(tmp_path.glob(f"{name}-*.old"))) for name in ("loss_curve", "metrics")] == [1, 1]
+    assert any(f"the previous summary.json was moved to {aside[0].name}" in r["message"] for r in logs)
+    finished_run(tmp_path / "done")
+    (tmp_path / "done" / "summary.json").write_text("{}")
+    (tmp_path / "done" / "loss_curve.png").write_bytes(b"png")
+    assert opened(tmp_path / "done", overwrite=True) is None
+    assert not [p.name for p in (tmp_path / "done").iterdir() if "summary" in p.name or "loss_curve" in p.name]
+
+
+def test_what_a_killed_save_leaves_is_removed_at_the_next_start(tmp_path: Path) -> None:
+    """Each is a full-size copy of the weights (#21): the final LoRA's and its EMA copy's .lora-XXXX
+    folder, a full fine-tune's .final_model.tmp, a PEFT file's .adapter_model.safetensors.XXXX.tmp."""
+    leftovers = [".checkpoint-4.tmp/x", ".lora-a1b2/pytorch_lora_weights.safetensors",
+                 "ema/.lora-c3d4/pytorch_lora_weights.safetensors"]
+    for name in leftovers:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"w" * 100)
+    (tmp_path / "notes.txt").write_text("the user's")
+    opened(tmp_path)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if "run_status" not in p.name) \
+        == ["ema", "notes.txt"]
+    for final, leftover in (("final_model", ".final_model.tmp/transformer/w"),
+                            ("adapter_model.safetensors", ".adapter_model.safetensors.k2j9.tmp")):
+        (tmp_path / leftover).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / leftover).write_bytes(b"w")
+        folder = RunFolder(tmp_path, final)
+        folder.open(None, overwrite=False)
+        folder.release(0)
+        assert not (tmp_path / leftover.split("/")[0]).exists(), leftover

@@ -128,7 +128,7 @@ class Trainer:
                             "resume_from_checkpoint=latest", exit_code=self.stop.exit_code)
                     return self.finish()
                 except Exception as exc:  # inside the signal handlers: the launcher's SIGTERM waits for this
-                    self.folder.raise_if_disk_full(exc)  # a full disk anywhere: one clear line
+                    self.folder.explain_failure(exc, self.state.step)  # a full disk, output_dir deleted: one line
                     worker = from_loader_worker(exc)
                     if worker is not None:  # a data-loader worker's error: its own line, not its traceback
                         raise worker from None
@@ -320,7 +320,7 @@ class Trainer:
 
     def _loop(self, progress: tqdm) -> None:
         cfg, acc, state = self.cfg, self.accelerator, self.state
-        if state.step >= cfg.max_train_steps:
+        if state.step >= cfg.max_train_steps or self.evaluation.stopping:  # (stopped before a resume)
             return
         losses: List[torch.Tensor] = []
         for micro, batch in micro_batches(self.dataloader, self.sampler, state):
@@ -521,7 +521,7 @@ class Trainer:
         if self.is_main:
             sheet = self.validation.contact_sheet()
             self.metrics.close()  # metrics.jsonl complete before it is read
-            curve = plot_losses(read_metrics(self.folder.metrics), self.output_dir / "loss_curve.png")
+            curve = plot_losses(read_metrics(self.folder.metrics), self.folder.loss_curve)
             log_wall_time(self.wall)
             write_summary(self.folder, self.cfg, self.train_seconds, self.monitor.log_summary(),
                           {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME,

@@ -44,6 +44,49 @@ def read_records(run_dir: Path) -> List[Dict[str, Any]]:
     return records
 
 
+def metrics_problem(run_dir: Path, records: Sequence[Dict[str, Any]]) -> Optional[str]:
+    """What is wrong with a ``metrics.jsonl`` that has lines but not one record (garbage, another
+    file), or None: the verdict names it instead of advising an evaluation section the run had."""
+    path = run_dir / "metrics.jsonl"
+    if records or not path.is_file() or not path.read_text(errors="replace").strip():
+        return None
+    return f"{path} holds no metrics record (no line is a JSON object with a step): it is damaged or not a metrics file"
+
+
+def read_summary(run_dir: Path, records: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """The run's ``summary.json``, or {} (said in one line) when there is none, it is cut short or not an
+    object, or it is another run's: its best held-out loss is not the one ``metrics.jsonl`` logged at
+    that step (a folder started over by a version that left the old summary). Only its over-fitting
+    step is read."""
+    from loguru import logger
+
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return {}
+    try:
+        summary = json.loads(path.read_text(errors="replace"))
+    except (OSError, ValueError) as exc:
+        why = f"is cut short or unreadable ({str(exc).splitlines()[0][:120]})"
+    else:
+        if not isinstance(summary, dict):
+            why = f"holds a JSON {type(summary).__name__}, not an object"
+        elif not _matches(summary, records):
+            why = "does not match metrics.jsonl (a previous run's)"
+        else:
+            return summary
+    logger.warning(f"{path} {why}: the run's over-fitting step, if any, is not reported")
+    return {}
+
+
+def _matches(summary: Dict[str, Any], records: Sequence[Dict[str, Any]]) -> bool:
+    """The summary's best held-out loss is the one logged at its step (or that step was not logged)."""
+    evaluation = summary.get("evaluation")
+    if not isinstance(evaluation, dict):
+        return True
+    logged = [r["eval_loss"] for r in records if r["step"] == evaluation.get("best_step") and "eval_loss" in r]
+    return not logged or logged[-1] == evaluation.get("best_eval_loss")
+
+
 def table(run_dir: Path, records: Sequence[Dict[str, Any]], steps: Sequence[int],
           evaluated: Optional[Dict[int, Dict[str, float]]] = None) -> List[Dict[str, Any]]:
     """One row per checkpoint step: its smoothed training loss (the tensorboard smoothing of every
@@ -70,13 +113,14 @@ def table(run_dir: Path, records: Sequence[Dict[str, Any]], steps: Sequence[int]
     return rows
 
 
-def verdict(rows: Sequence[Dict[str, Any]], summary: Dict[str, Any]) -> Dict[str, Any]:
-    """The checkpoint to keep (lowest held-out loss) and why."""
+def verdict(rows: Sequence[Dict[str, Any]], summary: Dict[str, Any], problem: Optional[str] = None) -> Dict[str, Any]:
+    """The checkpoint to keep (lowest held-out loss) and why (``problem``: what is wrong with the metrics)."""
     scored = [r for r in rows if isinstance(r.get("eval_loss"), (int, float)) and math.isfinite(r["eval_loss"])]
-    overfit = (summary.get("evaluation") or {}).get("overfitting_detected_at")
+    evaluation = summary.get("evaluation")
+    overfit = evaluation.get("overfitting_detected_at") if isinstance(evaluation, dict) else None
     if not scored:
-        return {"keep": None, "reason": "no checkpoint has a held-out loss: train with an evaluation section "
-                                        "(evaluation.holdout: N) or give --holdout DIR"}
+        why = problem or "train with an evaluation section (evaluation.holdout: N)"
+        return {"keep": None, "reason": f"no checkpoint has a held-out loss: {why}; or give --holdout DIR"}
     best = min(scored, key=lambda r: r["eval_loss"])
     latest = rows[-1]
     reason = f"lowest held-out loss {best['eval_loss']:.6f} of {len(scored)} checkpoint(s)"
@@ -134,11 +178,26 @@ def evaluate_checkpoints(run_dir: Path, holdout: Path, steps: Sequence[int]) -> 
     autocast = accelerator.autocast if accelerator.mixed_precision != "no" else contextlib.nullcontext
     results = {}
     for step in steps:
-        weights.load(model, run_dir / f"checkpoint-{step}")
+        if not load_checkpoint(weights, model, run_dir / f"checkpoint-{step}"):
+            continue
         result = evaluator.evaluate(model, dtype, autocast, after_forward=ready.swapper.release_all)
         results[step] = {k: v for k, v in result.fields().items() if k != "eval_seconds"}
         print(f"checkpoint-{step}: held-out loss {result.loss:.6f} ({result.seconds:.1f} s)", file=sys.stderr)
     return results
+
+
+def load_checkpoint(weights: Any, model: Any, folder: Path) -> bool:
+    """Load ``folder``'s trained weights into ``model``; False (said) when the run pruned it meanwhile
+    (checkpoints_total_limit: a run in progress deletes old ones while the judge loads the model)."""
+    try:
+        weights.load(model, folder)
+    except OSError as exc:
+        if folder.is_dir():
+            raise UserError(f"{folder}: cannot read its weights ({exc})") from None
+        print(f"{folder.name}: skipped, removed while the judge ran (the run prunes old checkpoints: "
+              "checkpoints_total_limit)", file=sys.stderr)
+        return False
+    return True
 
 
 def judge(run_dir: Path, holdout: Optional[Path] = None) -> Dict[str, Any]:
@@ -148,12 +207,17 @@ def judge(run_dir: Path, holdout: Optional[Path] = None) -> Dict[str, Any]:
     steps = checkpoint_steps(run_dir)
     if not steps:
         raise UserError(f"{run_dir}: no complete checkpoint-N folder to judge (is it a run's output_dir?)")
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    evaluated = evaluate_checkpoints(run_dir, holdout, steps) if holdout is not None else None
-    rows = table(run_dir, read_records(run_dir), steps, evaluated)
+    evaluated = None
+    if holdout is not None:
+        evaluated = evaluate_checkpoints(run_dir, holdout, steps)
+        steps = [step for step in steps if step in evaluated]  # (not those pruned meanwhile)
+        if not steps:
+            raise UserError(f"{run_dir}: every checkpoint was removed while the judge ran (the run prunes them: "
+                            "checkpoints_total_limit); run the judge again, or once the run has ended")
+    records = read_records(run_dir)
+    rows = table(run_dir, records, steps, evaluated)
     return {"run": str(run_dir), "holdout": str(holdout) if holdout else None, "checkpoints": rows,
-            **verdict(rows, summary)}
+            **verdict(rows, read_summary(run_dir, records), metrics_problem(run_dir, records))}
 
 
 def format_table(result: Dict[str, Any]) -> str:

@@ -15,6 +15,9 @@ def write_text_atomic(path: Path, text: str) -> Path:
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk keeps no half-written file
+        try:
+            tmp.unlink(missing_ok=True)  # a full disk keeps no half-written file
+        except OSError:
+            pass  # (a read-only folder refuses this too): the error to report is the write's
         raise
     return path

@@ -313,11 +313,20 @@ class Evaluation:
         return {"history": self.history, "overfit_at": self.overfit_at, "window": self.window}
 
     def load_state_dict(self, saved: Dict[str, Any]) -> None:
-        """The evaluation state of a checkpoint's ``trainer_state.json`` (absent: none yet)."""
+        """The evaluation state of a checkpoint's ``trainer_state.json`` (absent: none yet). A detection
+        before the checkpoint with ``stop_when_overfitting`` on stops the resumed run there at once."""
         state = saved.get(STATE_KEY) or {}
         self.history = list(state.get("history", []))
         self.overfit_at = state.get("overfit_at")
         self.window = list(state.get("window", [0.0, 0.0]))
+        # The detector says it once (overfit_at), so it never fires again after a resume: the stop it
+        # asked for is derived here, or a run killed after its stopping checkpoint would train on.
+        self.stopping = self.cfg.evaluation.stop_when_overfitting and self.overfit_at is not None
+        if self.stopping:
+            step = saved.get("global_step")
+            logger.warning(f"evaluation.stop_when_overfitting: the checkpoint of step {step} records over-fitting "
+                           f"detected at step {self.overfit_at}: the run stops at step {step} without training "
+                           "further (set evaluation.stop_when_overfitting=false to train on)")
 
     def summary(self, output_dir: Path, train_seconds: float) -> Dict[str, Any]:
         """``summary.json``'s ``evaluation``: the best step and checkpoint, the detector's step, the cost."""

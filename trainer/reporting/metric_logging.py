@@ -10,6 +10,7 @@ one dict per logged step and calls ``MetricLoggers.log_dict`` once.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import time
@@ -77,10 +78,11 @@ class JsonlLogger:
     def close(self, ok: bool = True) -> None:
         try:
             self.flush()
-        except OSError as exc:
+        except Exception as exc:  # ok=False: the run is failing already; its own error is the one to report
             if ok:
                 raise
-            logger.warning(f"{self.path}: the last lines were not written ({exc})")
+            if self.path.parent.is_dir():  # (a deleted output_dir is the run's error, said once)
+                logger.warning(f"{self.path}: the last lines were not written ({exc})")
         finally:
             self._pending = []
             handle, self._file = self._file, None
@@ -93,10 +95,13 @@ class JsonlLogger:
         longer in the folder."""
         handle = self._file
         if handle is not None and not _still_at(handle, self.path):
-            logger.warning(f"{self.path} was deleted or replaced during the run: a new one is started "
-                           "(the lines written before are not in it)")
+            self._file = None  # closed below: a failed reopen must not leave it to the next call
             _close_quietly(handle)
             handle = None
+            if not self.path.parent.is_dir():  # the whole output_dir went: the engine stops, naming it
+                raise FileNotFoundError(errno.ENOENT, "the folder was deleted during the run", str(self.path.parent))
+            logger.warning(f"{self.path} was deleted or replaced during the run: a new one is started "
+                           "(the lines written before are not in it)")
         if handle is None:
             handle = self._file = open(self.path, "a")
         return handle
@@ -202,7 +207,7 @@ def _still_at(handle: IO[str], path: Path) -> bool:
     """Whether the open file ``handle`` is still the file at ``path``."""
     try:
         mine, there = os.fstat(handle.fileno()), path.stat()
-    except OSError:
+    except (OSError, ValueError):  # (ValueError: a closed handle)
         return False
     return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
 

@@ -24,6 +24,7 @@ from trainer.signals import cleanup_on_exit
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 STATE_NAME = "trainer_state.json"
+LORA_TEMP_PREFIX = ".lora-"  # save_lora_file's folder beside the file; a crash leaves it (removed at the next start)
 
 
 def save_lora_file(
@@ -34,7 +35,7 @@ def save_lora_file(
     Written in a temporary folder and renamed over the old file, so a crash leaves the old one intact.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory, prefix=".lora-") as tmp:
+    with tempfile.TemporaryDirectory(dir=directory, prefix=LORA_TEMP_PREFIX) as tmp:
         pipeline_class.save_lora_weights(
             tmp, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata)
         written = Path(tmp) / LORA_WEIGHTS_NAME
@@ -141,7 +142,7 @@ def write_checkpoint(
         try:
             remove_tmp()  # a leftover of a killed save
             if is_main:
-                tmp.mkdir(parents=True)
+                tmp.mkdir()  # (not its parents: an output_dir deleted during the run is not made again)
             barrier()  # the folder exists before any process writes into it
             save_contents(tmp)
             barrier()  # every process has written its files before the folder is sealed

@@ -10,7 +10,8 @@ the engine keeps in it besides checkpoints (``trainer/run_folder/checkpoint.py``
       metrics.jsonl               one JSON line per logged step (``trainer/reporting/metric_logging.py``);
                                   truncated to the checkpoint on resume, moved aside on a fresh start
       train.log                   the full log
-      summary.json                written at the end (``trainer/reporting/summary.py``)
+      summary.json, loss_curve.png   written at the end (``trainer/reporting/summary.py``); moved aside
+                                  on a fresh start with metrics.jsonl (removed by overwrite_output_dir)
       checkpoint-N/               complete checkpoints only
       pytorch_lora_weights.safetensors | adapter_model.safetensors | final_model/   the final artefact
 
@@ -26,7 +27,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from loguru import logger
 
@@ -42,7 +43,12 @@ CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 LOG_NAME = "train.log"
 SUMMARY_NAME = "summary.json"
+LOSS_CURVE_NAME = "loss_curve.png"
 STATUS_NAME = "run_status.json"
+
+
+class OutputFolderLost(UserError):
+    """``output_dir`` was deleted or replaced while the run used it."""
 
 
 class RunFolder:
@@ -54,11 +60,13 @@ class RunFolder:
         self.metrics = self.path / METRICS_NAME
         self.log = self.path / LOG_NAME
         self.summary = self.path / SUMMARY_NAME
+        self.loss_curve = self.path / LOSS_CURVE_NAME
         self.status_file = self.path / STATUS_NAME
         self.max_steps = max_steps
         self.lock = RunLock(self.path)
         self._unregister = lambda: None
         self._started = False  # run_status.json belongs to this run once it has started
+        self._identity: Optional[Tuple[int, int]] = None  # the folder the run took (main process): still there?
 
     def open(self, resume_from_checkpoint: Optional[str], overwrite: bool) -> Optional[Path]:
         """Create and lock the folder and decide between a fresh run and a resume: returns the
@@ -69,12 +77,13 @@ class RunFolder:
         main = int(os.environ.get("RANK", "0")) == 0  # before the Accelerator: the launcher's rank
         if main:
             writable_folder(self.path, "output_dir")
+            self._identity = _identity(self.path)
             self.lock.acquire()
             self._unregister = register_cleanup(self.lock.release)  # a second signal's hard exit
             self._remove_partial_saves()
         resume = self._choose_resume(resume_from_checkpoint, overwrite, main)
         if resume is None and main:
-            self._move_old_metrics()
+            self._move_previous_results()
         if main:
             self._started = True
             self.write_status("running", ckpt.read_state(resume)["global_step"] if resume else 0, "started")
@@ -106,17 +115,28 @@ class RunFolder:
         return None
 
     def _remove_partial_saves(self) -> None:
-        """``.checkpoint-N.tmp`` folders of a killed save (the lock says no run is writing them)."""
-        for tmp in self.path.glob(".checkpoint-*.tmp"):
-            shutil.rmtree(tmp, ignore_errors=True)
-            logger.info(f"removed {tmp.name}, left by an interrupted save")
+        """What a killed save leaves (the lock says no run is writing them): ``.checkpoint-N.tmp`` folders,
+        and what the final weights (and their EMA copy) are written in before the rename: a ``.lora-*``
+        folder, or ``.<final name>*.tmp``; each is a full-size copy of the weights."""
+        temporaries = (f"{ckpt.LORA_TEMP_PREFIX}*", f".{self.final.name}*.tmp")
+        for pattern in (".checkpoint-*.tmp", *temporaries, *(f"ema/{t}" for t in temporaries)):
+            for tmp in self.path.glob(pattern):
+                if tmp.is_dir() and not tmp.is_symlink():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    tmp.unlink(missing_ok=True)
+                logger.info(f"removed {tmp.relative_to(self.path)}, left by an interrupted save")
 
-    def _move_old_metrics(self) -> None:
-        """A fresh start never appends to another run's ``metrics.jsonl``: it is kept aside."""
-        if self.metrics.is_file() and self.metrics.stat().st_size:
-            aside = self.metrics.with_name(f"metrics-{time.strftime('%Y%m%d-%H%M%S')}.jsonl.old")
-            os.replace(self.metrics, aside)
-            logger.warning(f"a fresh start: the previous {METRICS_NAME} was moved to {aside.name}")
+    def _move_previous_results(self) -> None:
+        """A fresh start never appends to another run's ``metrics.jsonl``, nor leaves its ``summary.json``
+        and loss curve to be read as this run's (the judge, the web page): they are kept aside."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for path in (self.metrics, self.summary, self.loss_curve):
+            if not path.is_file() or (path == self.metrics and not path.stat().st_size):
+                continue  # (an empty metrics.jsonl holds nothing to keep)
+            aside = path.with_name(f"{path.stem}-{stamp}{path.suffix}.old")
+            os.replace(path, aside)
+            logger.warning(f"a fresh start: the previous {path.name} was moved to {aside.name}")
 
     def _remove_previous_run(self, checkpoints: List[Path]) -> None:
         for path in checkpoints:
@@ -124,7 +144,8 @@ class RunFolder:
         if self.final.is_dir():
             shutil.rmtree(self.final)
         self.final.unlink(missing_ok=True)
-        self.metrics.unlink(missing_ok=True)
+        for path in (self.metrics, self.summary, self.loss_curve):
+            path.unlink(missing_ok=True)
         logger.warning(f"overwrite_output_dir: removed the previous run's outputs in {self.path}")
 
     # -- status and end of the run ----------------------------------------------------------------
@@ -138,13 +159,39 @@ class RunFolder:
             try:  # a full disk has no room for a new file: rewrite the old one's block in place
                 _rewrite_in_place(self.status_file, json.dumps(status))
             except OSError as exc:
-                logger.warning(f"{self.status_file} not updated: {exc}")
+                if self.path.is_dir():  # (a deleted output_dir is the run's error, said once)
+                    logger.warning(f"{self.status_file} not updated: {exc}")
 
     def checkpointed(self, step: int, limit: Optional[int], keep: Sequence[int] = ()) -> None:
         """After checkpoint-``step`` is saved (main process): prune old ones (not the steps in ``keep``:
-        the best held-out loss), update the status."""
+        the best held-out loss), update the status. A folder replaced since the start (deleted, then made
+        again by someone) stops the run here, in one line."""
+        if not self._still_there():
+            raise OutputFolderLost(self._lost(step))
         ckpt.prune_checkpoints(self.path, limit, keep)
         self.write_status("running", step, f"saved checkpoint-{step}")
+
+    def explain_failure(self, exc: BaseException, step: int) -> None:
+        """A run failing at ``step`` because of its folder says so in one line: ``OutputFolderLost`` when
+        the folder was deleted or replaced during the run, ``DiskFullError`` when its disk is full."""
+        self.raise_if_lost(exc, step)
+        self.raise_if_disk_full(exc)
+
+    def raise_if_lost(self, exc: BaseException, step: int) -> None:
+        """``exc`` came after ``output_dir`` was deleted (``rm -rf``) or replaced during the run: one line.
+        The folder is not made again: its checkpoints and lock went with it, and a run started meanwhile
+        in a new folder of that name would be written into."""
+        if not isinstance(exc, UserError) and not self._still_there():
+            raise OutputFolderLost(self._lost(step)) from None
+
+    def _still_there(self) -> bool:
+        """``output_dir`` is the folder this run took (always, on the processes that did not take it)."""
+        return self._identity is None or self._identity == _identity(self.path)
+
+    def _lost(self, step: int) -> str:
+        return (f"output_dir '{self.path}' was deleted (or replaced) during the run: training stopped at step "
+                f"{step}, and the checkpoints went with the folder. Start the run again (another output_dir, or "
+                "this one with overwrite_output_dir: true)")
 
     def raise_if_disk_full(self, exc: BaseException) -> None:
         """Turn an out-of-space ``exc`` from anywhere in a run (metrics, export, cache, plots) into one
@@ -203,6 +250,15 @@ def _explicit_checkpoint(path: Path) -> Path:
     others = [p for p in ckpt.checkpoint_folders(path.parent) if p.resolve() != path.resolve() and not ckpt.problem(p)]
     instead = f"; resume from {others[-1]} instead (resume_from_checkpoint={others[-1]})" if others else ""
     raise ConfigError(f"key 'resume_from_checkpoint': '{path}' is not a complete checkpoint folder: {why}{instead}")
+
+
+def _identity(folder: Path) -> Optional[Tuple[int, int]]:
+    """The folder's (device, inode); None when it is gone."""
+    try:
+        stat = os.stat(folder)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def _rewrite_in_place(path: Path, text: str) -> None:

@@ -7,6 +7,10 @@ process keeps an ``flock`` on the file for as long as it runs; the kernel drops 
 dies however it dies (kill -9, a full disk mid-way, power loss). So a lock no live process holds is
 stale and taken over, whatever it contains (an owner, nothing, garbage). A lock naming another host
 is never taken over: a lock on a network filesystem cannot be checked from here.
+
+The owner also holds an ``flock`` on the output folder itself (its descriptor), which nobody deletes by
+hand while the run uses it: a ``run.lock`` deleted during the run (as a stale one may be) leaves the
+folder locked, and a second run is refused all the same.
 """
 
 from __future__ import annotations
@@ -17,9 +21,8 @@ import json
 import os
 import socket
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Optional
 
 from loguru import logger
 
@@ -27,6 +30,7 @@ from utils.errors import ConfigError
 
 LOCK_NAME = "run.lock"
 _HELD: Dict[Path, int] = {}  # the locks this process holds -> the descriptor keeping their flock
+_FOLDERS: Dict[Path, int] = {}  # the same locks -> the descriptor keeping their folder's flock
 
 
 class RunLock:
@@ -39,26 +43,43 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock, or raise ``ConfigError`` naming the folder and the run that holds it."""
-        with _folder_mutex(self.path.parent):  # a stale lock is replaced by one run, not two
-            _remove_orphans(self.path)
-            for _ in range(2):
-                if self._create():
-                    self.held = True
-                    return
-                holder = read_lock(self.path)
-                if not _is_stale(self.path, holder):
-                    raise ConfigError(_refusal(self.path, holder))
-                logger.warning(f"{self.path}: taking over the lock of a run that is gone ({_describe(holder)})")
-                self.path.unlink(missing_ok=True)
+        folder_fd = _lock_folder(self.path.parent)  # one run at a time past here: a stale lock is replaced once
+        try:
+            self._take_lock_file()
+        except BaseException:
+            if folder_fd is not None:
+                os.close(folder_fd)
+            raise
+        if folder_fd is not None:
+            _FOLDERS[self.path] = folder_fd
+        self.held = True
+
+    def _take_lock_file(self) -> None:
+        """``run.lock`` written with this process as its owner; a stale one is taken over."""
+        if self.path.is_dir() and not self.path.is_symlink():
+            raise ConfigError(f"{self.path} is a folder, not a lock file: remove it (it is not the trainer's) "
+                              "or choose another output_dir")
+        _remove_orphans(self.path)
+        for _ in range(2):
+            if self._create():
+                return
+            holder = read_lock(self.path)
+            if not _is_stale(self.path, holder):
+                raise ConfigError(_refusal(self.path, holder))
+            logger.warning(f"{self.path}: taking over the lock of a run that is gone ({_describe(holder)})")
+            self.path.unlink(missing_ok=True)
         raise ConfigError(_refusal(self.path, read_lock(self.path)))
 
     def release(self) -> None:
-        """Remove the lock if it is still ours."""
+        """Remove the lock if it is still ours; let go of the folder."""
         fd = _HELD.pop(self.path, None) if self.held else None
         if fd is not None:
             if _same_file(fd, self.path):
                 self.path.unlink(missing_ok=True)
             os.close(fd)  # drops the flock
+        folder_fd = _FOLDERS.pop(self.path, None) if self.held else None
+        if folder_fd is not None:
+            os.close(folder_fd)
         self.held = False
 
     def _create(self) -> bool:
@@ -168,38 +189,56 @@ def _describe(holder: Optional[Dict[str, Any]]) -> str:
 
 
 def _refusal(path: Path, holder: Optional[Dict[str, Any]]) -> str:
+    """Why the folder is refused. Deleting the lock is suggested only for another host's, which cannot
+    be checked from here: on this host a live process holds it (a gone run's lock is taken over)."""
     folder = path.parent
     if holder is None:
         return (f"output_dir '{folder}' is in use by another run ({path} is held by a running process but names "
                 f"no owner yet); wait for it, or choose another output_dir")
+    gone = f" (if that run is gone, delete {path})" if holder["host"] != socket.gethostname() else ""
     return (f"output_dir '{folder}' is in use by another run (pid {holder['pid']} on {holder['host']}, started "
-            f"{_when(holder['started'])}); wait for it, stop it, or choose another output_dir (if that run is "
-            f"gone, delete {path})")
+            f"{_when(holder['started'])}); wait for it, stop it, or choose another output_dir{gone}")
+
+
+def _folder_refusal(path: Path) -> str:
+    """A live process on this host holds the folder's flock (its ``run.lock`` may have been deleted)."""
+    holder = read_lock(path)
+    if holder is not None:
+        return _refusal(path, holder)
+    return (f"output_dir '{path.parent}' is in use by another run on this machine (it holds the folder locked; "
+            f"{path} is missing, deleted during that run or not written yet); wait for it, stop it, or choose "
+            "another output_dir")
 
 
 def _when(started: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
 
 
-@contextmanager
-def _folder_mutex(folder: Path) -> Iterator[None]:
-    """An advisory lock on the folder itself while the lock file is checked and written."""
+def _lock_folder(folder: Path) -> Optional[int]:
+    """The descriptor of ``folder`` holding its flock for the run; ``ConfigError`` when a live process
+    holds it. None where the filesystem has no flock for folders (some network shares): ``run.lock``
+    alone then guards it."""
     fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing drops the flock
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(_folder_refusal(Path(folder) / LOCK_NAME)) from None
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _close_in_child() -> None:
-    """A forked child (a data-loader worker) must not keep the lock's flock alive after the run dies."""
-    for fd in _HELD.values():
+    """A forked child (a data-loader worker) must not keep the lock's flocks alive after the run dies."""
+    for fd in [*_HELD.values(), *_FOLDERS.values()]:
         try:
             os.close(fd)
         except OSError:
             pass
     _HELD.clear()
+    _FOLDERS.clear()
 
 
 os.register_at_fork(after_in_child=_close_in_child)
