@@ -263,9 +263,7 @@ class Captioner:
             model = AutoModelForImageTextToText.from_pretrained(options.model, **kwargs, **hub)
             processor = load_vl_processor(options.model, **hub)
         except (OSError, ValueError, KeyError, ImportError) as exc:  # not found, offline, not such a model, no torchvision
-            raise UserError(f"--model {options.model}: cannot load it as a vision-language model "
-                            f"({type(exc).__name__}: {_first_line(exc)}); give a hub id or folder of a model that "
-                            "transformers' AutoModelForImageTextToText loads, e.g. Qwen/Qwen3-VL-2B-Instruct") from None
+            raise UserError(load_problem(options.model, exc)) from None
         if "device_map" not in kwargs:
             model.to(device)
         return cls(model.eval(), processor)
@@ -283,6 +281,17 @@ class Captioner:
         with torch.inference_mode():
             out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         return self.processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def load_problem(model: str, exc: Exception) -> str:
+    """Why ``--model`` did not load, and what to do (one line): a hub id that could not be fetched
+    (offline, no such repository) is to be downloaded first; anything else is not such a model."""
+    if isinstance(exc, OSError) and not Path(model).expanduser().exists():
+        return (f"--model {model}: cannot load it ({_first_line(exc)}); download it first (`hf download {model}`) "
+                "on a machine with network access, or give a local model folder")
+    return (f"--model {model}: cannot load it as a vision-language model ({type(exc).__name__}: {_first_line(exc)}); "
+            "give a hub id or folder of a model that transformers' AutoModelForImageTextToText loads, "
+            "e.g. Qwen/Qwen3-VL-2B-Instruct")
 
 
 def local_model_problem(model: str) -> Optional[str]:

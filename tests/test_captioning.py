@@ -171,13 +171,15 @@ def test_dry_run_loads_no_model(tmp_path: Path, capsys: pytest.CaptureFixture) -
 @pytest.mark.parametrize("argv, message", [
     (["--quantize", "4bit", "--device", "cpu"], "--quantize 4bit: bitsandbytes quantization needs a CUDA GPU"),
     (["--model", "{missing}"], "--model {missing}: cannot load it: the folder does not exist"),
-    (["--model", "owner/not-a-model"], "cannot load it as a vision-language model"),
+    (["--model", "owner/not-a-model"], "download it first (`hf download owner/not-a-model`)"),  # offline here
+    (["--model", "{empty}"], "cannot load it as a vision-language model"),
     (["--batch-size", "0"], "--batch-size: value 0 must be >= 1"),
 ])
 def test_mistakes_are_one_line(tmp_path: Path, tiny_vlm: Path, capsys: pytest.CaptureFixture, argv: List[str],
                                message: str) -> None:
     images(tmp_path / "data", 1)
-    argv = [a.replace("{missing}", str(tmp_path / "missing")) for a in argv]
+    (tmp_path / "empty").mkdir()
+    argv = [a.replace("{missing}", str(tmp_path / "missing")).replace("{empty}", str(tmp_path / "empty")) for a in argv]
     message = message.replace("{missing}", str(tmp_path / "missing"))
     done = main(capsys, "--data", str(tmp_path / "data"), "--model", str(tiny_vlm), *argv)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -180,3 +180,13 @@ def test_cli_building_the_same_model_again_is_a_no_op(tmp_path, capsys):
     assert [w.stat().st_mtime_ns for w in weights] == stamps
     assert cli_main(["--family", "flux", "--out", str(out), "--seed", "1"]) == 2
     assert cli_main(["--family", "flux2", "--out", str(out)]) == 2
+
+
+def test_cli_builds_the_tiny_captioning_model(tmp_path):
+    """``--family vlm``: the tiny Qwen3-VL that caption.py can load offline (docs/CAPTIONING.md)."""
+    import json
+
+    out = tmp_path / "vlm"
+    assert cli_main(["--family", "vlm", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_vl"
+    assert cli_main(["--family", "vlm", "--out", str(out)]) == 0  # built already

@@ -1,4 +1,7 @@
-"""CLI: python -m utils.tiny_models --family qwen_image --out DIR [--seed N] [--force]"""
+"""CLI: python -m utils.tiny_models --family qwen_image --out DIR [--seed N] [--force]
+
+``--family vlm`` builds a tiny Qwen3-VL vision-language model instead, for trying ``caption.py`` offline
+(its captions are random tokens: it checks the pipeline, not the captions)."""
 
 from __future__ import annotations
 
@@ -8,9 +11,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import FAMILIES, build_tiny_pipeline
+from . import FAMILIES, build_tiny_pipeline, build_tiny_vlm
 from ._common import folder_size
 
+VLM = "vlm"
 STAMP = "tiny_family.txt"  # which family the folder holds, so that building it again is a no-op
 
 
@@ -27,7 +31,8 @@ def built_as(folder: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m utils.tiny_models", description=__doc__)
-    parser.add_argument("--family", required=True, choices=FAMILIES)
+    parser.add_argument("--family", required=True, choices=[*FAMILIES, VLM],
+                        help=f"a model family's pipeline, or {VLM!r}: a captioning model for caption.py")
     parser.add_argument("--out", required=True, type=Path, help="folder to create (diffusers layout)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="replace a non-empty existing folder")
@@ -48,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     # Build beside the target (same filesystem) and rename, so a half-built model never appears at `out`.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        build_tiny_pipeline(args.family, tmp / "model", seed=args.seed)
+        if args.family == VLM:
+            build_tiny_vlm(tmp / "model", seed=args.seed)
+        else:
+            build_tiny_pipeline(args.family, tmp / "model", seed=args.seed)
         (tmp / "model" / STAMP).write_text(stamp(args.family, args.seed) + "\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
