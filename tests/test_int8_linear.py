@@ -1,6 +1,7 @@
-"""int8 W8A8 linear layers (trainer/model/int8_linear.py): accuracy against the fp32 layer, the int8 matmuls
-really run (forward and input gradient), nothing activation-sized is kept for backward, LoRA trains
-through it, torch.compile gives the same numbers.
+"""int8 W8A8 linear layers (trainer/model/quantized_linear.py, int8 weights): accuracy against the fp32 layer,
+the int8 matmuls really run (forward and input gradient), the fused TN forward gives the transposed form's
+numbers, nothing activation-sized is kept for backward, LoRA trains through it, torch.compile gives the same
+numbers. The fp8 layer's own tests: test_fp8_linear.py.
 
 Tolerance: per-token int8 activations and per-channel int8 weights, both symmetric (absmax / 127),
 round each operand to within half a step, about 0.4% of its row's largest value; on Gaussian data the
@@ -16,8 +17,9 @@ import pytest
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 
-import trainer.model.int8_linear as int8
-from trainer.model.int8_linear import Int8Linear, quantize_int8_w8a8, quantize_rows
+import trainer.model.quantized_linear as int8
+from trainer.model.quantized_linear import (INT8, INT8_KERNEL, INT8_TRANSPOSED, DEQUANTIZED, Int8Linear, KernelCheck,
+                                            quantize_int8_w8a8, quantize_rows)
 from trainer.model.quantization import QuantizationChoice, quantize_module, quantized_linears
 
 TOLERANCE = 0.02  # relative Frobenius error, see the module docstring
@@ -39,20 +41,27 @@ def twin_layers(in_features: int = 256, out_features: int = 128, seed: int = 0):
 
 @pytest.fixture
 def int_mm_calls(monkeypatch: pytest.MonkeyPatch) -> List[tuple]:
-    """(rows, inner, cols) of every ``torch._int_mm`` call. Each call must get two row-major operands:
-    cuBLAS silently returns wrong numbers for a column-major right operand (an H200 refused the int8
-    path for that at a8112a6), and the CPU kernel takes either, so only this check catches it here."""
-    int8.int8_matmul_works(torch.device("cpu"))  # the kernel's one-time check, before counting
+    """(rows, inner, cols, layout) of every ``torch._int_mm`` call, layout "NN" (both operands row-major)
+    or "TN" (the right one column-major). cuBLAS silently returned wrong numbers for a column-major right
+    operand on an H200 (a8112a6), so the TN layout runs only where the device's check found it exact, and
+    every other call must get two row-major operands; the CPU kernel takes either, so only this check
+    catches a stray layout here."""
+    int8.kernel_check(torch.device("cpu"), INT8)  # the kernel's one-time check, before counting
     calls: List[tuple] = []
     real = torch._int_mm
 
     def counting(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        assert a.is_contiguous() and b.is_contiguous(), f"column-major operand: {a.stride()} {b.stride()}"
-        calls.append((a.shape[0], a.shape[1], b.shape[1]))
+        assert a.is_contiguous() and (b.is_contiguous() or b.t().is_contiguous()), f"{a.stride()} {b.stride()}"
+        calls.append((a.shape[0], a.shape[1], b.shape[1], "NN" if b.is_contiguous() else "TN"))
         return real(a, b)
 
     monkeypatch.setattr(torch, "_int_mm", counting)
     return calls
+
+
+def force_kernel(monkeypatch: pytest.MonkeyPatch, kernel: str, why: str = "forced by the test") -> None:
+    """The CPU's int8 check as if it had found ``kernel``."""
+    monkeypatch.setitem(int8._CHECKS, (INT8, "cpu", None), KernelCheck(kernel, "" if kernel == INT8_KERNEL else why))
 
 
 def test_weight_is_stored_int8_once_with_per_channel_scales() -> None:
@@ -90,8 +99,36 @@ def test_output_and_input_gradient_match_fp32_and_use_int8_matmuls(shape: tuple,
     assert rel_error(out, want) < TOLERANCE
     assert rel_error(x.grad, x_ref.grad) < TOLERANCE
     rows = x.numel() // 256
-    # The forward transposed (weight on the left, as stored), then the input gradient, both in int8.
-    assert int_mm_calls == [(128, 256, rows), (rows, 128, 256)]
+    # The forward in the TN layout (the stored weight read column-major), then the input gradient (NN).
+    assert int_mm_calls == [(rows, 256, 128, "TN"), (rows, 128, 256, "NN")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_tn_forward_gives_the_transposed_forms_numbers(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
+                                                                 int_mm_calls: List[tuple]) -> None:
+    """The TN forward with its one-expression epilogue against the transposed form a device whose TN layout
+    is wrong keeps (the old code path): the same int32 products and scales, multiplied in another order, so
+    equal to within fp32 rounding (2^-23 relative, a few ulps) before the cast to the output dtype; the
+    input gradients are the same computation (equal)."""
+    _, layer = twin_layers()
+    layer = layer.to(dtype)
+    x = torch.randn(3, 45, 256, dtype=dtype)
+    results = {}
+    for kernel in (INT8_KERNEL, INT8_TRANSPOSED):
+        force_kernel(monkeypatch, kernel)
+        x_in = x.clone().requires_grad_()
+        out = layer(x_in)
+        out.float().square().sum().backward()
+        results[kernel] = out, x_in.grad
+    assert [c[3] for c in int_mm_calls] == ["TN", "NN", "NN", "NN"]
+    (fused, fused_grad), (old, old_grad) = results[INT8_KERNEL], results[INT8_TRANSPOSED]
+    assert fused.dtype == old.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.allclose(fused, old, rtol=1e-6, atol=0)
+    else:  # one bf16 rounding apart at most where fp32 rounding tipped a tie
+        assert (fused.float() - old.float()).abs().max() <= old.float().abs().max() * 2 ** -8
+        assert (fused != old).float().mean() < 0.01
+    assert rel_error(fused_grad, old_grad) < 1e-2 if dtype == torch.bfloat16 else torch.allclose(fused_grad, old_grad, rtol=1e-5)
 
 
 def test_bf16_autocast_output_is_bf16_and_close_to_fp32() -> None:
@@ -107,7 +144,7 @@ def test_bf16_autocast_output_is_bf16_and_close_to_fp32() -> None:
 
 def test_without_an_int8_kernel_the_dequantized_weight_is_used(monkeypatch: pytest.MonkeyPatch,
                                                                int_mm_calls: List[tuple]) -> None:
-    monkeypatch.setitem(int8._WORKS, ("cpu", None), False)
+    force_kernel(monkeypatch, DEQUANTIZED)
     ref, layer = twin_layers()
     x = torch.randn(16, 256, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
@@ -118,27 +155,36 @@ def test_without_an_int8_kernel_the_dequantized_weight_is_used(monkeypatch: pyte
     assert rel_error(x.grad, x_ref.grad) < 0.01
 
 
-@pytest.mark.parametrize("fault", ["wrong", "raises"])
+@pytest.mark.parametrize("fault", ["wrong", "raises", "wrong TN"])
 def test_a_refused_int8_kernel_is_said_once_with_its_reason(fault: str, monkeypatch: pytest.MonkeyPatch,
                                                             logs: List[dict]) -> None:
     """The one-time check refuses a kernel that raises or returns wrong numbers, and the warning says
-    which (on the H200 at c7bf323 the layer fell back with no word of why)."""
+    which (on the H200 at c7bf323 the layer fell back with no word of why). A kernel wrong only in the TN
+    layout (a column-major right operand) keeps int8 with the transposed forward, and says so."""
     device = torch.device("cpu")
-    monkeypatch.delitem(int8._WORKS, ("cpu", None), raising=False)
-    monkeypatch.setattr(int8, "_WHY_NOT", {})
+    monkeypatch.setattr(int8, "_CHECKS", {})
+    monkeypatch.setattr(int8, "_SAID", set())
     real = torch._int_mm
 
     def faulty(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if fault == "raises":
             raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
-        return real(a, b) + 1
+        return real(a, b) + (1 if fault == "wrong" or not b.is_contiguous() else 0)
 
     monkeypatch.setattr(torch, "_int_mm", faulty)
-    assert not int8.int8_matmul_works(device) and not int8.int8_matmul_works(device)
+    for _ in range(2):
+        quantize_int8_w8a8(torch.nn.Linear(16, 16))
+    check = int8.kernel_check(device, INT8)
+    said = [r for r in logs if "int8_w8a8" in r["message"]]
+    assert len(said) == 1 and check.why_not in said[0]["message"]
+    if fault == "wrong TN":
+        assert check.kernel == INT8_TRANSPOSED and int8.int8_matmul_works(device)
+        assert "TN layout" in check.why_not and said[0]["level"].name == "INFO"
+        return
     why = int8.int8_matmul_refusal(device)
+    assert not int8.int8_matmul_works(device) and check.kernel == DEQUANTIZED
     assert ("CUBLAS_STATUS_NOT_SUPPORTED" if fault == "raises" else "wrong numbers") in why
-    warnings = [r["message"] for r in logs if r["level"].name == "WARNING"]
-    assert len(warnings) == 1 and why in warnings[0] and "dequantized" in warnings[0]
+    assert said[0]["level"].name == "WARNING" and "dequantized" in said[0]["message"]
 
 
 def test_backward_keeps_only_the_int8_weight() -> None:
@@ -187,7 +233,7 @@ def test_compiled_lora_on_int8_layers_gives_the_eager_numbers(kernel: str, monke
     inductor rewrote its matmul-then-scale into ``_weight_int8pack_mm``, which refused the scales)."""
     from torch.utils.checkpoint import checkpoint
 
-    monkeypatch.setitem(int8._WORKS, ("cpu", None), kernel == "int8")
+    force_kernel(monkeypatch, INT8_KERNEL if kernel == "int8" else DEQUANTIZED)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
     quantize_module(model, W8A8)

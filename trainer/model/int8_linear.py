@@ -1,5 +1,4 @@
-"""The old import path of the int8 W8A8 layer: everything lives in ``trainer/model/quantized_linear.py``."""
+"""The old import path of the int8 W8A8 layer: it lives in ``trainer/model/quantized_linear.py`` with the
+fp8 one (``Int8Linear`` is ``QuantizedLinear``)."""
 
 from trainer.model.quantized_linear import *  # noqa: F401,F403
-from trainer.model.quantized_linear import (  # noqa: F401  (private names tests and benchmarks reach)
-    _WHY_NOT, _WORKS, _kernel_takes, _probe_int8_matmul)

@@ -1,8 +1,9 @@
 """Weight quantization of frozen models, one block at a time, with optimum-quanto or torchao.
 
-torchao's ``int8_w8a8`` also quantizes the activations, and multiplies in int8 forward and for the
-input gradient in backward (``trainer/model/int8_linear.py``); the other formats store 8- or 4-bit weights
-and multiply in the compute dtype.
+torchao's ``int8_w8a8`` and ``float8_w8a8`` also quantize the activations, and multiply in 8 bits forward
+and for the input gradient in backward (``trainer/model/quantized_linear.py``); ``auto`` is the fastest of
+them the device's one-time check finds right (``resolve_auto``). The other formats store 8- or 4-bit
+weights and multiply in the compute dtype.
 
 Moving a block to the GPU and quantizing it there before the next one means the GPU never holds the
 whole bf16 model (the 24 GB profile's trick). LoRA trains on top in fp32.
@@ -18,7 +19,7 @@ fp32, so without the cast the 24 GB profile failed at its first step on an H100
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from loguru import logger
@@ -26,13 +27,20 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm.auto import tqdm
 
 from trainer.config import TrainConfig
-from trainer.model.int8_linear import Int8Linear, quantize_int8_w8a8
+from trainer.model.quantized_linear import FLOAT8, INT8, QUANTIZERS, QuantizedLinear, fastest_w8a8, kernel_check
 from utils.errors import ConfigError
 
-INT8_W8A8 = "int8_w8a8"  # torchao weights, int8 activations and matmuls (trainer/model/int8_linear.py)
+INT8_W8A8 = "int8_w8a8"  # torchao weights, int8 activations and matmuls (trainer/model/quantized_linear.py)
+FLOAT8_W8A8 = "float8_w8a8"  # the same in float8 e4m3 with torch._scaled_mm
+AUTO = "auto"  # the fastest W8A8 format the device's one-time check finds right (resolve_auto)
+W8A8_WEIGHTS = (INT8_W8A8, FLOAT8_W8A8, AUTO)  # activations quantized too: QuantizedLinear
+W8A8_STORAGE = {INT8_W8A8: INT8, FLOAT8_W8A8: FLOAT8}
+# The text encoder's format for ``auto``: it only runs forward, once, in the cache pass, so speed matters
+# little there, and per-token 8-bit activations lose accuracy in an LLM's outlier channels (LLM.int8()).
+TEXT_ENCODER_AUTO = "int8_weight_only"
 
 # The torchao config class of each weight-only format the schema offers (config.TORCHAO_WEIGHTS; the
-# other, int8_w8a8, is trainer/model/int8_linear.py); quanto's formats are the names of its own qtypes.
+# others, W8A8_WEIGHTS, are trainer/model/quantized_linear.py); quanto's formats are its own qtypes' names.
 TORCHAO_CONFIGS = {"int8_weight_only": "Int8WeightOnlyConfig", "int4_weight_only": "Int4WeightOnlyConfig",
                    "float8_weight_only": "Float8WeightOnlyConfig"}
 
@@ -43,6 +51,9 @@ class QuantizationChoice:
 
     backend: str  # quanto | torchao
     weights: str
+    requested: str = ""  # what the config asked for, where it was resolved (``auto``)
+    reason: str = ""  # why ``auto`` became ``weights``
+
 
 
 def quantization_spec(cfg: TrainConfig) -> Optional[QuantizationChoice]:
@@ -57,11 +68,47 @@ def text_encoder_spec(cfg: TrainConfig) -> Optional[QuantizationChoice]:
     """Quantization of the text encoder for the cache pass (``quantize_text_encoder: true``)."""
     if not cfg.quantize_text_encoder or cfg.disable_quantization:
         return None
+    if cfg.quantization.weights == AUTO:
+        return QuantizationChoice(cfg.quantization.backend, TEXT_ENCODER_AUTO, AUTO,
+                                  "the text encoder runs forward once (cache pass): weight-only int8 keeps "
+                                  "its activations exact")
     return QuantizationChoice(cfg.quantization.backend, cfg.quantization.weights)
 
 
-def check_available(spec: QuantizationChoice) -> None:
-    """Fail early, naming the package to install, when the backend is missing."""
+_RESOLVED: Dict[Tuple[str, Optional[int]], QuantizationChoice] = {}
+
+
+def resolve_auto(spec: Optional[QuantizationChoice], device: torch.device) -> Optional[QuantizationChoice]:
+    """``spec`` with ``weights: auto`` replaced by the W8A8 format ``fastest_w8a8`` finds for ``device``
+    (logged once per device with its reason); any other spec as it is."""
+    if spec is None or spec.weights != AUTO:
+        return spec
+    key = (device.type, device.index)
+    if key not in _RESOLVED:
+        weights, reason = fastest_w8a8(device)
+        _RESOLVED[key] = QuantizationChoice(spec.backend, weights, AUTO, reason)
+        logger.info(f"quantization.weights auto -> {weights}: {reason}")
+    return _RESOLVED[key]
+
+
+def quantization_report(cfg: TrainConfig, device: torch.device) -> Optional[Dict[str, str]]:
+    """For ``summary.json``: the blocks' backend and weights (``auto`` resolved: what it asked, and why),
+    and for the W8A8 formats the matmul ``device`` runs them with; None without quantization."""
+    spec = resolve_auto(quantization_spec(cfg), device)
+    if spec is None:
+        return None
+    report = {"backend": spec.backend, "weights": spec.weights}
+    if spec.requested:
+        report.update(requested=spec.requested, reason=spec.reason)
+    if spec.weights in W8A8_WEIGHTS:
+        report["matmul"] = kernel_check(device, W8A8_STORAGE[spec.weights]).kernel
+    return report
+
+
+def check_available(spec: Optional[QuantizationChoice]) -> None:
+    """Fail early, naming the package to install, when the backend is missing (None: no quantization)."""
+    if spec is None:
+        return
     package = {"quanto": "optimum.quanto", "torchao": "torchao"}[spec.backend]
     try:
         __import__(package)
@@ -77,14 +124,19 @@ def quantize_module(module: torch.nn.Module, spec: QuantizationChoice) -> None:
 
         quanto.quantize(module, weights=getattr(quanto, spec.weights))
         quanto.freeze(module)
-    elif spec.weights == INT8_W8A8:
+    elif spec.weights in W8A8_WEIGHTS:
+        weights = resolve_auto(spec, _device_of(module)).weights
         for linear in [m for m in module.modules() if type(m) is torch.nn.Linear]:
-            quantize_int8_w8a8(linear)
+            QUANTIZERS[weights](linear)
     else:
         import torchao.quantization as ao
 
         ao.quantize_(module, getattr(ao, TORCHAO_CONFIGS[spec.weights])())
     cast_inputs_to_compute_dtype(module)
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def quantized_linears(module: torch.nn.Module) -> List[torch.nn.Module]:
@@ -101,11 +153,11 @@ def is_quantized(tensor: Optional[torch.Tensor]) -> bool:
 def cast_inputs_to_compute_dtype(module: torch.nn.Module) -> int:
     """Make each quantized linear of ``module`` cast its floating-point input to the compute dtype:
     autocast's dtype where autocast is on, else the dtype the weight was quantized from. Returns
-    how many layers were hooked (a layer is hooked once). ``Int8Linear`` quantizes its input from
+    how many layers were hooked (a layer is hooked once). ``QuantizedLinear`` quantizes its input from
     any dtype itself: a cast first would only copy it."""
     hooked = 0
     for linear in quantized_linears(module):
-        if not getattr(linear, "_casts_input", False) and not isinstance(linear, Int8Linear):
+        if not getattr(linear, "_casts_input", False) and not isinstance(linear, QuantizedLinear):
             linear.register_forward_pre_hook(_cast_input)
             linear._casts_input = True
             hooked += 1
