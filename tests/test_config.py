@@ -410,9 +410,9 @@ def test_choices_come_from_field_metadata(data_dir: Path, key: str) -> None:
 
 
 def test_weight_formats_have_one_home() -> None:
-    from trainer.model.quantization import INT8_W8A8, TORCHAO_CONFIGS
+    from trainer.model.quantization import TORCHAO_CONFIGS, W8A8_WEIGHTS
 
-    assert set(TORCHAO_CONFIGS) | {INT8_W8A8} == set(TORCHAO_WEIGHTS)
+    assert set(TORCHAO_CONFIGS) | set(W8A8_WEIGHTS) == set(TORCHAO_WEIGHTS)
     assert QUANTO_WEIGHTS == ("qfloat8", "qint8", "qint4")
 
 

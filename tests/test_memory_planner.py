@@ -134,15 +134,17 @@ def test_quantized_weights_bytes(small_model) -> None:
     outer = 2 * spec.transformer.outer_params
     rest = 2 * (block.params - linear_weights)  # biases and norm weights stay bf16
     for weights, per_weight, scales in (("qfloat8", 1.0, 2 * block.linear_out), ("qint4", 0.5 + 4 / 128, 0),
-                                        ("int8_w8a8", 1.0, 4 * block.linear_out)):  # torchao: fp32 scales
+                                        ("int8_w8a8", 1.0, 4 * block.linear_out),  # torchao: fp32 scales
+                                        ("float8_w8a8", 1.0, 4 * block.linear_out), ("auto", 1.0, 4 * block.linear_out)):
         got = items(mp.plan_memory(cfg, quantization=weights, spec=spec))[f"transformer weights ({weights})"]
         assert got * GIB == pytest.approx(outer + rest + linear_weights * per_weight + scales)
 
 
-def test_int8_w8a8_weights_are_the_bytes_the_quantized_model_holds() -> None:
+@pytest.mark.parametrize("weights", ["int8_w8a8", "float8_w8a8"])
+def test_w8a8_weights_are_the_bytes_the_quantized_model_holds(weights: str) -> None:
     """A real (small-width) Qwen-Image transformer, its blocks quantized as ``place`` does: the plan's
-    transformer weights equal the bytes of every plain tensor it then holds (int8 data, fp32 scales,
-    the bf16 rest), and are about half of bf16's."""
+    transformer weights equal the bytes of every plain tensor it then holds (int8 or fp8 data, fp32
+    scales, the bf16 rest), and are about half of bf16's."""
     import diffusers
 
     from trainer.model.quantization import QuantizationChoice, quantize_module
@@ -151,10 +153,12 @@ def test_int8_w8a8_weights_are_the_bytes_the_quantized_model_holds() -> None:
     tspec = _transformer_spec(model, SPECS["qwen_image"])
     spec = mp.ModelSizes("small", "test", "", tspec, (), None, 0)
     for block in model.transformer_blocks:
-        quantize_module(block, QuantizationChoice("torchao", "int8_w8a8"))
+        quantize_module(block, QuantizationChoice("torchao", weights))
     held = sum(t.numel() * t.element_size() for p in model.parameters() for t in inner_tensors(p))
+    assert {t.dtype for p in model.transformer_blocks.parameters() for t in inner_tensors(p) if t.ndim == 2
+            and t.shape[1] > 1} == {torch.int8 if weights == "int8_w8a8" else torch.float8_e4m3fn}
     cfg = train_config("qwen_image", mixed_precision="bf16")
-    planned = items(mp.plan_memory(cfg, quantization="int8_w8a8", spec=spec))["transformer weights (int8_w8a8)"]
+    planned = items(mp.plan_memory(cfg, quantization=weights, spec=spec))[f"transformer weights ({weights})"]
     bf16 = items(mp.plan_memory(cfg, quantization="none", spec=spec))["transformer weights (bf16)"]
     assert planned * GIB == held
     assert 0.5 < planned / bf16 < 0.6
@@ -492,7 +496,7 @@ SMALL_FLUX = {"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_chan
     ("qwen_image", "attention", "bf16", None), ("qwen_image", "attention_mlp", "bf16", None),
     ("qwen_image", "all_linear", "bf16", None), ("qwen_image", "attention_mlp", "no", None),
     ("qwen_image", "attention", "bf16", "qfloat8"), ("qwen_image", "attention", "bf16", "int8_weight_only"),
-    ("qwen_image", "attention_mlp", "bf16", "int8_w8a8"),
+    ("qwen_image", "attention_mlp", "bf16", "int8_w8a8"), ("qwen_image", "attention_mlp", "bf16", "float8_w8a8"),
     ("flux", "attention", "bf16", None), ("flux", "all_linear", "bf16", None), ("flux", "attention_mlp", "no", None),
     ("flux", "attention", "bf16", "qfloat8"), ("flux", "attention", "bf16", "int8_w8a8"),
 ])
@@ -517,7 +521,7 @@ def test_per_block_formula_matches_saved_tensors(family: str, preset: str, preci
         for _, block in blocks:
             quanto.quantize(block, weights=quanto.qfloat8)
             quanto.freeze(block)
-    elif backend == "int8_w8a8":
+    elif backend in ("int8_w8a8", "float8_w8a8"):
         from trainer.model.quantization import QuantizationChoice, quantize_module
 
         for _, block in blocks:

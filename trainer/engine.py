@@ -47,7 +47,7 @@ from trainer.step.optim import build_lr_scheduler, build_optimizer, evaluation_w
 from trainer.platform import RunPolicy, configure_device, prepare_environment
 from trainer.precision import choose_mixed_precision
 from trainer.run_folder.position import RunState, micro_batches
-from trainer.model.quantization import check_available, quantization_spec
+from trainer.model.quantization import check_available, quantization_report, quantization_spec
 from trainer.reporting.memory_check import warn_if_it_does_not_fit
 from trainer.reporting.summary import (log_train_time, log_wall_time, plot_losses, plot_timestep_density, process_age_s,
                                        write_summary)
@@ -234,9 +234,7 @@ class Trainer:
     # -- model ------------------------------------------------------------------------------------
     def setup_model(self) -> None:
         cfg = self.cfg
-        spec = quantization_spec(cfg)
-        if spec is not None:
-            check_available(spec)
+        check_available(quantization_spec(cfg))
         self.weights = trained_weights(cfg, self.family.lora_presets, self.family.pipeline_class)
         # Full fine-tuning keeps fp32 master weights (autocast computes in bf16): bf16 weights would
         # round away most updates of a small learning rate.
@@ -530,6 +528,7 @@ class Trainer:
                            "wall_seconds": {k: round(v, 2) for k, v in self.wall.items() if v is not None},
                            "first_step_s": self.first_step_s, "compiled": self.compiled,
                            "attention_backend": self.attention.name,
+                           "quantization": quantization_report(self.cfg, self.device),
                            **({"evaluation": e} if (e := self.evaluation.summary(self.output_dir, self.train_seconds))
                               else {})},
                           steps=self.state.step, final_loss=self.state.last_loss)

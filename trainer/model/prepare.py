@@ -23,7 +23,7 @@ from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from utils.errors import ConfigError
 from trainer.platform import attention_shape, choose_attention, compile_blocks, compile_decision, maybe_fp8
-from trainer.model.quantization import place, quantization_spec
+from trainer.model.quantization import place, quantization_spec, resolve_auto
 from utils.attention import AttentionChoice
 
 
@@ -48,7 +48,7 @@ def prepare_transformer(cfg: TrainConfig, family: ModelFamily, transformer: torc
     ``weights`` is the run's ``trained_weights`` strategy (LoRA or full); ``attention_tokens`` the
     joint sequence length the attention kernels are timed at (None: no timing).
     """
-    spec = quantization_spec(cfg)
+    spec = resolve_auto(quantization_spec(cfg), device)
     blocks = family.blocks(transformer)
     if cfg.blocks_to_swap > len(blocks):
         raise ConfigError(f"key 'blocks_to_swap': value {cfg.blocks_to_swap} is more than the "

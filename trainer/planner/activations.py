@@ -10,7 +10,7 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 from trainer.families.spec import BlockLayout
 from trainer.step.optimizer_specs import Matrix, TrainedShapes
 from trainer.planner.model import BlockKind, LinearInfo, TransformerSizes
-from trainer.planner.settings import INT8_SCRATCH_IN, INT8_SCRATCH_OUT, Settings
+from trainer.planner.settings import INT8_SCRATCH_IN, INT8_SCRATCH_OUT, W8A8_FORMATS, Settings
 
 
 # --------------------------------------------------------------------------- LoRA targets
@@ -167,10 +167,10 @@ def block_quantization_bytes(transformer: TransformerSizes, kind: BlockKind, t: 
     quanto: its linear autograd function saves every input, even of frozen layers: one per input group.
     torchao weight-only: autograd keeps the dequantized (half-precision) weight of every linear whose
     input needs a gradient (all but the modulation linears, unless the modulation trains).
-    torchao int8_w8a8: nothing (the int8 layer keeps only its own weight for backward).
+    torchao int8_w8a8, float8_w8a8, auto: nothing (the 8-bit layer keeps only its own weight for backward).
     """
     layout = kind.layout
-    if s.quantization == "int8_w8a8":
+    if s.quantization in W8A8_FORMATS:
         return 0
     if s.backend == "torchao":
         graded = [li for li in kind.linears
@@ -183,7 +183,7 @@ def block_quantization_bytes(transformer: TransformerSizes, kind: BlockKind, t: 
 
 
 def int8_scratch_bytes(transformer: TransformerSizes, s: Settings) -> int:
-    """torchao int8_w8a8: the largest transient of one int8 linear call (bytes): its input quantized
+    """torchao W8A8 formats: the largest transient of one 8-bit linear call (bytes): its input quantized
     and its int32 product scaled in fp32, for the tokens it sees (one per sample: modulation)."""
     t = Tokens(s.image_tokens * s.batch, s.text_tokens * s.batch)
 

@@ -26,6 +26,7 @@ from trainer.planner.settings import (
     HOST_BASELINE_CUDA_GIB,
     QUANT_BYTES,
     SCALE_BYTES,
+    W8A8_FORMATS,
     WORKSPACE_GIB,
     Settings,
     _side_tokens,
@@ -126,9 +127,9 @@ def _training_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[Mem
         items.append(MemoryItem("block swap: blocks in flight", _gib(2 * max(swapped)),
                                 "the running block and the prefetched next one"
                                 + ("" if s.checkpointing else "; no saving without gradient checkpointing")))
-    if s.quantization == "int8_w8a8":
+    if s.quantization in W8A8_FORMATS:
         items.append(MemoryItem("int8 matmul scratch", _gib(int8_scratch_bytes(t, s)),
-                                "the largest linear's input in int8 and its int32/fp32 product"))
+                                "the largest linear's input in 8 bits and its int32/fp32 product"))
     elif s.quantization is not None:
         largest = max(li.in_features * li.out_features for k in t.blocks for li in k.linears)
         items.append(MemoryItem("dequantization scratch", _gib(2 * largest * a),
@@ -381,8 +382,8 @@ def advise(spec: ModelSizes, s: Settings, budget: float) -> List[str]:
          lambda x: dataclasses.replace(x, text_encoder_quantization=x.quantization or "qfloat8"), "cache"),
         ("disable_gradient_checkpointing: false (checkpointing on)", lambda x: not x.checkpointing,
          lambda x: dataclasses.replace(x, checkpointing=True), "training"),
-        ("quantize: true (quantization.weights: qfloat8)", lambda x: x.quantization is None,
-         lambda x: dataclasses.replace(x, quantization="qfloat8"), "training"),
+        ("quantize: true (quantization: {backend: torchao, weights: auto})", lambda x: x.quantization is None,
+         lambda x: dataclasses.replace(x, quantization="auto"), "training"),
         ("adam8bit: true", lambda x: x.optimizer == "adamw",
          lambda x: dataclasses.replace(x, optimizer="adamw8bit"), "training"),
         ("precompute_text_embeddings: true, precompute_image_embeddings: true",

@@ -45,12 +45,18 @@ DEFAULT_SHARD_GIB = 5.0  # a safetensors shard, when the checkpoint's index is n
 QUANT_BYTES: Dict[str, float] = {
     "qfloat8": 1.0, "qint8": 1.0, "qint4": 0.5 + 4 / 128,  # quanto: int4 in groups of 128, bf16 scale+shift
     "float8_weight_only": 1.0, "int8_weight_only": 1.0, "int4_weight_only": 0.5 + 4 / 128,  # torchao
-    "int8_w8a8": 1.0,  # torchao Int8Tensor, multiplied in int8 (trainer/model/int8_linear.py)
+    # torchao Int8Tensor / Float8Tensor, multiplied in 8 bits (trainer/model/quantized_linear.py); auto is
+    # one of the two (or int8 multiplied dequantized): 1 byte per weight whichever the device gets.
+    "int8_w8a8": 1.0, "float8_w8a8": 1.0, "auto": 1.0,
 }
-# Bytes of each output channel's scale of an 8-bit weight: bf16, but fp32 in torchao's Int8Tensor.
-SCALE_BYTES: Dict[str, int] = {"int8_w8a8": 4}
-# The int8 matmul's scratch per token (trainer/model/int8_linear.py): the input quantized (an fp32 copy and
-# its int8 values, 5 B per input feature) and the product (int32, then fp32: 8 B per output feature).
+# The formats whose activations are quantized too (QuantizedLinear): no dequantized weight kept for backward.
+W8A8_FORMATS = ("int8_w8a8", "float8_w8a8", "auto")
+# Bytes of each output channel's scale of an 8-bit weight: bf16, but fp32 in torchao's Int8Tensor and
+# Float8Tensor.
+SCALE_BYTES: Dict[str, int] = {name: 4 for name in W8A8_FORMATS}
+# The 8-bit matmul's scratch per token (trainer/model/quantized_linear.py): the input quantized (an fp32 copy
+# and its 8-bit values, 5 B per input feature) and the product (int32, then fp32: 8 B per output feature;
+# fp8 writes bf16, so this bounds it too).
 INT8_SCRATCH_IN, INT8_SCRATCH_OUT = 5, 8
 
 # --------------------------------------------------------------------------- sizes
