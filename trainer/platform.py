@@ -196,16 +196,20 @@ def attention_shape(transformer: torch.nn.Module, tokens: int, batch_size: int) 
 
 # Measured on an H100 (../shared/gpu-runs, project at f24b9c6): Qwen-Image LoRA at 1024^2, eager.
 FP8_EAGER_SLOWDOWN = "4.37 s/step against 1.04 s/step in bf16 on an H100 (Qwen-Image LoRA, 1024^2)"
+# The linears worth fp8 (the family spec's BlockLayout streams and input groups): those that see every image
+# token. Modulation reads one row per sample and the text stream ~128-512 tokens: fp8 buys nothing there.
+FP8_STREAMS = ("img", "joint")
 
 
-def maybe_fp8(cfg: TrainConfig, transformer: torch.nn.Module, blocks: Sequence[torch.nn.Module],
-              compiled: bool = False) -> bool:
-    """torchao float8 training of the linears inside the transformer's repeated ``blocks`` (the
-    family's ``blocks(transformer)``) where the GPU supports it and the blocks are compiled. Returns
-    whether it was applied; otherwise says why once.
+def maybe_fp8(cfg: TrainConfig, transformer: torch.nn.Module, family: FamilySpec, compiled: bool = False) -> bool:
+    """fp8 matmuls for the heavy linears of the transformer's blocks (``fp8_linears``) where the GPU
+    supports them. Returns whether any was converted; otherwise says why once.
 
-    Eager float8 is refused: each linear scales and casts its input and weight in separate kernels,
-    which made a step 4.2x slower than bf16 on an H100. torchao fuses them only under torch.compile.
+    LoRA (a frozen base): each weight is stored once in float8 with per-channel scales and multiplied by
+    ``torch._scaled_mm`` forward and for the input gradient (``QuantizedLinear``, the layer of
+    ``quantization.weights: float8_w8a8``): no per-call weight cast, no weight gradient, half the memory.
+    Full fine-tuning trains those weights: torchao's float8 training, which casts them on every call;
+    eager it is refused (each cast a separate kernel made a step 4.2x slower than bf16 on an H100).
     """
     if not cfg.cuda_features.enable_fp8_training:
         return False
@@ -213,31 +217,52 @@ def maybe_fp8(cfg: TrainConfig, transformer: torch.nn.Module, blocks: Sequence[t
         logger.warning("cuda_features.enable_fp8_training: fp8 training needs an sm_89+ GPU with torchao "
                        "installed; training in the configured precision instead")
         return False
-    if not compiled:
-        raise ConfigError("key 'cuda_features.enable_fp8_training': float8 training without torch.compile is "
-                          f"slower than bf16 ({FP8_EAGER_SLOWDOWN}); set compile: true, or turn fp8 off")
-    names = fp8_linears(transformer, blocks)
+    full = cfg.training_mode == "full"
+    if full and not compiled:
+        raise ConfigError("key 'cuda_features.enable_fp8_training': float8 training of the full model without "
+                          f"torch.compile is slower than bf16 ({FP8_EAGER_SLOWDOWN}); set compile: true, or turn fp8 off")
+    names = fp8_linears(transformer, family)
     if not names:
-        logger.warning("fp8 training: no linear of the transformer's blocks has both sides divisible by 16; "
-                       "nothing converted")
+        logger.warning(f"fp8 training: {family.title}'s spec maps no image-stream attention or MLP linear of its "
+                       "blocks with both sides divisible by 16; nothing converted (quantization.weights: "
+                       "float8_w8a8 puts every block linear in fp8)")
         return False
-    logger.warning("fp8 training with compiled blocks: its speed against bf16 has not been measured by this "
-                   "project yet (benchmarks/gpu_report.py --sections fp8)")
-    from torchao.float8 import convert_to_float8_training
+    if full:
+        from torchao.float8 import convert_to_float8_training
 
-    convert_to_float8_training(transformer, module_filter_fn=lambda module, name: name in names)
-    logger.info(f"fp8 training: {len(names)} linears of the transformer's {len(blocks)} blocks converted "
-                "with torchao float8")
+        convert_to_float8_training(transformer, module_filter_fn=lambda module, name: name in names)
+    else:
+        from trainer.model.quantized_linear import quantize_float8_w8a8
+
+        for name in sorted(names):
+            quantize_float8_w8a8(transformer.get_submodule(name))
+    logger.info(f"fp8 training: {len(names)} image-stream attention and MLP linears of the transformer's blocks "
+                + ("converted with torchao float8 training" if full else "stored in float8, multiplied in fp8")
+                + ("" if compiled else "; eager: its speed against bf16 is to be measured on a GPU"))
     return True
 
 
-def fp8_linears(transformer: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> Set[str]:
-    """Names (in ``transformer``) of the linears fp8 training converts: those inside ``blocks`` whose
-    sides are both divisible by 16, as fp8 matmuls need; embedders and the output layer stay in bf16."""
-    inside = {id(module) for block in blocks for module in block.modules()}
-    return {name for name, module in transformer.named_modules()
-            if isinstance(module, torch.nn.Linear) and id(module) in inside
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0}
+def fp8_linears(transformer: torch.nn.Module, family: FamilySpec) -> Set[str]:
+    """Names (in ``transformer``) of the linears fp8 training converts: in each of the family's block
+    lists, the linears its spec's layout puts on the image or joint stream (``FP8_STREAMS``) outside the
+    modulation, plain ``Linear`` with both sides divisible by 16, as fp8 matmuls need. Block lists without a
+    layout (Z-Image, Kandinsky 5), embedders and the output layer stay as they are."""
+    names: Set[str] = set()
+    for group in family.blocks:
+        heavy = [name for name, (stream, use) in (group.layout or {}).items() if stream in FP8_STREAMS and use != "mod"]
+        for index, block in enumerate(getattr(transformer, group.attribute, [])):
+            for name in heavy:
+                module = _submodule(block, name)
+                if type(module) is torch.nn.Linear and module.in_features % 16 == 0 and module.out_features % 16 == 0:
+                    names.add(f"{group.attribute}.{index}.{name}")
+    return names
+
+
+def _submodule(module: torch.nn.Module, name: str) -> Optional[torch.nn.Module]:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:  # a checkpoint of the family without this layer
+        return None
 
 
 COMPILE_MIN_STEPS = 100  # peer measurement on an H100: first step 26.6 s, then 0.58 s/step saved
@@ -249,7 +274,9 @@ def compile_decision(cfg: TrainConfig, device: torch.device, spec: Optional[Quan
 
     ``compile: null`` (auto) compiles on CUDA where triton is installed, for runs of at least
     ``COMPILE_MIN_STEPS`` steps, except blocks quantized with quanto (its CUDA kernels have no fake
-    implementations for the compiler's tracing) and families whose spec says why not
+    implementations for the compiler's tracing) and families whose spec says why not. torchao's blocks
+    compile, the W8A8 ones (``int8_w8a8``, ``float8_w8a8``, ``auto``) too: inductor fuses their activation
+    quantization and the int8 epilogue into neighbouring kernels
     (``FamilySpec.compile_auto_off``); ``true`` and ``false`` decide. On an H100 a compiled
     block step was 1.9x faster than eager (0.637 against 1.212 s/step, diffusers' own Qwen-Image LoRA
     step, ../shared/gpu-runs).

@@ -764,9 +764,9 @@ class Fp8Report:
 
 def fp8_smoke(family: str = "qwen_image", steps: int = 5, resolution: int = 1024,
               device: torch.device | str = "cuda", *, scale: Scale = FULL) -> Fp8Report:
-    """LoRA steps with torchao float8 training of the block linears (compiled blocks: the engine
-    refuses eager fp8), then the same steps in bf16; skipped (``ran=False``) unless
-    ``supports_feature('fp8_training')``."""
+    """LoRA steps with the blocks' image-stream attention and MLP linears stored in float8 and multiplied in
+    fp8 (``cuda_features.enable_fp8_training``; compiled blocks), then the same steps in bf16; skipped
+    (``ran=False``) unless ``supports_feature('fp8_training')``."""
     if not supports_feature("fp8_training"):
         return Fp8Report(False, "fp8 training is not supported here (needs an sm_89+ GPU, CUDA 12.1+, "
                                 "torch._scaled_mm and torchao)")
@@ -776,7 +776,7 @@ def fp8_smoke(family: str = "qwen_image", steps: int = 5, resolution: int = 1024
             return Fp8Report(False, "maybe_fp8 did not convert the transformer")
         report = run_steps(rig, steps, resolution)
     bf16 = lora_steps(family, steps, resolution, torch.bfloat16, device=device, scale=scale, overrides=["compile=true"])
-    return Fp8Report(True, "torchao float8 training of the block linears, compiled blocks", report, bf16)
+    return Fp8Report(True, "frozen-fp8 image-stream linears (torch._scaled_mm), compiled blocks", report, bf16)
 
 
 # --------------------------------------------------------------------------- memory profiles

@@ -94,7 +94,8 @@ def test_attention_backends(family: str, cuda: torch.device) -> None:
 
 
 def test_fp8_training(cuda: torch.device) -> None:
-    """torchao float8 training of the block linears runs without NaN where the GPU supports it."""
+    """fp8 matmuls for the blocks' image-stream linears (frozen fp8 weights) run without NaN where the GPU
+    supports them."""
     if not supports_feature("fp8_training"):
         pytest.skip(f"fp8 training not supported here: it needs {feature_rule('fp8_training')}")
     report = harness.fp8_smoke("qwen_image", steps=5, resolution=RESOLUTION, device=cuda)

@@ -60,7 +60,7 @@ def prepare_transformer(cfg: TrainConfig, family: ModelFamily, transformer: torc
     shape = attention_shape(transformer, attention_tokens, batch) if attention_tokens else None
     attention = choose_attention(cfg, transformer, shape, device, compute_dtype)
     compiled, why = compile_decision(cfg, device, spec, family.spec)
-    fp8 = maybe_fp8(cfg, transformer, blocks, compiled)
+    fp8 = maybe_fp8(cfg, transformer, family.spec, compiled)
     trainable = weights.attach(transformer) - freeze(transformer, family.unused_modules(transformer), compute_dtype)
     if trainable == 0:
         raise ConfigError("nothing trains: every trained weight is in a module whose output goes nowhere "
