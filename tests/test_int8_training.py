@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import lora_keys_match, read_losses, train_in_process
 from trainer.families import SPECS
-from trainer.model.int8_linear import Int8Linear, int8_matmul_works
+from trainer.model.quantized_linear import Int8Linear, int8_matmul_works
 
 pytestmark = pytest.mark.e2e
 
