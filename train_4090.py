@@ -2,9 +2,11 @@
 
     accelerate launch train_4090.py --config train_configs/train_lora_4090.yaml [key=value ...]
 
-Defaults beneath the YAML: the transformer quantized block by block to qfloat8, 8-bit AdamW,
-caches on disk (text encoder and VAE freed before the transformer loads), gradient checkpointing
-with the kept block inputs in host memory.
+Defaults beneath the YAML: the transformer quantized block by block, 8-bit AdamW, caches on disk
+(text encoder and VAE freed before the transformer loads), gradient checkpointing with the kept block
+inputs in host memory. The shipped 24 and 16 GB profiles quantize with ``quantization: {backend: torchao,
+weights: auto}``: 8-bit weights multiplied in fp8 (sm_89+) or int8 (sm_80/86), the fastest the GPU's
+one-time check finds right (docs/LOW_MEMORY.md); a YAML without the section gets the schema's qfloat8.
 """
 
 import sys

@@ -198,7 +198,7 @@ def test_resume_is_bit_equal(tiny_flux2: Path, sample_data: Path, tmp_path: Path
 def test_dev_on_a_card_too_small_is_named_before_loading(sample_data: Path, monkeypatch: pytest.MonkeyPatch,
                                                           logs: List[Dict[str, Any]]) -> None:
     """The engine logs the planner's verdict on a CUDA device before any weights load (trainer.reporting.memory_check):
-    the dev profile (qfloat8) on a 24 GiB card does not fit, the klein profile does."""
+    the dev profile (8-bit blocks and encoder) on a 24 GiB card does not fit, the klein profile does."""
     from types import SimpleNamespace
 
     from trainer.reporting.memory_check import fit_warning, warn_if_it_does_not_fit
