@@ -63,7 +63,7 @@ QUICK_TESTS = ("tests/gpu/test_fsdp_smoke.py::test_fsdp2_on_one_gpu_trains_resum
 # One process, no xdist: two full-size models side by side on one GPU would measure neither.
 FAMILY_TESTS = ("tests/gpu/test_gpu_quick.py", "tests/gpu/test_gpu_suite.py",
                 "-k", "qwen_image21 and not memory_profile")  # Krea 2: seen at aa54b89 (docs/GPU_RESULTS.md)
-INT8_SCRIPT = "benchmarks/quantized_step.py"  # issue 35's side-by-side bf16 / qfloat8 / int8_w8a8 step
+INT8_SCRIPT = "benchmarks/quantized_step.py"  # side by side: bf16 / qfloat8 / int8_w8a8 (old, fused) / float8_w8a8
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ STAGES: Sequence[Stage] = (
     Stage("tests", 1, "quick tests of every CUDA-only path", 110, 120, 40, 150, kind="tests"),
     Stage("qwen_step", 2, "Qwen-Image LoRA 1024^2, checkpointing + compile", 85, 160, 25, 150),
     # One layer's int8 vs bf16 matmul time is cheap and decides issue 35's profile choice: before item 3.
-    Stage("int8_layer", 2, "int8 W8A8 vs bf16: one layer at Qwen-Image widths", 35, 70, 20, 90, kind="int8"),
+    Stage("int8_layer", 2, "int8 and fp8 W8A8 vs bf16: one layer at Qwen-Image widths", 35, 70, 20, 90, kind="int8"),
     Stage("mem_24gb", 3, "24 GB profile: device peak and s/step", 65, 140, 20, 120, needs_quanto=True),
     Stage("mem_16gb", 3, "16 GB profile: device peak and s/step", 75, 150, 20, 120, needs_quanto=True),
     Stage("flux2_klein", 4, "FLUX.2 [klein] 4B profile: step, peak, MFU", 65, 120, 20, 120),
@@ -112,7 +112,7 @@ STAGES: Sequence[Stage] = (
     Stage("krea2_24gb", 4, "Krea 2 24 GB profile (qfloat8 blocks): step, peak", 55, 140, 20, 120, needs_quanto=True),
     Stage("qwen21_24gb", 4, "Qwen-Image-2.1 24 GB profile (qfloat8 blocks): step, peak", 45, 130, 20, 120,
           needs_quanto=True),
-    Stage("int8", 5, "int8 W8A8 vs bf16 vs qfloat8 LoRA steps (quantized_step.py)", 90, 150, 30, 120,
+    Stage("int8", 5, "int8 and fp8 W8A8 vs bf16 vs qfloat8 LoRA steps (quantized_step.py)", 90, 150, 30, 120,
           kind="int8"),
     Stage("attention", 5, "attention backends (Qwen-Image, FLUX.1-dev)", 25, 60, 15, 60),
     Stage("flux_step", 5, "FLUX.1-dev LoRA 1024^2, checkpointing + compile", 55, 110, 20, 120),

@@ -126,8 +126,7 @@ def describe(r: Record) -> str:
         return f"ERROR {r.get('error')}"
     if kind == "int8":
         row = r.get("data") if isinstance(r.get("data"), dict) else {}
-        keep = ("layer", "int8_refusal", "int8_vs_bf16", "out_error", "s_per_step", "train_peak_gib",
-                "int8_mm_per_step")
+        keep = ("layer", "kernel", "ms", "out_error", "s_per_step", "train_peak_gib", "mm8_per_step")
         values = ", ".join(f"{k} {fmt(v, '.4g') if isinstance(v, (int, float)) else v}"
                            for k, v in (row.get("values") or {}).items() if k in keep)
         return (f"int8 {row.get('part')} {row.get('family')} {row.get('format')} compile {row.get('compile')}: "
@@ -307,7 +306,7 @@ def int8_md(p: Pass) -> str:
     rows = [r["data"] for r in p.of("int8") if isinstance(r.get("data"), dict)]
     if not tables and not rows:
         return ""
-    out = "#### int8 W8A8 against bf16 and qfloat8 (`benchmarks/quantized_step.py`)\n\n"
+    out = "#### int8 and fp8 W8A8 against bf16 and qfloat8 (`benchmarks/quantized_step.py`)\n\n"
     if tables:  # one table per stage (the layer part, then the LoRA steps), under this page's headings
         out += "\n".join(demote(t.get("text", "")) + "\n" for t in tables)
     else:

@@ -1,25 +1,33 @@
-"""LoRA step time and peak memory with the frozen base in bf16, quanto qfloat8 and torchao int8_w8a8,
-side by side in one process on one machine.
+"""LoRA step time and peak memory with the frozen base in bf16, quanto qfloat8, torchao int8_w8a8 (the old
+transposed form with its unfused epilogue, and the fused TN form) and float8_w8a8, side by side in one
+process on one machine.
 
     python benchmarks/quantized_step.py --device cuda --families qwen_image --out /tmp/quant.md --time-budget 90
-    OMP_NUM_THREADS=2 python benchmarks/quantized_step.py --device cpu         # tiny models, ~1 min
+    OMP_NUM_THREADS=2 python benchmarks/quantized_step.py --device cpu         # tiny models, ~2 min
+    OMP_NUM_THREADS=2 python benchmarks/quantized_step.py --device cpu --layer-width 1024 --resolution 512
 
 Two parts, each row written the moment it is measured (the markdown file is rewritten with every row
 so far, and one JSON line per row is appended to ``FILE.jsonl`` and printed):
 
-* **layer**: one linear layer forward + input-gradient backward, bf16 ``nn.Linear`` against
-  ``Int8Linear`` (``trainer/model/int8_linear.py``), at the widths of the family's attention projection and
-  MLP up-projection and the tokens of one sample at ``--resolution``; eager, and compiled too on
-  CUDA (with ``--compile on``: compiled only). Also the int8 layer's relative error against fp32 on this device, for the output
-  and the input gradient (the check that the device's int8 kernel returns right numbers).
+* **layer**: one linear layer forward + input-gradient backward under bf16 autocast, one row per weight
+  format: a bf16 ``nn.Linear``, quanto's qfloat8 ``QLinear``, and ``QuantizedLinear``
+  (``trainer/model/quantized_linear.py``) with int8 weights on the old transposed kernel
+  (``int8_w8a8_old``: ``(q @ xq.T).T``, then a contiguous fp32 copy and two in-place scale multiplies, what
+  the layer ran before the TN form, and what it still runs where a device's check finds the TN layout
+  wrong), on the fused TN kernel (``int8_w8a8``) and with fp8 weights (``float8_w8a8``, ``torch._scaled_mm``).
+  At the widths of the family's attention projection and MLP up-projection and the tokens of one sample at
+  ``--resolution``; eager, and compiled too on CUDA (with ``--compile on``: compiled only). Each row also
+  has its relative error against fp32 for the output and the input gradient (the check that the device's
+  kernel returns right numbers) and the kernel the layer ran; *x bf16* divides by the bf16 row.
 * **model**: ``--steps`` LoRA steps of each family's transformer (random weights, ``tests/gpu/harness.py``:
   full size on a GPU, the tiny architecture on the CPU) set up by the engine's own
   ``prepare_transformer`` with each weight format, bf16 autocast, gradient checkpointing as the
   low-memory profiles run it; s/step is the median after two warm-up steps. Peak memory: on CUDA
   ``max_memory_allocated`` over the steps (train) and over the build (load); on the CPU the process's
   peak RSS over the steps (``VmHWM``, reset before each run). *Weights* (MiB) is the bytes of the frozen
-  transformer's tensors (int8 data and scales included). *int8 mm/step* counts ``torch._int_mm``
-  calls per step (eager only): nonzero shows the int8 path ran instead of the dequantized fallback.
+  transformer's tensors (8-bit data and scales included). *8-bit mm/step* counts ``torch._int_mm`` and
+  ``torch._scaled_mm`` calls per step (eager only): nonzero shows an 8-bit kernel ran instead of the
+  dequantized fallback.
 
 ``--time-budget S``: a measurement starts only if the time left covers the longest one of its part so
 far (the first of each part starts if any time is left); skipped rows say so. A started measurement
@@ -54,14 +62,37 @@ import harness  # noqa: E402
 from trainer.model.block_swap import inner_tensors  # noqa: E402
 from trainer.families import SPECS  # noqa: E402
 from benchmarks.gpu_report import quiet_logs  # noqa: E402
-from trainer.model.int8_linear import int8_matmul_refusal, int8_matmul_works, quantize_int8_w8a8  # noqa: E402
+import trainer.model.quantized_linear as ql  # noqa: E402
+from trainer.model.quantization import QuantizationChoice, quantize_module  # noqa: E402
 from utils.memory_monitor import get_memory_stats, reset_peak_memory_stats  # noqa: E402
 
+TORCHAO = ("quantize=true", "quantization.backend=torchao")
 FORMATS: Dict[str, Tuple[str, ...]] = {
     "bf16": (),
-    "int8_w8a8": ("quantize=true", "quantization.backend=torchao", "quantization.weights=int8_w8a8"),
+    "int8_w8a8_old": TORCHAO + ("quantization.weights=int8_w8a8",),  # run with the transposed kernel forced
+    "int8_w8a8": TORCHAO + ("quantization.weights=int8_w8a8",),
+    "float8_w8a8": TORCHAO + ("quantization.weights=float8_w8a8",),
     "qfloat8": ("quantize=true", "quantization.backend=quanto", "quantization.weights=qfloat8"),
 }
+OLD_INT8 = "int8_w8a8_old"
+
+
+@contextlib.contextmanager
+def kernel_as_run(fmt: str, device: torch.device) -> Iterator[None]:
+    """``int8_w8a8_old``: the device's int8 check answered with the old transposed kernel while active (as a
+    device whose TN layout is wrong); the other formats as they are."""
+    if fmt != OLD_INT8:
+        yield
+        return
+    key = (ql.INT8, device.type, device.index)
+    ql.kernel_check(device, ql.INT8)
+    saved = ql._CHECKS[key]
+    ql._CHECKS[key] = ql.KernelCheck(ql.INT8_TRANSPOSED, "benchmark: the old transposed form") \
+        if saved.kernel != ql.DEQUANTIZED else saved
+    try:
+        yield
+    finally:
+        ql._CHECKS[key] = saved
 
 
 @dataclass
@@ -101,11 +132,12 @@ class Budget:
 # =========================================================================== layer part
 
 
-def layer_shapes(family: str, scale: harness.Scale, resolution: int) -> List[Tuple[str, int, int, int]]:
-    """(name, tokens, in, out): the family's attention projection and MLP up-projection, for the image
-    tokens of one sample at ``resolution``."""
+def layer_shapes(family: str, scale: harness.Scale, resolution: int,
+                 width: Optional[int] = None) -> List[Tuple[str, int, int, int]]:
+    """(name, tokens, in, out): the family's attention projection and MLP up-projection (at ``width`` when
+    given, else the family's at ``scale``), for the image tokens of one sample at ``resolution``."""
     config = harness.transformer_config(family, scale)
-    width = config["num_attention_heads"] * config["attention_head_dim"]
+    width = width or config["num_attention_heads"] * config["attention_head_dim"]
     tokens = (resolution // 16) ** 2  # 8x VAE, 2x2 patches
     return [("attention q", tokens, width, width), ("MLP up", tokens, width, 4 * width)]
 
@@ -130,37 +162,54 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def measure_layer(name: str, tokens: int, d_in: int, d_out: int, device: torch.device, compiled: bool,
+def quantized_layer(fmt: str, plain: torch.nn.Linear) -> torch.nn.Module:
+    """A copy of the bf16 ``plain`` layer with its weight in ``fmt`` (bf16: the copy as it is)."""
+    layer = torch.nn.Linear(plain.in_features, plain.out_features, device=plain.weight.device, dtype=plain.weight.dtype)
+    layer.load_state_dict(plain.state_dict())
+    layer.requires_grad_(False)
+    if fmt == "bf16":
+        return layer
+    wrapper = torch.nn.Sequential(layer)  # quanto quantizes a module's children
+    backend, weights = ("quanto", "qfloat8") if fmt == "qfloat8" else ("torchao", fmt.replace("_old", ""))
+    quantize_module(wrapper, QuantizationChoice(backend, weights))
+    return wrapper
+
+
+def layer_kernel(fmt: str, module: torch.nn.Module, device: torch.device) -> str:
+    """The matmul the layer runs: the 8-bit kernel or its dequantized fallback (torchao), quanto's, bf16."""
+    if fmt in ("bf16", "qfloat8"):
+        return {"bf16": "bf16 matmul", "qfloat8": "quanto"}[fmt]
+    weight = module[0].weight
+    return ql.choose_kernel(device, ql.storage_format(weight.qdata), weight.shape)
+
+
+def measure_layer(fmt: str, name: str, tokens: int, d_in: int, d_out: int, device: torch.device, compiled: bool,
                   repeats: int) -> Dict[str, Any]:
-    """bf16 Linear vs Int8Linear, forward + input gradient, under bf16 autocast as in training."""
+    """One weight format's layer, forward + input gradient, under bf16 autocast as in training; its error
+    against fp32 (the bf16 weight multiplied in fp32)."""
     torch.manual_seed(0)
     plain = torch.nn.Linear(d_in, d_out, device=device, dtype=torch.bfloat16).requires_grad_(False)
-    int8 = torch.nn.Linear(d_in, d_out, device=device, dtype=torch.bfloat16)
-    int8.load_state_dict(plain.state_dict())
-    quantize_int8_w8a8(int8)
     x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=True)
-    values: Dict[str, Any] = {"layer": name, "tokens": tokens, "in": d_in, "out": d_out,
-                              "int8_kernel": int8_matmul_works(device),
-                              "int8_refusal": int8_matmul_refusal(device)}
-    # Accuracy against fp32 (the weight as stored in bf16, multiplied in fp32).
-    ref_w, ref_b = plain.weight.float(), plain.bias.float()
-    x32 = x.detach().float().requires_grad_()
-    want = torch.nn.functional.linear(x32, ref_w, ref_b)
-    grad = torch.randn_like(want)
-    want.backward(grad)
-    xq = x.detach().clone().requires_grad_()
-    got = int8(xq)
-    got.backward(grad.to(got.dtype))
-    values.update(out_error=rel_error(got, want), grad_error=rel_error(xq.grad, x32.grad))
-    for label, module in (("bf16", plain), ("int8", int8)):
+    with kernel_as_run(fmt, device):
+        module = quantized_layer(fmt, plain)
+        values: Dict[str, Any] = {"layer": name, "tokens": tokens, "in": d_in, "out": d_out,
+                                  "kernel": layer_kernel(fmt, module, device)}
+        x32 = x.detach().float().requires_grad_()
+        want = torch.nn.functional.linear(x32, plain.weight.float(), plain.bias.float())
+        grad = torch.randn_like(want)
+        want.backward(grad)
+        xq = x.detach().clone().requires_grad_()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            got = module(xq)
+        got.backward(grad.to(got.dtype))
+        values.update(out_error=rel_error(got, want), grad_error=rel_error(xq.grad, x32.grad))
         fn = torch.compile(module) if compiled else module
 
-        def step(inp: torch.Tensor, fn: Callable = fn) -> torch.Tensor:
+        def step(inp: torch.Tensor) -> torch.Tensor:
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 return fn(inp)
 
-        values[f"{label}_ms"] = 1e3 * time_fwd_bwd(step, x, device, repeats)
-    values["int8_vs_bf16"] = values["int8_ms"] / values["bf16_ms"]
+        values["ms"] = 1e3 * time_fwd_bwd(step, x, device, repeats)
     return values
 
 
@@ -175,20 +224,21 @@ def frozen_bytes(model: torch.nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def counting_int_mm() -> Iterator[List[int]]:
-    """Counts ``torch._int_mm`` calls while active."""
+def counting_8bit_mm() -> Iterator[List[int]]:
+    """Counts ``torch._int_mm`` and ``torch._scaled_mm`` calls while active."""
     calls: List[int] = []
-    real = torch._int_mm
+    real = {name: getattr(torch, name) for name in ("_int_mm", "_scaled_mm")}
 
-    def counted(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        calls.append(1)
-        return real(a, b)
+    def counted(name: str) -> Callable[..., torch.Tensor]:
+        return lambda *a, **kw: calls.append(1) or real[name](*a, **kw)
 
-    torch._int_mm = counted
+    for name in real:
+        setattr(torch, name, counted(name))
     try:
         yield calls
     finally:
-        torch._int_mm = real
+        for name, fn in real.items():
+            setattr(torch, name, fn)
 
 
 def measure_model(family: str, fmt: str, args: argparse.Namespace, device: torch.device,
@@ -197,26 +247,29 @@ def measure_model(family: str, fmt: str, args: argparse.Namespace, device: torch
     if args.compile == "on" and fmt == "qfloat8":
         overrides[-1] = "compile=false"  # quanto's kernels cannot be traced (the engine's auto leaves it eager)
     gc.collect()
-    rig = harness.build_rig(family, device, torch.bfloat16, scale=scale, checkpointing=not args.no_checkpointing,
-                            overrides=overrides, resolution=args.resolution)
-    try:
-        values: Dict[str, Any] = {"build_s": rig.build_seconds, "compiled": rig.compiled,
-                                  "weights_mib": frozen_bytes(rig.transformer) / 2**20, "load_peak_gib": rig.load_peak_gib}
-        if device.type == "cpu":  # the host is the device: its peak RSS over the steps (VmHWM, reset)
-            reset_peak_memory_stats(host=True)
-        with counting_int_mm() as calls:
-            report = harness.run_steps(rig, args.steps, args.resolution)
-        values.update(s_per_step=report.median_step_s, steps=len(report.steady_times),
-                      first_step_s=report.step_times[0], train_peak_gib=report.peak_gib,
-                      reserved_gib=report.reserved_gib, loss_first=report.losses[0], loss_last=report.losses[-1],
-                      finite=report.finite, image_tokens=report.image_tokens, text_tokens=report.text_tokens,
-                      int8_mm_per_step=None if rig.compiled else len(calls) / args.steps)
-        if device.type == "cpu":
-            values["train_peak_gib"] = get_memory_stats().get("host_peak_rss_gib")
-        return values
-    finally:
-        rig.free()
-        gc.collect()
+    with kernel_as_run(fmt, device):
+        rig = harness.build_rig(family, device, torch.bfloat16, scale=scale, checkpointing=not args.no_checkpointing,
+                                overrides=overrides, resolution=args.resolution)
+        try:
+            values: Dict[str, Any] = {"build_s": rig.build_seconds, "compiled": rig.compiled,
+                                      "weights_mib": frozen_bytes(rig.transformer) / 2**20,
+                                      "load_peak_gib": rig.load_peak_gib}
+            if device.type == "cpu":  # the host is the device: its peak RSS over the steps (VmHWM, reset)
+                reset_peak_memory_stats(host=True)
+            with counting_8bit_mm() as calls:
+                report = harness.run_steps(rig, args.steps, args.resolution)
+            values.update(s_per_step=report.median_step_s, steps=len(report.steady_times),
+                          first_step_s=report.step_times[0], train_peak_gib=report.peak_gib,
+                          reserved_gib=report.reserved_gib, loss_first=report.losses[0],
+                          loss_last=report.losses[-1], finite=report.finite, image_tokens=report.image_tokens,
+                          text_tokens=report.text_tokens,
+                          mm8_per_step=None if rig.compiled else len(calls) / args.steps)
+            if device.type == "cpu":
+                values["train_peak_gib"] = get_memory_stats().get("host_peak_rss_gib")
+            return values
+        finally:
+            rig.free()
+            gc.collect()
 
 
 # =========================================================================== output
@@ -254,21 +307,24 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def layer_table(rows: List[Row]) -> str:
+    layers = [r for r in rows if r.part == "layer"]
+    base = {(r.family, r.values.get("layer"), r.compile): r.values for r in layers
+            if r.format == "bf16" and r.status == "ok"}
     body = []
-    for r in (r for r in rows if r.part == "layer"):
+    for r in layers:
         v = r.values
         if r.status != "ok":
-            body.append((r.family, v.get("layer", ""), r.compile, r.status, "", "", "", "", ""))
+            body.append((r.family, v.get("layer", ""), r.format, r.compile, r.status, "", "", "", ""))
             continue
-        body.append((r.family, f"{v['layer']} ({v['tokens']} x {v['in']} -> {v['out']})", r.compile,
-                     fmt(v["bf16_ms"], ".2f"), fmt(v["int8_ms"], ".2f"), fmt(v["int8_vs_bf16"], ".2f"),
-                     "yes" if v["int8_kernel"] else f"**no** (dequantized fallback: {v.get('int8_refusal') or 'refused'})",
+        ref = base.get((r.family, v["layer"], r.compile))
+        body.append((r.family, f"{v['layer']} ({v['tokens']} x {v['in']} -> {v['out']})", r.format, r.compile,
+                     fmt(v["ms"], ".2f"), fmt(v["ms"] / ref["ms"], ".2f") if ref else "n/a", v["kernel"],
                      fmt(100 * v["out_error"], ".2f"), fmt(100 * v["grad_error"], ".2f")))
     if not body:
         return ""
     return ("\n## One linear layer: forward + input gradient (ms)\n\n"
-            + table(("Family", "Layer (tokens x in -> out)", "Compile", "bf16 ms", "int8 ms", "int8 / bf16",
-                     "int8 kernel", "out error %", "grad error %"), body))
+            + table(("Family", "Layer (tokens x in -> out)", "Weights", "Compile", "ms", "x bf16", "Kernel",
+                     "out error %", "grad error %"), body))
 
 
 def model_table(rows: List[Row]) -> str:
@@ -284,7 +340,7 @@ def model_table(rows: List[Row]) -> str:
             continue
         ref = base.get((r.family, r.compile))
         ratio = lambda key: fmt(v[key] / ref[key], ".2f") if ref and v.get(key) and ref.get(key) else "n/a"  # noqa: E731
-        mm = v["int8_mm_per_step"]
+        mm = v["mm8_per_step"]
         body.append((SPECS[r.family].title, r.format, f"{r.compile} ({'compiled' if v['compiled'] else 'eager'})",
                      fmt(v["s_per_step"]), ratio("s_per_step"), fmt(v["train_peak_gib"], ".2f"),
                      ratio("train_peak_gib"), fmt(v["load_peak_gib"], ".2f"), fmt(v["weights_mib"], ".1f"),
@@ -292,14 +348,14 @@ def model_table(rows: List[Row]) -> str:
                      fmt(v["first_step_s"], ".1f"), fmt(v["build_s"], ".1f")))
     return ("\n## LoRA steps (s/step, GiB)\n\n"
             + table(("Family", "Weights", "Compile", "s/step", "x bf16", "Train peak", "x bf16", "Load peak",
-                     "Weights MiB", "int8 mm/step", "Loss", "First step s", "Build s"), body))
+                     "Weights MiB", "8-bit mm/step", "Loss", "First step s", "Build s"), body))
 
 
 def header(args: argparse.Namespace, device: torch.device, scale: harness.Scale, argv: List[str]) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     what = "full-size random-weight transformers" if scale.name == "full" else f"the {scale.name} architecture"
     peak = "`torch.cuda.max_memory_allocated`" if device.type == "cuda" else "peak RSS of the process (VmHWM)"
-    return (f"# Quantized LoRA step: bf16 vs qfloat8 vs int8_w8a8\n\n"
+    return (f"# Quantized LoRA step: bf16 vs qfloat8 vs int8_w8a8 (old, fused) vs float8_w8a8\n\n"
             f"Written by `python benchmarks/quantized_step.py {' '.join(argv)}` on {when}, "
             f"{harness.device_name(device)}, torch {torch.__version__}. {what}, {args.resolution}^2, batch 1, "
             f"LoRA (the family's `attention` preset, rank 16), AdamW, bf16 autocast, gradient checkpointing "
@@ -322,6 +378,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="model size (default full on CUDA, tiny on the CPU)")
     parser.add_argument("--compile", choices=("off", "on"), default="off",
                         help="torch.compile the blocks (qfloat8 stays eager, as the engine leaves it) and the layers")
+    parser.add_argument("--layer-width", type=int, default=None, metavar="N",
+                        help="the layer part at this width (N -> N and N -> 4N) instead of the model's: a CPU run "
+                             "between the tiny model (overhead only) and the full width (minutes per call where "
+                             "bf16 is emulated)")
     parser.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off")
     parser.add_argument("--parts", nargs="+", choices=("layer", "model"), default=["layer", "model"])
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
@@ -358,7 +418,7 @@ Measurement = Tuple[Row, Callable[[], Dict[str, Any]], float]  # the row, what f
 
 def plan_rows(args: argparse.Namespace, device: torch.device, scale: harness.Scale) -> List[Measurement]:
     """What to measure, most telling first (a time budget skips from the end): the eager layers, the
-    bf16 and int8 steps, the compiled layers (on CUDA with triton: one layer compiles in seconds), then
+    bf16 and torchao steps, the compiled layers (on CUDA with triton: one layer compiles in seconds), then
     qfloat8 (whose first use on a GPU may build quanto's extension)."""
     layer_modes = ["on"] if args.compile == "on" else ["off"]
     if device.type == "cuda" and args.compile == "off" and has_triton():
@@ -366,10 +426,13 @@ def plan_rows(args: argparse.Namespace, device: torch.device, scale: harness.Sca
     first, later = [], []
     for family in args.families:
         for mode in layer_modes if "layer" in args.parts else []:
-            for name, tokens, d_in, d_out in layer_shapes(family, scale, args.resolution):
-                row = Row("layer", family, "int8_w8a8", mode, values={"layer": name})
-                measure = functools.partial(measure_layer, name, tokens, d_in, d_out, device, mode == "on", 10)
-                (first if mode == layer_modes[0] else later).append((row, measure, 0.0))
+            for name, tokens, d_in, d_out in layer_shapes(family, scale, args.resolution, args.layer_width):
+                for fmt_name in args.formats:
+                    row = Row("layer", family, fmt_name, mode, values={"layer": name})
+                    measure = functools.partial(measure_layer, fmt_name, name, tokens, d_in, d_out, device,
+                                                mode == "on", 10)
+                    extra = QUANTO_BUILD_S if fmt_name == "qfloat8" and quanto_build_pending(device) else 0.0
+                    (first if mode == layer_modes[0] and fmt_name != "qfloat8" else later).append((row, measure, extra))
         for fmt_name in args.formats if "model" in args.parts else []:
             extra = QUANTO_BUILD_S if fmt_name == "qfloat8" and quanto_build_pending(device) else 0.0
             measure = functools.partial(measure_model, family, fmt_name, args, device, scale)
