@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import harness
-from trainer.model.int8_linear import int8_matmul_refusal, int8_matmul_works, quantize_int8_w8a8
+from trainer.model.quantized_linear import int8_matmul_refusal, int8_matmul_works, quantize_int8_w8a8
 
 pytestmark = pytest.mark.gpu
 
