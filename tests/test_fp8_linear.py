@@ -45,7 +45,7 @@ def twin_layers(in_features: int = 256, out_features: int = 128, seed: int = 0):
 def scaled_mm_calls(monkeypatch: pytest.MonkeyPatch) -> List[Tuple[int, int, int]]:
     """(rows, inner, cols) of every ``torch._scaled_mm`` call. Each must get what CUDA's rowwise kernels
     require and the CPU's does not check: a row-major left operand, a column-major right one, fp32 scales
-    of shapes (rows, 1) and (1, cols)."""
+    of shapes (rows, 1) and (1, cols); and run outside autocast (CPU autocast made it 55x slower)."""
     ql.kernel_check(torch.device("cpu"), FLOAT8)  # the kernel's one-time check, before counting
     calls: List[Tuple[int, int, int]] = []
     real = torch._scaled_mm
@@ -54,6 +54,7 @@ def scaled_mm_calls(monkeypatch: pytest.MonkeyPatch) -> List[Tuple[int, int, int
         assert a.is_contiguous() and b.t().is_contiguous(), f"layouts {a.stride()} {b.stride()}"
         assert kw["scale_a"].shape == (a.shape[0], 1) and kw["scale_b"].shape == (1, b.shape[1])
         assert kw["scale_a"].dtype == kw["scale_b"].dtype == torch.float32
+        assert not torch.is_autocast_enabled(a.device.type), "autocast around _scaled_mm"
         calls.append((a.shape[0], a.shape[1], b.shape[1]))
         return real(a, b, **kw)
 
@@ -100,7 +101,7 @@ def test_output_and_input_gradient_match_fp32_and_use_fp8_matmuls(shape: tuple, 
     assert scaled_mm_calls == [(rows, 256, 128), (rows, 128, 256)], "forward, then the input gradient, in fp8"
 
 
-def test_bf16_autocast_output_is_bf16_and_close_to_fp32() -> None:
+def test_bf16_autocast_output_is_bf16_and_close_to_fp32(scaled_mm_calls: list) -> None:
     ref, layer = twin_layers()
     x = torch.randn(64, 256, requires_grad=True)  # fp32, as a LayerNorm hands it on under autocast
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -109,6 +110,7 @@ def test_bf16_autocast_output_is_bf16_and_close_to_fp32() -> None:
     assert out.dtype == torch.bfloat16
     assert x.grad.dtype == torch.float32, "the input gradient comes back in the input's dtype"
     assert rel_error(out, ref(x)) < TOLERANCE
+    assert len(scaled_mm_calls) == 2, "both matmuls in fp8, with autocast off around them (the fixture checks)"
 
 
 def test_backward_keeps_only_the_fp8_weight_and_no_transposed_copy() -> None:
