@@ -54,9 +54,11 @@ TAIL_LINES = 300
 # the slowest starts at once; the xdist groups of test_gpu_quick.py keep the rest on three workers.
 QUICK_TESTS = ("tests/gpu/test_fsdp_smoke.py::test_fsdp2_on_one_gpu_trains_resumes_and_exports",
                "tests/gpu/test_gpu_quick.py",
-               # The layer test names why, where the int8 kernel is refused; the int8 convergence test
-               # (100 steps at 1024^2) alone outlasted the stage's 120 s cap at 75294e7: not quick.
-               "tests/gpu/test_int8_gpu.py::test_int8_layer_on_cuda_matches_fp32",
+               # The layer test names why, where an 8-bit kernel is refused, and the next one what auto
+               # chose; the convergence tests (100 steps at 1024^2) alone outlasted the stage's 120 s cap at
+               # 75294e7: not quick.
+               "tests/gpu/test_quantized_gpu.py::test_quantized_layer_on_cuda_matches_fp32",
+               "tests/gpu/test_quantized_gpu.py::test_the_int8_layout_and_auto_on_this_gpu",
                "tests/test_train_e2e.py::test_steps_on_cuda_make_no_synchronizing_call")
 # The families no GPU pass has seen yet: their CUDA gradient/step test at the real width, 10 LoRA steps at
 # 1024^2 and the gradient flow on the full-size model (their 24 GB profiles are stages of their own).
