@@ -29,9 +29,9 @@ from trainer.model.quantization import QuantizationChoice, is_quantized, quantiz
 SPECS = [QuantizationChoice("quanto", "qfloat8"), QuantizationChoice("quanto", "qint8"),
          QuantizationChoice("quanto", "qint4"), QuantizationChoice("torchao", "int8_weight_only")]
 IDS = [f"{s.backend}-{s.weights}" for s in SPECS]
-# Formats whose layer calls F.linear on the quantized weight (the cast tests' probe) and int8_w8a8,
-# whose Int8Linear quantizes its own input: all of them are swapped.
-SWAPPED = SPECS + [QuantizationChoice("torchao", "int8_w8a8")]
+# Formats whose layer calls F.linear on the quantized weight (the cast tests' probe) and the W8A8 ones,
+# whose QuantizedLinear quantizes its own input: all of them are swapped.
+SWAPPED = SPECS + [QuantizationChoice("torchao", "int8_w8a8"), QuantizationChoice("torchao", "float8_w8a8")]
 SWAPPED_IDS = [f"{s.backend}-{s.weights}" for s in SWAPPED]
 
 
