@@ -4,7 +4,8 @@
 - ``adapters.py``: what trains: LoRA through peft or every weight (full); save, load, export;
 - ``lora_formats.py``: LoRA files in formats other than diffusers' (ComfyUI's);
 - ``quantization.py``: frozen weights quantized block by block (optimum-quanto, torchao);
-- ``int8_linear.py``: int8 W8A8 linear layers (``quantization.weights: int8_w8a8``);
+- ``quantized_linear.py``: 8-bit W8A8 linear layers, int8 and fp8 (``quantization.weights: int8_w8a8``,
+  ``float8_w8a8``, ``auto``; ``int8_linear.py`` is its old import path);
 - ``block_swap.py``: frozen blocks kept in host memory, brought to the GPU just in time;
 - ``activation_offload.py``: gradient checkpointing whose kept block inputs live in host memory.
 
