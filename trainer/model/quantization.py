@@ -55,7 +55,6 @@ class QuantizationChoice:
     reason: str = ""  # why ``auto`` became ``weights``
 
 
-
 def quantization_spec(cfg: TrainConfig) -> Optional[QuantizationChoice]:
     """The transformer's quantization for this run (``quantize: true`` + the ``quantization`` section),
     or None; ``disable_quantization: true`` wins (the DGX Spark switch)."""
@@ -93,7 +92,8 @@ def resolve_auto(spec: Optional[QuantizationChoice], device: torch.device) -> Op
 
 def quantization_report(cfg: TrainConfig, device: torch.device) -> Optional[Dict[str, str]]:
     """For ``summary.json``: the blocks' backend and weights (``auto`` resolved: what it asked, and why),
-    and for the W8A8 formats the matmul ``device`` runs them with; None without quantization."""
+    and for the W8A8 formats the kernel the device's check found (a layer whose sides don't fit it on
+    CUDA runs dequantized); None without quantization."""
     spec = resolve_auto(quantization_spec(cfg), device)
     if spec is None:
         return None
