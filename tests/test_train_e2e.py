@@ -231,11 +231,15 @@ def test_steps_copy_no_frozen_weight(family: str, request: pytest.FixtureRequest
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_steps_on_cuda_make_no_synchronizing_call(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("extra", [(), ("quantize=true", "quantization.backend=torchao", "quantization.weights=auto",
+                                        "gradient_checkpointing_cpu_offload=true")], ids=["bf16", "w8a8-auto-offload"])
+def test_steps_on_cuda_make_no_synchronizing_call(extra: tuple, tiny_qwen_image: Path, sample_data: Path,
+                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU, a step adds no synchronizing CUDA call (a blocking copy, ``.item()``, a stream sync):
     torch's sync debug mode counts them over the whole loop, and 8 steps must make no more than 4
-    (start-up and the final save make the same ones in both)."""
+    (start-up and the final save make the same ones in both). Also with the 24 GB profile's blocks (8-bit
+    W8A8, ``auto``) and offloaded checkpoints; its 8-bit AdamW reads the loss before stepping, so AdamW here
+    (the CPU twin with 8-bit AdamW: ``tests/test_quantized_training.py``)."""
     import warnings
 
     loop, syncs = Trainer._loop, {}
@@ -255,7 +259,7 @@ def test_steps_on_cuda_make_no_synchronizing_call(tiny_qwen_image: Path, sample_
     for steps in (4, 8):
         trainer = run_in_process(*overrides(tiny_qwen_image, sample_data, tmp_path / str(steps),
                                             f"max_train_steps={steps}", "mixed_precision=bf16",
-                                            "checkpointing_steps=1000"))
+                                            "checkpointing_steps=1000", *extra))
         assert trainer.device.type == "cuda" and trainer.readout.lag == 1
     extra = len(syncs[8]) - len(syncs[4])
     assert extra <= 0, f"{extra / 4:.1f} synchronizing calls per step; the 8-step run's: {syncs[8]}"
