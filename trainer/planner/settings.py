@@ -28,8 +28,7 @@ from trainer.data.features import ENCODE_BATCH  # the cache pass's prompts per e
 from trainer.planner.model import ModelSizes
 from trainer.platform import keeps_encoders
 from trainer.model.quantization import QuantizationChoice, quantization_spec, text_encoder_spec
-
-GIB = 2**30
+from utils.sizes import GIB, parse_size  # noqa: F401  (parse_size: the planner's, re-exported)
 
 # --------------------------------------------------------------------------- assumptions
 # Each constant is named in the plan's notes or in docs/MEMORY_PLANNER.md.
@@ -52,22 +51,6 @@ SCALE_BYTES: Dict[str, int] = {"int8_w8a8": 4}
 # The int8 matmul's scratch per token (trainer/model/int8_linear.py): the input quantized (an fp32 copy and
 # its int8 values, 5 B per input feature) and the product (int32, then fp32: 8 B per output feature).
 INT8_SCRATCH_IN, INT8_SCRATCH_OUT = 5, 8
-
-# --------------------------------------------------------------------------- sizes
-_UNITS = {"": GIB, "g": GIB, "gi": GIB, "gib": GIB, "gb": 1e9, "m": 2**20, "mi": 2**20, "mib": 2**20,
-          "mb": 1e6, "t": 2**40, "ti": 2**40, "tib": 2**40, "tb": 1e12}
-
-
-def parse_size(text: str | float | int) -> float:
-    """A memory size in GiB: ``"24GiB"``, ``"24 GB"`` (10^9 bytes), ``"16"`` (GiB), ``"512MiB"``."""
-    if isinstance(text, (int, float)):
-        return float(text)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"cannot read memory size {text!r}; write e.g. 24GiB, 24GB, 16 (GiB) or 512MiB")
-    return float(match.group(1)) * _UNITS[unit] / GIB
-
 
 # --------------------------------------------------------------------------- run settings
 @dataclass(frozen=True)
