@@ -13,7 +13,7 @@ from trainer.cli import main
 
 LOW_MEMORY = {"quantize": True, "adam8bit": True, "precompute_text_embeddings": True,
               "precompute_image_embeddings": True, "save_cache_on_disk": True,
-              "disable_gradient_checkpointing": False, "gradient_checkpointing_cpu_offload": True}
+              "gradient_checkpointing_cpu_offload": True}
 
 FAMILY = "qwen_image"  # the family it trains unless the YAML says otherwise
 PROFILE_DEFAULTS = LOW_MEMORY  # beneath the YAML

@@ -367,7 +367,7 @@ class Rig:
 
 def _precision_overrides(dtype: torch.dtype, checkpointing: bool) -> List[str]:
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "null")  # null: fp32 ("no")
-    return [f"mixed_precision={precision}", f"disable_gradient_checkpointing={str(not checkpointing).lower()}"]
+    return [f"mixed_precision={precision}", f"gradient_checkpointing={str(checkpointing).lower()}"]
 
 
 def build_rig(family: str, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16, *,
@@ -557,7 +557,7 @@ def run_steps(rig: Rig, steps: int, resolution: int, batch_size: int = 1, seed: 
     losses = [loss for _, loss in reads[1:]]
     reserved = torch.cuda.max_memory_reserved(rig.device) / GIB if rig.device.type == "cuda" else None
     return StepReport(rig.name, device_name(rig.device), str(rig.dtype).removeprefix("torch."), resolution,
-                      batch_size, not rig.cfg.disable_gradient_checkpointing, rig.attention.name,
+                      batch_size, rig.cfg.gradient_checkpointing not in (False, 0), rig.attention.name,
                       batch.image_tokens, batch.text_tokens, rig.trainable, times, losses,
                       _peak_gib(rig.device), reserved, rig.build_seconds)
 

@@ -248,11 +248,14 @@ def _evaluation_problems(cfg: TrainConfig) -> List[str]:
 
 
 def _memory_problems(cfg: TrainConfig) -> List[str]:
+    checkpointing = cfg.gradient_checkpointing
     return failing(
         (cfg.blocks_to_swap >= 0, f"key 'blocks_to_swap': value {cfg.blocks_to_swap} must be >= 0"),
-        (not (cfg.gradient_checkpointing_cpu_offload and cfg.disable_gradient_checkpointing),
+        (checkpointing >= 0, f"key 'gradient_checkpointing': value {checkpointing} must be true, false or a number "
+                             "of blocks >= 0"),
+        (not (cfg.gradient_checkpointing_cpu_offload and checkpointing in (False, 0)),
          "key 'gradient_checkpointing_cpu_offload': offloads the inputs gradient checkpointing keeps; "
-         "set disable_gradient_checkpointing: false"),
+         "set gradient_checkpointing: true (or a number of blocks)"),
     )
 
 

@@ -116,17 +116,20 @@ def _training_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[Mem
     t, a = spec.transformer, s.act_bytes
     outer, blocks = _transformer_weight_bytes(t, s)
     swapped = blocks[len(blocks) - s.blocks_to_swap:] if s.blocks_to_swap else []
-    # Without checkpointing autograd keeps every swapped block's device copy until backward: no saving.
-    resident = sum(blocks) - (sum(swapped) if s.checkpointing else 0)
+    # Autograd keeps the device copy of a swapped block that is not checkpointed until backward: no saving.
+    # The swapped blocks are the last ones, the checkpointed the first: those that are both save memory.
+    saving = blocks[len(blocks) - s.blocks_to_swap:s.checkpointed] if swapped else []
+    resident = sum(blocks) - sum(saving)
     q = s.quantization or _dtype_name(s)
     items = [MemoryItem(f"transformer weights ({q})", _gib(outer + resident),
                         f"{t.params / 1e9:.2f}B params, {t.num_blocks} blocks"
                         + (f"; {len(swapped)} swapped to host" if swapped else ""))]
     if swapped:
+        unsaved = len(swapped) - len(saving)
         items.append(MemoryItem("block swap: blocks in flight", _gib(2 * max(swapped)),
                                 "the running block and the prefetched next one"
-                                + ("" if s.checkpointing else "; no saving without gradient checkpointing")))
-    if s.quantization == "int8_w8a8":
+                                + (f"; no saving for the {unsaved} not checkpointed" if unsaved else "")))
+    if s.w8a8:
         items.append(MemoryItem("int8 matmul scratch", _gib(int8_scratch_bytes(t, s)),
                                 "the largest linear's input in int8 and its int32/fp32 product"))
     elif s.quantization is not None:
@@ -165,17 +168,24 @@ def _activation_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[M
     est = estimate_activations(t, lora, s)
     tokens = f"{s.batch} x ({s.image_tokens} image + {s.text_tokens} text) tokens"
     per_block = ", ".join(f"{k.kind} {_gib(b):.3f}" for k, b in zip(t.blocks, est.per_block))
-    if s.checkpointing and s.offload_checkpoints:
-        items = [MemoryItem("activations: block inputs (in host memory)", _gib(est.saved),
-                            f"two on the GPU at a time; {t.num_blocks} x {_gib(est.offloaded / t.num_blocks):.3f} "
-                            "GiB on the host (gradient_checkpointing_cpu_offload)"),
-                 MemoryItem("activations: one block recomputed", _gib(est.recompute),
-                            f"per block GiB: {per_block}")]
-    elif s.checkpointing:
-        items = [MemoryItem("activations: block inputs (checkpointed)", _gib(est.saved),
-                            f"{t.num_blocks} blocks x {tokens} x {t.hidden} x {s.act_bytes} B"),
-                 MemoryItem("activations: one block recomputed", _gib(est.recompute),
-                            f"per block GiB: {per_block}")]
+    inputs = est.saved - est.uncheckpointed
+    n = s.checkpointed
+    items = []
+    if 0 < n < t.num_blocks:
+        kept = t.num_blocks - n
+        items.append(MemoryItem(f"activations: {kept} block{'s' if kept > 1 else ''} not checkpointed",
+                                _gib(est.uncheckpointed),
+                                f"the last {kept} (gradient_checkpointing: {n} of {t.num_blocks}); "
+                                f"{tokens}; per block GiB: {per_block}"))
+    recomputed = MemoryItem("activations: one block recomputed", _gib(est.recompute), f"per block GiB: {per_block}"
+                            + ("; only its excess over the kept activations, freed by then" if n < t.num_blocks else ""))
+    if n and s.offload_checkpoints:
+        items += [MemoryItem("activations: block inputs (in host memory)", _gib(inputs),
+                             f"two on the GPU at a time; {n} x {_gib(est.offloaded / n):.3f} "
+                             "GiB on the host (gradient_checkpointing_cpu_offload)"), recomputed]
+    elif n:
+        items += [MemoryItem("activations: block inputs (checkpointed)", _gib(inputs),
+                             f"{n} blocks x {tokens} x {t.hidden} x {s.act_bytes} B"), recomputed]
     else:
         items = [MemoryItem("activations: all blocks (no checkpointing)", _gib(est.saved),
                             f"{tokens}; per block GiB: {per_block}")]
@@ -288,9 +298,9 @@ def _host_items(spec: ModelSizes, s: Settings, cache_pass_gib: float, training_g
     else:
         encoders = sum(e.params for e in spec.text_encoders) * a  # loaded on the host, then moved
         loading = min(shard, full) if s.streamed_loading else full
-        offloaded = spec.transformer.num_blocks * block_input_bytes(
+        offloaded = s.checkpointed * block_input_bytes(
             spec.transformer, Tokens(s.image_tokens * s.batch, s.text_tokens * s.batch), a) \
-            if s.checkpointing and s.offload_checkpoints else 0
+            if s.offload_checkpoints else 0
         training = "training (swapped blocks, pinned" + (", offloaded block inputs)" if offloaded else ")")
         phases = {"text encoder load (host copy before the GPU)": _gib(encoders),
                   ("transformer load (one shard at a time)" if s.streamed_loading
@@ -332,9 +342,15 @@ def _title(spec: ModelSizes, s: Settings) -> str:
     return (f"Memory plan: {spec.name} ({s.family}; configs: {spec.source}), {s.img_size}x{s.img_size}, "
             f"batch {s.batch}, {s.precision}, LoRA rank {s.rank}\n"
             f"tokens per sample: {s.image_tokens} image + {s.text_tokens} text; gradient checkpointing "
-            f"{'on' if s.checkpointing else 'off'}; quantization {quant}; optimizer "
+            f"{_checkpointing_label(s)}; quantization {quant}; optimizer "
             f"{OPTIMIZERS[s.optimizer].label}; blocks_to_swap {s.blocks_to_swap}; "
             f"device {s.device}")
+
+
+def _checkpointing_label(s: Settings) -> str:
+    if s.checkpointed in (0, s.num_blocks):
+        return "on" if s.checkpointed else "off"
+    return f"on for the first {s.checkpointed} of {s.num_blocks} blocks"
 
 
 def _notes(spec: ModelSizes, s: Settings) -> List[str]:
@@ -379,8 +395,8 @@ def advise(spec: ModelSizes, s: Settings, budget: float) -> List[str]:
     steps = [
         ("quantize_text_encoder: true", lambda x: x.text_encoder_quantization is None and x.precompute_text,
          lambda x: dataclasses.replace(x, text_encoder_quantization=x.quantization or "qfloat8"), "cache"),
-        ("disable_gradient_checkpointing: false (checkpointing on)", lambda x: not x.checkpointing,
-         lambda x: dataclasses.replace(x, checkpointing=True), "training"),
+        ("gradient_checkpointing: true (every block)", lambda x: x.checkpointed < x.num_blocks,
+         lambda x: dataclasses.replace(x, checkpointed=x.num_blocks), "training"),
         ("quantize: true (quantization.weights: qfloat8)", lambda x: x.quantization is None,
          lambda x: dataclasses.replace(x, quantization="qfloat8"), "training"),
         ("adam8bit: true", lambda x: x.optimizer == "adamw",

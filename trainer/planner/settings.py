@@ -2,8 +2,8 @@
 
 Every decision the run makes is asked of the trainer's own rule, not worked out again here: the
 quantization (``trainer.model.quantization``), the LoRA targets (``trainer.model.adapters``), the reference
-folders (``image_datasets.dataset``), whether the encoders stay loaded (``trainer.platform``) and
-whether checkpointed block inputs go to host memory (``trainer.model.activation_offload``). The family's
+folders (``image_datasets.dataset``), whether the encoders stay loaded (``trainer.platform``), how many
+blocks are checkpointed and whether their inputs go to host memory (``trainer.model.activation_offload``). The family's
 facts (text tokens, references, presets) come from its spec.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 from omegaconf import OmegaConf
 
 from image_datasets.dataset import IMAGE_EXTENSIONS, find_control_dirs
-from trainer.model.activation_offload import offloads_block_inputs
+from trainer.model.activation_offload import checkpointed_blocks, offloads_block_inputs
 from trainer.model.adapters import resolve_lora_targets
 from trainer.config import TORCHAO_WEIGHTS, TrainConfig, dataset_entries, load_config
 from utils.errors import ConfigError
@@ -45,9 +45,14 @@ QUANT_BYTES: Dict[str, float] = {
     "qfloat8": 1.0, "qint8": 1.0, "qint4": 0.5 + 4 / 128,  # quanto: int4 in groups of 128, bf16 scale+shift
     "float8_weight_only": 1.0, "int8_weight_only": 1.0, "int4_weight_only": 0.5 + 4 / 128,  # torchao
     "int8_w8a8": 1.0,  # torchao Int8Tensor, multiplied in int8 (trainer/model/int8_linear.py)
+    # The 8-bit layers that also quantize their input (W8A8): float8_w8a8, and `auto`, which picks fp8 or int8
+    # W8A8 (or dequantized int8) by device at load time. Counted as int8_w8a8 is: 1 byte per weight, fp32
+    # per-output-channel scales, no saved input. Planner names only until the schema offers them.
+    "float8_w8a8": 1.0, "auto": 1.0,
 }
-# Bytes of each output channel's scale of an 8-bit weight: bf16, but fp32 in torchao's Int8Tensor.
-SCALE_BYTES: Dict[str, int] = {"int8_w8a8": 4}
+W8A8_WEIGHTS = ("int8_w8a8", "float8_w8a8", "auto")  # quantize activations too: the int8 layer's memory
+# Bytes of each output channel's scale of an 8-bit weight: bf16, but fp32 in the W8A8 layers.
+SCALE_BYTES: Dict[str, int] = {name: 4 for name in W8A8_WEIGHTS}
 # The int8 matmul's scratch per token (trainer/model/int8_linear.py): the input quantized (an fp32 copy and
 # its int8 values, 5 B per input feature) and the product (int32, then fp32: 8 B per output feature).
 INT8_SCRATCH_IN, INT8_SCRATCH_OUT = 5, 8
@@ -69,7 +74,7 @@ class Settings:
     rank: int
     lora_targets: Any
     lora_dropout: bool
-    checkpointing: bool
+    checkpointed: int  # blocks recomputed in backward (gradient checkpointing): the last ones, 0 to num_blocks
     quantization: Optional[str]  # None, or a QUANT_BYTES key
     text_encoder_quantization: Optional[str]
     optimizer: str  # a key of trainer.step.optimizer_specs.OPTIMIZERS
@@ -89,12 +94,23 @@ class Settings:
     validation_pixels: int = 0  # validation renders: width x height (0: off)
     dora: bool = False
     offload_checkpoints: bool = False  # gradient_checkpointing_cpu_offload (GPU, not unified memory)
+    num_blocks: int = 0  # the transformer's blocks (what gradient_checkpointing: true checkpoints)
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether any block is checkpointed."""
+        return self.checkpointed > 0
 
     @property
     def backend(self) -> Optional[str]:
         if self.quantization is None:
             return None
-        return "torchao" if self.quantization in TORCHAO_WEIGHTS else "quanto"
+        return "torchao" if self.quantization in TORCHAO_WEIGHTS + W8A8_WEIGHTS else "quanto"
+
+    @property
+    def w8a8(self) -> bool:
+        """Weights and activations in 8 bits (the int8 layer: no saved input, a matmul scratch)."""
+        return self.quantization in W8A8_WEIGHTS
 
 
 def planned_family(cfg: TrainConfig) -> FamilySpec:
@@ -124,13 +140,13 @@ def resolve_settings(cfg: TrainConfig, spec: ModelSizes, *, blocks_to_swap: Opti
         raise ValueError(f"blocks_to_swap {swap} is not between 0 and the transformer's "
                          f"{spec.transformer.num_blocks} blocks")
     unified = bool(cfg.unified_memory)  # the planned machine's, as the config says (nothing is detected)
-    checkpointing = not cfg.disable_gradient_checkpointing
+    checkpointed = checkpointed_blocks(cfg, spec.transformer.num_blocks)
     return Settings(
         family=family.name, img_size=side, batch=cfg.data_config.train_batch_size, text_tokens=tokens.text,
         caption_tokens=tokens.caption, image_tokens=tokens.image, target_tokens=tokens.target,
         act_bytes=2 if precision in ("bf16", "fp16") else 4, precision=precision, rank=cfg.rank,
         lora_targets=resolve_lora_targets(cfg, family.lora_presets), lora_dropout=cfg.lora_dropout > 0,
-        checkpointing=checkpointing, quantization=quant,
+        checkpointed=checkpointed, quantization=quant,
         text_encoder_quantization=te_quant, optimizer=cfg.optimizer,
         blocks_to_swap=swap, precompute_text=cfg.precompute_text_embeddings,
         precompute_image=cfg.precompute_image_embeddings, cache_on_disk=cfg.save_cache_on_disk,
@@ -140,7 +156,8 @@ def resolve_settings(cfg: TrainConfig, spec: ModelSizes, *, blocks_to_swap: Opti
         references=tokens.references, encode_tokens=tokens.encode_tokens, encode_batch=tokens.encode_batch,
         vision_patches=tokens.vision_patches, validation_pixels=_validation_pixels(cfg),
         dora=cfg.use_dora,
-        offload_checkpoints=checkpointing and device == "cuda" and offloads_block_inputs(cfg, unified))
+        offload_checkpoints=checkpointed > 0 and device == "cuda" and offloads_block_inputs(cfg, unified),
+        num_blocks=spec.transformer.num_blocks)
 
 
 def _weights(spec: Optional[QuantizationChoice]) -> Optional[str]:
