@@ -1,10 +1,14 @@
-"""Qwen-Image LoRA on a 24 GB card (RTX 4090/3090): the shared engine with the low-memory policy on.
+"""Qwen-Image LoRA on a 24 GB or 16 GB card (RTX 4090/3090, 4080): the shared engine with a low-memory policy.
 
     accelerate launch train_4090.py --config train_configs/train_lora_4090.yaml [key=value ...]
+    accelerate launch train_4090.py --config train_configs/train_lora_16gb.yaml
 
-Defaults beneath the YAML: the transformer quantized block by block to qfloat8, 8-bit AdamW,
-caches on disk (text encoder and VAE freed before the transformer loads), gradient checkpointing
-with the kept block inputs in host memory.
+Both profiles set auto_fit: true with their card's gpu_memory: before anything loads, the memory planner
+picks the fastest quantization, gradient checkpointing, checkpoint offload, optimizer and block swap that
+fit the card (docs/MEMORY_PLANNER.md), and the defaults below give way to its choice. Where auto_fit is off
+(train_dgx_spark.yaml) or has nothing to fit, the defaults apply beneath the YAML: the transformer quantized
+block by block to qfloat8, 8-bit AdamW, caches on disk (text encoder and VAE freed before the transformer
+loads), the kept block inputs of gradient checkpointing in host memory.
 """
 
 import sys

@@ -158,6 +158,7 @@ def test_wrong_type_names_key_and_value(data_dir: Path) -> None:
     ("gradient_checkpointing=-2", "key 'gradient_checkpointing': value -2 must be true, false or a number of blocks"),
     ("gradient_checkpointing=some", "key 'gradient_checkpointing': value 'some' is not true, false or a whole number"),
     ("gradient_checkpointing=2.5", "key 'gradient_checkpointing': value '2.5' is not true, false or a whole number"),
+    ("gpu_memory=lots", "key 'gpu_memory': cannot read 'lots' as a memory size; write e.g. 24GiB"),
 ])
 def test_impossible_values_are_named(data_dir: Path, override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -405,6 +406,19 @@ def test_gradient_checkpointing_takes_a_number_of_blocks(data_dir: Path) -> None
     assert checkpointed_blocks(TrainConfig(), 60) == 60, "on by default, as before"
     with pytest.raises(ConfigError, match="key 'gradient_checkpointing': value 61 is more than the transformer's 60"):
         checkpointed_blocks(TrainConfig(gradient_checkpointing=61), 60)
+
+
+def test_the_keys_a_user_set_are_known_to_the_config(tmp_path: Path, data_dir: Path) -> None:
+    """auto_fit keeps what the user set: the YAML's keys (nested ones dotted) and the overrides', FlyMyAI's
+    under the key they set, never an entry script's defaults."""
+    path = tmp_path / "p.yaml"
+    path.write_text("quantization:\n  backend: torchao\n  weights: int8_w8a8\nadam8bit: true\n")
+    cfg = load_config(path, base(data_dir) + ["disable_gradient_checkpointing=true"],
+                      profile_defaults={"blocks_to_swap": 3, "quantize": True})
+    assert {"quantization", "quantization.backend", "quantization.weights", "optimizer", "gradient_checkpointing",
+            "data_config", "data_config.img_dir", "pretrained_model_name_or_path"} == set(cfg.explicit_keys)
+    assert cfg.blocks_to_swap == 3 and "blocks_to_swap" not in cfg.explicit_keys
+    assert TrainConfig().explicit_keys == frozenset()
 
 
 def test_flymyai_compat_leaves_its_input_alone() -> None:

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
 from utils.folders import system_folder
+from utils.sizes import parse_size
 from trainer.families import SPECS
 from trainer.step.optimizer_specs import OPTIMIZERS
 from trainer.config.schema import (EVAL_ROLE, FOLDER_KEYS, DatasetEntry, EvaluationConfig, FolderKeys, Section,
@@ -256,7 +257,16 @@ def _memory_problems(cfg: TrainConfig) -> List[str]:
         (not (cfg.gradient_checkpointing_cpu_offload and checkpointing in (False, 0)),
          "key 'gradient_checkpointing_cpu_offload': offloads the inputs gradient checkpointing keeps; "
          "set gradient_checkpointing: true (or a number of blocks)"),
+        (cfg.gpu_memory is None or _readable_size(cfg.gpu_memory),
+         f"key 'gpu_memory': cannot read {cfg.gpu_memory!r} as a memory size; write e.g. 24GiB, 24GB or 16 (GiB)"),
     )
+
+
+def _readable_size(text: str) -> bool:
+    try:
+        return parse_size(text) > 0
+    except ValueError:
+        return False
 
 
 def _platform_problems(cfg: TrainConfig) -> List[str]:

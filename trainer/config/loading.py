@@ -77,6 +77,7 @@ def _load(path: str | os.PathLike | None, overrides: List[str], default_family: 
         raise _config_error(source, problems, overrides)
     for note in notes:
         logger.info(note)
+    cfg.explicit_keys = frozenset(FLYMYAI_TARGETS.get(key, key) for key in explicit)
     return cfg
 
 
@@ -92,6 +93,13 @@ def _without_other_names(lower: DictConfig, upper: Set[str]) -> DictConfig:
         if OTHER_NAME[key] not in upper and OTHER_NAME[key] in lower:
             lower.pop(OTHER_NAME[key])
     return lower
+
+
+# Where each FlyMyAI key lands in the schema (flymyai_compat): setting one sets that key.
+FLYMYAI_TARGETS = {"adam8bit": "optimizer", "disable_gradient_checkpointing": "gradient_checkpointing",
+                   "train_batch_size": "data_config.train_batch_size", "disable_sampling": "validation.every_n_steps",
+                   "sample_every": "validation.every_n_steps", "sample_width": "validation.width",
+                   "sample_height": "validation.height", "sample_steps": "validation.steps"}
 
 
 def _explicit_keys(yaml: Any, overrides: List[str]) -> Set[str]:

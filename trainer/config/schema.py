@@ -18,7 +18,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 
 from trainer.families import SPECS
@@ -364,6 +364,10 @@ class TrainConfig:
     quantize_text_encoder: bool = False  # also for the cache pass (Qwen's encoder is 16 GB in bf16)
     disable_quantization: bool = False  # wins over quantize (the DGX Spark switch)
     blocks_to_swap: int = 0  # transformer blocks kept in host memory, brought in just in time
+    # Before any weight loads, set the memory keys above that the YAML and the command line leave open to the
+    # fastest combination the memory planner fits into the card (trainer/planner/auto_fit.py).
+    auto_fit: bool = False
+    gpu_memory: Optional[str] = None  # the card's memory for auto_fit and --plan, e.g. 24GiB (default: detected)
 
     # Flow matching
     timestep_sampling: str = one_of("logit_normal", ("uniform", "logit_normal", "mode", "cosmap", "sigmoid"),
@@ -423,6 +427,10 @@ class TrainConfig:
     expandable_segments: bool = False
     use_fastsafetensors: bool = True
     fastsafetensors_num_threads: int = 8
+
+    # Not a key: the dotted keys the user set (in the YAML or a key=value override, not an entry script's
+    # default), filled in by load_config for auto_fit, which keeps them. A TrainConfig built in code has none.
+    explicit_keys: ClassVar[FrozenSet[str]] = frozenset()
 
     @property
     def resolved_cache_dir(self) -> Path:

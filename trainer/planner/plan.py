@@ -1,13 +1,12 @@
 """The plan: itemised GPU and host memory per phase (cache pass, training, validation renders, host),
-the verdict against a budget, and advice (config changes, cumulative, until it fits)."""
+the verdict against a budget, and advice (config changes, cumulative, until it fits). ``entry.py`` prints
+it for the command line."""
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
-from utils.errors import UserError
 from trainer.families import SPECS
 from trainer.families.components import VAE_ACTIVATION_FACTORS
 from trainer.step.optimizer_specs import OPTIMIZERS
@@ -29,7 +28,6 @@ from trainer.planner.settings import (
     WORKSPACE_GIB,
     Settings,
     _side_tokens,
-    parse_size,
     planned_family,
     resolve_settings,
 )
@@ -460,18 +458,3 @@ def _advise_size(spec: ModelSizes, s: Settings, budget: float, advice: List[str]
             advice.append(f"data_config.img_size: {size} -> GPU peak {trial.gpu_peak_gib:.2f} GiB")
             return smaller, trial
     return s, current
-
-
-# --------------------------------------------------------------------------- entry points
-def print_plan(cfg, gpu_memory: str | None = None, **kwargs: Any) -> int:
-    """Print the plan of ``cfg``; exit code 0 when it fits (or no budget was given), 1 when it does
-    not, 2 when the plan cannot be made (model configs missing, bad size, a family it does not model)."""
-    try:
-        budget = parse_size(gpu_memory) if gpu_memory else None
-        plan = plan_memory(cfg, budget, **kwargs)
-    except (ValueError, FileNotFoundError, UserError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(plan.format())
-    return 1 if plan.fits is False else 0
-
