@@ -133,6 +133,29 @@ def test_a_cpu_run_without_a_budget_has_nothing_to_fit(logs) -> None:
     assert fit_run(dataclasses.replace(cfg, gpu_memory="80GiB"), 40.0).budget_gib == 40, "no more than the card"
 
 
+def test_a_family_the_planner_does_not_model_is_refused_in_one_line() -> None:
+    from utils.errors import ConfigError
+
+    cfg = dataclasses.replace(qwen_1024(), family="kandinsky5", gpu_memory="24GiB")
+    with pytest.raises(ConfigError, match=r"^auto_fit: the memory planner cannot plan this run \(kandinsky5: .*\); "
+                                          r"set auto_fit: false"):
+        fit_run(cfg, None)
+
+
+def test_the_dataset_is_counted_once_for_all_candidates(monkeypatch: pytest.MonkeyPatch, sample_data: Path) -> None:
+    """With the caches in memory the plan counts the images; hundreds of candidates must not walk the
+    folder hundreds of times."""
+    import trainer.planner.settings as settings
+
+    counted = []
+    count = settings._count_images
+    monkeypatch.setattr(settings, "_count_images", lambda folders: counted.append(1) or count(folders))
+    cfg = qwen_1024(save_cache_on_disk=False)
+    cfg.data_config.img_dir = str(sample_data)
+    choice = choose_fit(cfg, 16)
+    assert choice.plan.settings.num_images == 6 and len(counted) == 2, "once for the candidates, once for the plan"
+
+
 # --------------------------------------------------------------------------- --plan
 
 

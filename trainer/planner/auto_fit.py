@@ -118,12 +118,14 @@ def choose_fit(cfg: TrainConfig, budget_gib: float, explicit: Optional[Sequence[
     spec = spec or model_sizes(cfg.pretrained_model_name_or_path, cfg.revision, cfg.family)
     fixed = set(cfg.explicit_keys if explicit is None else explicit)
     target, seen, frugal = fit_target(budget_gib), set(), None
+    # The dataset is counted once: no candidate changes it (only an in-memory cache needs the count).
+    options = {**plan_options, "image_count": resolve_settings(cfg, spec, **plan_options).num_images}
     for rank, (rung, values) in enumerate(candidates(cfg, fixed, spec.transformer.num_blocks)):
         key = tuple(values.items())
         if key in seen:
             continue
         seen.add(key)
-        values, plan = _plan_candidate(cfg, spec, values, fixed, target, plan_options)
+        values, plan = _plan_candidate(cfg, spec, values, fixed, target, options)
         if plan.fits:
             changes = {k: (_get(cfg, k), v) for k, v in values.items() if _get(cfg, k) != v
                        or type(_get(cfg, k)) is not type(v)}

@@ -124,8 +124,9 @@ def planned_family(cfg: TrainConfig) -> FamilySpec:
 def resolve_settings(cfg: TrainConfig, spec: ModelSizes, *, blocks_to_swap: Optional[int] = None,
                      quantization: Optional[str] = None, text_tokens: Optional[int] = None,
                      device: str = "cuda", streamed_loading: bool = True,
-                     text_encoder_quantization: Optional[str] = None) -> Settings:
-    """The plan's inputs: the config's keys, with the arguments (when given) winning."""
+                     text_encoder_quantization: Optional[str] = None, image_count: Optional[int] = None) -> Settings:
+    """The plan's inputs: the config's keys, with the arguments (when given) winning. ``image_count``: the
+    dataset's images when already counted (auto_fit plans hundreds of variants of one config)."""
     family = planned_family(cfg)
     precision = cfg.mixed_precision or "no"
     quant = _check_quantization(quantization) if quantization is not None else _weights(quantization_spec(cfg))
@@ -152,7 +153,8 @@ def resolve_settings(cfg: TrainConfig, spec: ModelSizes, *, blocks_to_swap: Opti
         precompute_image=cfg.precompute_image_embeddings, cache_on_disk=cfg.save_cache_on_disk,
         keep_encoders=keeps_encoders(cfg, unified), device=device,
         unified_memory=unified, streamed_loading=streamed_loading,
-        num_images=None if cfg.save_cache_on_disk else _count_images([e.img_dir for e in dataset_entries(cfg)]),
+        num_images=None if cfg.save_cache_on_disk else image_count if image_count is not None
+        else _count_images([e.img_dir for e in dataset_entries(cfg)]),
         references=tokens.references, encode_tokens=tokens.encode_tokens, encode_batch=tokens.encode_batch,
         vision_patches=tokens.vision_patches, validation_pixels=_validation_pixels(cfg),
         dora=cfg.use_dora,
