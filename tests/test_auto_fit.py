@@ -101,6 +101,10 @@ def test_keys_the_user_set_are_kept_and_the_others_chosen_around_them() -> None:
     no_swap = choose_fit(qwen_1024(), 16, explicit={"blocks_to_swap"})
     assert no_swap.values["blocks_to_swap"] == 0 and no_swap.values["quantization.weights"] == "qint4"
     assert no_swap.rank > choose_fit(qwen_1024(), 16).rank
+    # No checkpointing asked for (the DGX Spark profile's): never checkpoint offload, which would need it.
+    off = choose_fit(qwen_1024(gradient_checkpointing=False), 64, explicit={"disable_gradient_checkpointing"})
+    assert off.values["gradient_checkpointing"] is False and not off.values["gradient_checkpointing_cpu_offload"]
+    assert off.values["quantize"] and off.plan.fits
     # Plain AdamW asked for (FlyMyAI's adam8bit: false counts as the optimizer).
     adamw = choose_fit(qwen_1024(), 16, explicit={"adam8bit"})
     assert adamw.values["optimizer"] == "adamw" and adamw.plan.fits

@@ -150,7 +150,12 @@ def candidates(cfg: TrainConfig, fixed: set, blocks: int) -> Iterator[Tuple[Rung
                 values["quantization.backend"], values["quantization.weights"] = _format(cfg, fixed, rung.bits)
             if cfg.disable_quantization:  # the DGX Spark switch wins over quantize: nothing to try there
                 values["quantize"] = False
-            yield rung, _keep_fixed(cfg, values, fixed)
+            values = _keep_fixed(cfg, values, fixed)
+            if values["gradient_checkpointing_cpu_offload"] and values["gradient_checkpointing"] in (False, 0):
+                if _given(fixed, "gradient_checkpointing_cpu_offload"):
+                    continue  # offload asked for: it needs checkpointed blocks (the config refuses it without)
+                values["gradient_checkpointing_cpu_offload"] = False
+            yield rung, values
 
 
 def _block_counts(rung: Rung, blocks: int) -> Iterator[Tuple[int, int]]:
