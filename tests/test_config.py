@@ -155,6 +155,10 @@ def test_wrong_type_names_key_and_value(data_dir: Path) -> None:
     ("train_batch_size=4", "differs from data_config.train_batch_size 1"),
     ("quantization.weights=qint2", "key 'quantization.weights': value 'qint2' is not one of qfloat8, qint8, qint4"),
     ("blocks_to_swap=-1", "key 'blocks_to_swap': value -1 must be >= 0"),
+    ("gradient_checkpointing=-2", "key 'gradient_checkpointing': value -2 must be true, false or a number of blocks"),
+    ("gradient_checkpointing=some", "key 'gradient_checkpointing': value 'some' is not true, false or a whole number"),
+    ("gradient_checkpointing=2.5", "key 'gradient_checkpointing': value '2.5' is not true, false or a whole number"),
+    ("gpu_memory=lots", "key 'gpu_memory': cannot read 'lots' as a memory size; write e.g. 24GiB"),
 ])
 def test_impossible_values_are_named(data_dir: Path, override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -331,6 +335,10 @@ def test_defaults_are_sane() -> None:
     (["disable_sampling=false", "sample_every=50", "validation.every_n_steps=7"], ["validation.every_n_steps=7"]),
     (["disable_sampling=true", "sample_every=50", "sample_width=512"], []),
     (["double_blocks=null"], []),
+    (["disable_gradient_checkpointing=true"], ["gradient_checkpointing=false"]),
+    (["disable_gradient_checkpointing=false"], ["gradient_checkpointing=true"]),
+    (["disable_gradient_checkpointing=false", "gradient_checkpointing=12"], ["gradient_checkpointing=12"]),
+    (["disable_gradient_checkpointing=true", "gradient_checkpointing=0"], ["gradient_checkpointing=0"]),
 ], ids=lambda keys: " ".join(keys) or "-")
 def test_each_flymyai_key_resolves_as_its_canonical_form(data_dir: Path, flymyai: list, canonical: list) -> None:
     old = load_config(None, base(data_dir) + flymyai)
@@ -358,6 +366,59 @@ def test_flymyai_key_mistakes_name_the_flymyai_key(data_dir: Path) -> None:
     assert "key 'double_blocks': choosing FLUX blocks is not yet supported" in msg
     assert "key 'train_batch_size': value 3 differs from data_config.train_batch_size 1" in msg
     assert "key 'rank': value 0 must be >= 1" in msg, "compat problems come with every other problem"
+
+
+@pytest.mark.parametrize("keys, given", [
+    (["disable_gradient_checkpointing=true", "gradient_checkpointing=12"], "12"),
+    (["disable_gradient_checkpointing=true", "gradient_checkpointing=true"], "true"),
+    (["disable_gradient_checkpointing=false", "gradient_checkpointing=false"], "false"),
+    (["disable_gradient_checkpointing=false", "gradient_checkpointing=0"], "0"),
+])
+def test_contradictory_checkpointing_switches_are_one_line(data_dir: Path, keys: list, given: str) -> None:
+    """FlyMyAI's disable_gradient_checkpointing still works; given with a gradient_checkpointing that says
+    otherwise, the error is one line naming both."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base(data_dir) + keys)
+    disable = keys[0].partition("=")[2]
+    assert f"key 'disable_gradient_checkpointing': value {disable} contradicts gradient_checkpointing: {given}; " \
+           "set one of them" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_an_override_of_one_checkpointing_name_replaces_the_yamls_other(tmp_path: Path, data_dir: Path) -> None:
+    """A profile with FlyMyAI's disable_gradient_checkpointing, and gradient_checkpointing on the command line
+    (or the other way round): the override wins, as any override does."""
+    path = tmp_path / "p.yaml"
+    path.write_text("disable_gradient_checkpointing: false\n")
+    assert load_config(path, base(data_dir) + ["gradient_checkpointing=false"]).gradient_checkpointing is False
+    path.write_text("gradient_checkpointing: 20\n")
+    assert load_config(path, base(data_dir) + ["disable_gradient_checkpointing=true"]).gradient_checkpointing is False
+    assert load_config(path, base(data_dir), profile_defaults={"disable_gradient_checkpointing": True}) \
+        .gradient_checkpointing == 20, "the YAML wins over an entry script's default of the other name"
+
+
+def test_gradient_checkpointing_takes_a_number_of_blocks(data_dir: Path) -> None:
+    from trainer.model.activation_offload import checkpointed_blocks
+
+    counts = {value: checkpointed_blocks(load_config(None, base(data_dir) + [f"gradient_checkpointing={value}"]), 60)
+              for value in ("true", "false", "0", "1", "59", "60")}
+    assert counts == {"true": 60, "false": 0, "0": 0, "1": 1, "59": 59, "60": 60}
+    assert checkpointed_blocks(TrainConfig(), 60) == 60, "on by default, as before"
+    with pytest.raises(ConfigError, match="key 'gradient_checkpointing': value 61 is more than the transformer's 60"):
+        checkpointed_blocks(TrainConfig(gradient_checkpointing=61), 60)
+
+
+def test_the_keys_a_user_set_are_known_to_the_config(tmp_path: Path, data_dir: Path) -> None:
+    """auto_fit keeps what the user set: the YAML's keys (nested ones dotted) and the overrides', FlyMyAI's
+    under the key they set, never an entry script's defaults."""
+    path = tmp_path / "p.yaml"
+    path.write_text("quantization:\n  backend: torchao\n  weights: int8_w8a8\nadam8bit: true\n")
+    cfg = load_config(path, base(data_dir) + ["disable_gradient_checkpointing=true"],
+                      profile_defaults={"blocks_to_swap": 3, "quantize": True})
+    assert {"quantization", "quantization.backend", "quantization.weights", "optimizer", "gradient_checkpointing",
+            "data_config", "data_config.img_dir", "pretrained_model_name_or_path"} == set(cfg.explicit_keys)
+    assert cfg.blocks_to_swap == 3 and "blocks_to_swap" not in cfg.explicit_keys
+    assert TrainConfig().explicit_keys == frozenset()
 
 
 def test_flymyai_compat_leaves_its_input_alone() -> None:

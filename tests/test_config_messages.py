@@ -61,7 +61,6 @@ def test_the_planner_imports_only_diffusers_and_transformers() -> None:
 DESIGN_NOTE_REPLACEMENTS = {
     "cuda_13_features={enable_tf32_compute:true}": "cuda_features.enable_tf32_compute=true",
     "memory_efficient_attention=true": "attention_backend=efficient",
-    "gradient_checkpointing=false": "disable_gradient_checkpointing=true",
     "memory_pool=unified": "unified_memory=true",
     "cuda_version='13.0'": None,
     "flash_attention_3=true": "cuda_features.enable_flash_attention_3=true",
@@ -106,7 +105,7 @@ def test_an_entry_scripts_default_yields_to_the_profile(tmp_path: Path, logs) ->
     dgx = ROOT / "train_configs" / "train_dgx_spark.yaml"
     folder = [f"data_config.img_dir={tmp_path}"]
     cfg = load_config(dgx, folder, default_family="qwen_image", profile_defaults=train_4090.LOW_MEMORY)
-    assert cfg.disable_gradient_checkpointing and not cfg.gradient_checkpointing_cpu_offload
+    assert cfg.gradient_checkpointing is False and not cfg.gradient_checkpointing_cpu_offload
     from trainer.model.quantization import quantization_spec
 
     assert quantization_spec(cfg) is None and cfg.optimizer == "adamw8bit", "the rest applies as before"

@@ -328,7 +328,7 @@ def test_checkpoint_cpu_offload_needs_checkpointing(tmp_path: Path) -> None:
     from utils.errors import ConfigError
 
     (tmp_path / "d").mkdir()
-    with pytest.raises(ConfigError, match="gradient_checkpointing_cpu_offload.*disable_gradient_checkpointing"):
+    with pytest.raises(ConfigError, match="gradient_checkpointing_cpu_offload.*set gradient_checkpointing: true"):
         load_config(None, ["pretrained_model_name_or_path=x/y", f"data_config.img_dir={tmp_path / 'd'}",
                            "gradient_checkpointing_cpu_offload=true", "disable_gradient_checkpointing=true"])
 
@@ -347,3 +347,109 @@ def test_the_benchmark_names_a_missing_model_folder_in_one_line(tmp_path: Path) 
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"--model {tmp_path / 'nope'}: no diffusers Qwen-Image folder" in done.stderr
     assert not (tmp_path / "work").exists()
+
+
+# --------------------------------------------------------------------------- selective checkpointing
+
+
+class Stack(torch.nn.Module):
+    """diffusers' pattern: each block through ``_gradient_checkpointing_func`` when checkpointing is on.
+    The blocks draw dropout, so a recomputation must replay the RNG to give the same gradients."""
+
+    def __init__(self, blocks: int = 6, width: int = 8):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(),
+                                                              torch.nn.Dropout(0.2)) for _ in range(blocks))
+        self.gradient_checkpointing, self._gradient_checkpointing_func = False, None
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.gradient_checkpointing:
+                x = self._gradient_checkpointing_func(block, x) + shift
+            else:
+                x = block(x) + shift
+        return x
+
+
+def stack_gradients(checkpointing, offload: bool = False, swap: int = 0) -> tuple:
+    """Gradients of a seeded step through ``Stack`` with ``gradient_checkpointing: checkpointing``, and how
+    often each block ran its forward (once, plus once more when recomputed) and how often a swapped
+    block was brought in."""
+    from trainer.model.activation_offload import checkpointed_blocks, checkpointing_func
+
+    torch.manual_seed(0)
+    model = Stack()
+    runs = [0] * len(model.blocks)
+    for index, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda m, a, i=index: runs.__setitem__(i, runs[i] + 1))
+    swapper = BlockSwapper(list(model.blocks), swap, torch.device("cpu"))
+    cfg = TrainConfig(gradient_checkpointing=checkpointing, gradient_checkpointing_cpu_offload=offload)
+    if checkpointed_blocks(cfg, len(model.blocks)):
+        model.gradient_checkpointing = True
+        model._gradient_checkpointing_func = checkpointing_func(cfg, False, list(model.blocks)) or \
+            (lambda block, *args: torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False))
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(1)  # the dropout masks
+    model(x * 1.0, torch.randn(8)).square().sum().backward()
+    return [x.grad] + [p.grad for p in model.parameters()], runs, swapper.loads
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 5, 6, True, False])
+def test_only_the_chosen_blocks_are_recomputed_and_gradients_are_bit_equal(count) -> None:
+    """gradient_checkpointing: N recomputes the first N of the 6 blocks in backward and runs the others
+    once; the gradients equal no checkpointing's and full checkpointing's bit for bit (the recomputed
+    forward is the same arithmetic, its dropout replays the same RNG)."""
+    plain, plain_runs, _ = stack_gradients(False)
+    grads, runs, _ = stack_gradients(count)
+    n = 6 if count is True else 0 if count is False else count  # (1 == True: no dict)
+    assert plain_runs == [1] * 6
+    assert runs == [2] * n + [1] * (6 - n), "the first n blocks ran twice (forward, recomputation)"
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain))
+
+
+def test_selective_checkpointing_offloads_and_swaps_only_what_it_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With gradient_checkpointing_cpu_offload only the checkpointed blocks' inputs go to host memory; with
+    block swap (the last blocks) a swapped block comes in for its forward and, when checkpointed, its
+    recomputation. Gradients stay bit-equal."""
+    from trainer.model.activation_offload import _Offloader
+
+    packed = []
+    pack = _Offloader.pack
+    monkeypatch.setattr(_Offloader, "pack", lambda self, t: packed.append(tuple(t.shape)) or pack(self, t))
+    plain, _, _ = stack_gradients(False)
+    grads, runs, loads = stack_gradients(2, offload=True)
+    assert runs == [2, 2, 1, 1, 1, 1] and loads == 0
+    assert packed == [(4, 8), (4, 8)], "one input per checkpointed block, none for the others"
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain))
+    grads, runs, loads = stack_gradients(5, swap=2)  # blocks 4 and 5 swapped, block 4 checkpointed
+    assert runs == [2, 2, 2, 2, 2, 1] and loads == 2 + 1
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain))
+
+
+@pytest.mark.e2e
+def test_a_run_with_some_blocks_checkpointed_has_the_same_losses(tiny_qwen_image: Path, sample_data: Path,
+                                                                  tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny Qwen-Image (2 blocks), 3 steps with LoRA dropout: checkpointing 1 block, both and none give
+    the same losses and LoRA weights bit for bit, and the transformer's blocks run 2 + n times a step."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    runs = []
+    forward = QwenImageTransformerBlock.forward
+
+    def counting(self, *args, **kwargs):
+        runs.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(QwenImageTransformerBlock, "forward", counting)
+    common = ["max_train_steps=3", "learning_rate=5e-3", "lora_dropout=0.1", "lr_warmup_steps=0"]
+    counts = {}
+    for value in ("true", "1", "false"):
+        runs.clear()
+        in_process(*base_args(tiny_qwen_image, sample_data, tmp_path / value), *common,
+                   f"gradient_checkpointing={value}")
+        counts[value] = len(runs)
+    assert counts == {"true": 3 * (2 + 2), "1": 3 * (2 + 1), "false": 3 * 2}
+    assert losses(tmp_path / "1") == losses(tmp_path / "true") == losses(tmp_path / "false")
+    weights = [load_file(str(tmp_path / value / "pytorch_lora_weights.safetensors")) for value in ("true", "1", "false")]
+    assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0])

@@ -181,7 +181,7 @@ def test_activation_bytes_with_and_without_checkpointing(small_model) -> None:
     est = mp.estimate_activations(t, mp.lora_layout(t, s.lora_targets), s)
     assert est.per_block == (per_block,)
     assert (est.saved, est.recompute) == (3 * n * D * a, per_block)  # checkpointing: block inputs + one block
-    off = mp.estimate_activations(t, mp.lora_layout(t, s.lora_targets), dataclasses.replace(s, checkpointing=False))
+    off = mp.estimate_activations(t, mp.lora_layout(t, s.lora_targets), dataclasses.replace(s, checkpointed=0))
     assert (off.saved, off.recompute) == (3 * per_block, 0)  # no checkpointing: every block's activations
     assert est.transient == a * (2 * m * n_img + D * n)
 
@@ -201,7 +201,7 @@ def test_checkpoint_offload_moves_the_block_inputs_to_the_host(small_model) -> N
     assert host["phase: training (swapped blocks, pinned, offloaded block inputs)"] * GIB == 3 * block_input
     # Nothing to offload where the host is the device, or without checkpointing.
     for other in (mp.plan_memory(cfg, text_tokens=8, spec=spec, device="cpu"),
-                  mp.plan_memory(dataclasses.replace(cfg, disable_gradient_checkpointing=True), text_tokens=8,
+                  mp.plan_memory(dataclasses.replace(cfg, gradient_checkpointing=False), text_tokens=8,
                                  spec=spec)):
         assert not any("in host memory" in name for name in items(other))
 
@@ -219,7 +219,7 @@ def test_block_swap_moves_exactly_the_swapped_blocks(small_model) -> None:
     host = {i.name: i.gib for i in plans[3].section("host")}  # swapped blocks live in pinned host memory
     assert host["phase: training (swapped blocks, pinned)"] * GIB == 3 * block_bytes
     # Without checkpointing autograd holds every swapped block's device copy: no saving.
-    off = mp.plan_memory(dataclasses.replace(cfg, disable_gradient_checkpointing=True), blocks_to_swap=3, spec=spec)
+    off = mp.plan_memory(dataclasses.replace(cfg, gradient_checkpointing=False), blocks_to_swap=3, spec=spec)
     assert items(off)["transformer weights (bf16)"] * GIB == weights[0]
 
 
@@ -420,7 +420,7 @@ def planned_training_bytes(family: str, class_name: str, config: Dict[str, Any],
     """The planner's training items minus the frozen weights and the GPU-only allowances."""
     tspec = _transformer_spec(_build(["diffusers", class_name], config), SPECS[family])
     spec = mp.ModelSizes("traced", "test", "", tspec, (), None, 0)
-    cfg = train_config(family, mixed_precision="bf16", disable_gradient_checkpointing=not checkpointing,
+    cfg = train_config(family, mixed_precision="bf16", gradient_checkpointing=checkpointing,
                        data_img_size=int(n_img ** 0.5) * 16)
     s = dataclasses.replace(mp.resolve_settings(cfg, spec, device="cpu"), lora_targets=targets, text_tokens=n_txt)
     plan = mp.build_plan(spec, s)
@@ -612,9 +612,56 @@ def test_full_size_flux_dev_plan() -> None:
 
 def test_checkpointing_off_costs_all_blocks_activations() -> None:
     cfg = train_config(mixed_precision="bf16", quantize=True, optimizer="adamw8bit",
-                       disable_gradient_checkpointing=True)
+                       gradient_checkpointing=False)
     plan = mp.plan_memory(cfg, 80.0)
     assert items(plan)["activations: all blocks (no checkpointing)"] > 30  # 60 x ~0.6 GiB at 1024^2
+
+
+def activation_gib(plan: mp.MemoryPlan) -> float:
+    return sum(gib for name, gib in items(plan).items() if name.startswith("activations"))
+
+
+@pytest.mark.parametrize("family, model", [("qwen_image", "Qwen/Qwen-Image"), ("flux", "black-forest-labs/FLUX.1-dev")])
+def test_fewer_checkpointed_blocks_cost_more_activation_memory(family: str, model: str) -> None:
+    """gradient_checkpointing: N for every N: the activation memory grows strictly as N falls below all but
+    one, to none's (N = 0), each block left out adding its activations less its kept input. The first N
+    are checkpointed, so the last block's activations are freed before backward recomputes any: leaving
+    that one out costs nothing at the peak (it even drops the input full checkpointing keeps for it)."""
+    cfg = train_config(family, model=model, mixed_precision="bf16", data_img_size=1024)
+    spec = mp.model_sizes(model, None, family)
+    total = spec.transformer.num_blocks
+    plans = {n: mp.plan_memory(dataclasses.replace(cfg, gradient_checkpointing=n), spec=spec) for n in range(total + 1)}
+    memory = [activation_gib(plans[n]) for n in range(total - 1, -1, -1)]
+    assert all(more > less for less, more in zip(memory, memory[1:])), memory
+    assert 0 <= activation_gib(plans[total]) - activation_gib(plans[total - 1]) <= 0.03  # one block input
+    assert activation_gib(plans[total]) == activation_gib(mp.plan_memory(cfg, spec=spec))
+    off = mp.plan_memory(dataclasses.replace(cfg, gradient_checkpointing=False), spec=spec)
+    assert activation_gib(plans[0]) == activation_gib(off)
+    # The formula for all but two blocks: the inputs of those checkpointed, and the larger of the two kept
+    # blocks' activations and one recomputed block's (backward frees the kept ones before it recomputes).
+    s = plans[total - 2].settings
+    est = mp.estimate_activations(spec.transformer, mp.lora_layout(spec.transformer, s.lora_targets), s)
+    inputs = mp.activations.block_input_bytes(spec.transformer, mp.activations.Tokens(s.image_tokens, s.text_tokens), 2)
+    last = est.per_block[-1]  # FLUX: a single block
+    assert est.uncheckpointed == 2 * last
+    assert est.saved + est.recompute == (total - 2) * inputs + max(2 * last, max(est.per_block))
+    assert "activations: 1 block not checkpointed" in items(plans[total - 1])
+    assert f"gradient checkpointing on for the first {total - 1} of {total} blocks" in plans[total - 1].title
+
+
+def test_a_swapped_block_saves_memory_only_when_checkpointed() -> None:
+    cfg = train_config(mixed_precision="bf16", quantize=True, data_img_size=1024)
+    spec = mp.model_sizes("Qwen/Qwen-Image", None, "qwen_image")
+
+    def weights(n: int, swap: int) -> float:
+        plan = mp.plan_memory(dataclasses.replace(cfg, gradient_checkpointing=n), blocks_to_swap=swap, spec=spec)
+        return next(gib for name, gib in items(plan).items() if name.startswith("transformer weights"))
+
+    block = weights(60, 0) - weights(60, 1)
+    assert block > 0.3 and weights(60, 10) == pytest.approx(weights(60, 0) - 10 * block)
+    # The first 50 checkpointed, the last 20 swapped: blocks 40-49 are both, 50-59 save nothing.
+    assert weights(50, 20) == pytest.approx(weights(60, 10))
+    assert weights(40, 20) == weights(60, 0), "no swapped block is checkpointed: no saving"
 
 
 def test_edit_plan_counts_reference_tokens() -> None:
@@ -704,18 +751,19 @@ RULE_CASES = [{}, {"quantize": True}, TORCHAO_INT8, {"quantize_text_encoder": Tr
               {"disable_cpu_offload": True}, {"unified_memory": True},
               {"gradient_checkpointing_cpu_offload": True},
               {"gradient_checkpointing_cpu_offload": True, "unified_memory": True},
-              {"gradient_checkpointing_cpu_offload": True, "disable_gradient_checkpointing": True}]
+              {"gradient_checkpointing_cpu_offload": True, "gradient_checkpointing": False},
+              {"gradient_checkpointing": 7}, {"gradient_checkpointing": 7, "gradient_checkpointing_cpu_offload": True}]
 
 
 @pytest.mark.parametrize("keys", RULE_CASES, ids=lambda keys: ",".join(keys) or "defaults")
 def test_the_plan_takes_each_decision_as_the_trainer_does(keys: Dict[str, Any], monkeypatch: pytest.MonkeyPatch,
                                                           edit_data_two_refs: Path, tmp_path: Path) -> None:
-    """Quantization, LoRA targets, reference folders, kept encoders and checkpoint offload: the planner's
-    settings are the decisions of the functions the trainer runs (on a machine that detects no unified
-    memory), so the two cannot drift apart."""
+    """Quantization, LoRA targets, reference folders, kept encoders, checkpointed blocks and checkpoint offload:
+    the planner's settings are the decisions of the functions the trainer runs (on a machine that detects no
+    unified memory), so the two cannot drift apart."""
     import trainer.platform as platform
     from image_datasets.dataset import find_control_dirs
-    from trainer.model.activation_offload import checkpointing_func
+    from trainer.model.activation_offload import checkpointed_blocks, checkpointing_func
     from trainer.model.adapters import resolve_lora_targets
     from trainer.model.quantization import quantization_spec, text_encoder_spec
 
@@ -733,6 +781,7 @@ def test_the_plan_takes_each_decision_as_the_trainer_does(keys: Dict[str, Any], 
     policy = platform.prepare_environment(cfg)
     assert s.keep_encoders == policy.keep_encoders
     assert s.offload_checkpoints == (s.checkpointing and checkpointing_func(cfg, policy.unified_memory) is not None)
+    assert s.checkpointed == checkpointed_blocks(cfg, 60) == {True: 60, False: 0, 7: 7}[cfg.gradient_checkpointing]
 
 
 # --------------------------------------------------------------------------- families without block layouts

@@ -23,7 +23,10 @@ def parse_args(description: str, argv: Optional[List[str]] = None) -> argparse.N
     parser.add_argument("--config", required=True, help="YAML profile in train_configs/")
     parser.add_argument("--plan", action="store_true",
                         help="print the estimated peak GPU and host memory of this config and exit (loads no weights)")
-    parser.add_argument("--gpu-memory", metavar="SIZE", help="with --plan: the card's memory, e.g. 24GiB")
+    parser.add_argument("--gpu-memory", metavar="SIZE",
+                        help="the card's memory, e.g. 24GiB: with --plan, the plan's budget; in a run, what "
+                             "auto_fit fits (the same as gpu_memory=SIZE)")
+    parser.add_argument("--json", action="store_true", help="with --plan: print the plan as one JSON object")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (dotted keys)")
     return parser.parse_args(argv)
 
@@ -37,6 +40,8 @@ def main(default_family: str, description: str, argv: Optional[List[str]] = None
     args = parse_args(description, argv)
     if args.plan:
         return _plan(args, default_family, profile_defaults)
+    if args.gpu_memory:  # the budget auto_fit fits, as the key would give it
+        args.overrides.append(f"gpu_memory={args.gpu_memory}")
     from trainer.engine import Trainer  # heavy imports after argument parsing, so --help is instant
 
     try:
@@ -86,7 +91,7 @@ def _plan(args: argparse.Namespace, family: str, profile_defaults: Optional[Dict
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return print_plan(cfg, args.gpu_memory)
+    return print_plan(cfg, args.gpu_memory, as_json=args.json)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from trainer.platform import RunPolicy, configure_device, prepare_environment
 from trainer.precision import choose_mixed_precision
 from trainer.run_folder.position import RunState, micro_batches
 from trainer.model.quantization import check_available, quantization_report, quantization_spec
-from trainer.reporting.memory_check import warn_if_it_does_not_fit
+from trainer.reporting.memory_check import fit_to_card
 from trainer.reporting.summary import (log_train_time, log_wall_time, plot_losses, plot_timestep_density, process_age_s,
                                        write_summary)
 from trainer.run_folder.run_dir import METRICS_NAME, RunFolder
@@ -181,14 +181,14 @@ class Trainer:
         setup_logging(self.is_main, self.folder.log)
         self.metrics = MetricLoggers(JsonlLogger(self.folder.metrics) if self.is_main else None,
                                      TrackerLogger(self.accelerator) if self.accelerator.log_with else None)
-        self.metrics.log_config(cfg)
         configure_device(cfg, self.policy, self.accelerator, precision)
         self.monitor = MemoryMonitor(writer=lambda tag, value, step: self.accelerator.log({tag: value}, step=step))
         if cfg.seed is not None:
             set_seed(cfg.seed)
         self.family = load_family(cfg)
         distributed.configure(self.accelerator, cfg, self.family)  # the launch shards as asked; folder ready
-        warn_if_it_does_not_fit(cfg, self.device)  # the planner's verdict before any weights load
+        fit_to_card(cfg, self.device)  # the planner's verdict (auto_fit: its choice) before any weights load
+        self.metrics.log_config(cfg)  # the config as it trains: after auto_fit
         resume_check.refuse_incompatible(self.resume_from, cfg, self.family.model_path)
         if self.is_main:
             self.folder.write_config(cfg)

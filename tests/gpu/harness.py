@@ -44,7 +44,9 @@ from trainer.families.base import load_family
 from trainer.families.spec import FamilySpec
 from trainer.model.prepare import prepare_transformer, transformer_load_device
 from trainer.step.optim import build_optimizer
-from trainer.planner import plan_memory
+from trainer.planner import load_plan_config, plan_memory
+from trainer.planner.auto_fit import choose_fit
+from utils.sizes import parse_size
 from trainer.planner.activations import outer_slot
 from trainer.platform import choose_attention
 from trainer.model.quantization import check_available, quantization_spec
@@ -367,7 +369,7 @@ class Rig:
 
 def _precision_overrides(dtype: torch.dtype, checkpointing: bool) -> List[str]:
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "null")  # null: fp32 ("no")
-    return [f"mixed_precision={precision}", f"disable_gradient_checkpointing={str(not checkpointing).lower()}"]
+    return [f"mixed_precision={precision}", f"gradient_checkpointing={str(checkpointing).lower()}"]
 
 
 def build_rig(family: str, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16, *,
@@ -557,7 +559,7 @@ def run_steps(rig: Rig, steps: int, resolution: int, batch_size: int = 1, seed: 
     losses = [loss for _, loss in reads[1:]]
     reserved = torch.cuda.max_memory_reserved(rig.device) / GIB if rig.device.type == "cuda" else None
     return StepReport(rig.name, device_name(rig.device), str(rig.dtype).removeprefix("torch."), resolution,
-                      batch_size, not rig.cfg.disable_gradient_checkpointing, rig.attention.name,
+                      batch_size, rig.cfg.gradient_checkpointing not in (False, 0), rig.attention.name,
                       batch.image_tokens, batch.text_tokens, rig.trainable, times, losses,
                       _peak_gib(rig.device), reserved, rig.build_seconds)
 
@@ -677,8 +679,7 @@ def convergence(family: str, steps: int = 100, resolution: int = 1024, dtype: to
     yaml = None
     if profile is not None:
         yaml = PROFILES[profile][0]
-        swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={NO_IMAGES}"], default_family=family).blocks_to_swap
-        overrides.append(f"blocks_to_swap={scaled_swap(swap, family, scale)}")
+        overrides = profile_settings(yaml, family, scale, overrides)
     with rig_session(family, device, dtype, scale=scale, model_dir=model_dir, overrides=overrides,
                      seed=seed, resolution=resolution, profile=yaml) as rig:
         report = run_steps(rig, steps, resolution, seed=seed, fixed_sample=True)
@@ -837,6 +838,21 @@ def scaled_swap(blocks_to_swap: int, family: str, scale: Scale) -> int:
     return max(1, round(blocks_to_swap * count(scaled) / count(full)))
 
 
+def profile_settings(yaml: str, family: str, scale: Scale, overrides: Sequence[str] = ()) -> List[str]:
+    """``overrides`` for a profile as it trains on its card: with ``auto_fit: true``, the keys auto_fit chooses
+    for the full-size model the profile names at its ``gpu_memory`` (a scaled-down model would fit any card),
+    with auto_fit then off; the block counts (swapped, checkpointed) in proportion to ``scale``. The given
+    ``overrides`` are keys the user set: auto_fit keeps them, and they come last."""
+    cfg = load_plan_config(str(ROOT / yaml), list(overrides), family)
+    fit = [*choose_fit(cfg, parse_size(cfg.gpu_memory)).overrides(), "auto_fit=false"] if cfg.auto_fit else []
+    full = load_config(str(ROOT / yaml), [f"data_config.img_dir={NO_IMAGES}", *fit, *overrides], default_family=family)
+    checkpointing = full.gradient_checkpointing
+    if not isinstance(checkpointing, bool):  # a number of blocks: the first ones, scaled as swapped blocks are
+        checkpointing = scaled_swap(checkpointing, family, scale)
+    return [*fit, *overrides, f"blocks_to_swap={scaled_swap(full.blocks_to_swap, family, scale)}",
+            f"gradient_checkpointing={str(checkpointing).lower()}"]
+
+
 def planned_training_gib(cfg: TrainConfig, text: int) -> Optional[float]:
     """``trainer.planner.plan_memory``'s GPU training peak for ``cfg`` (also asked on a CPU run, where
     nothing is measured to compare it with)."""
@@ -853,10 +869,9 @@ def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: 
     yaml, budget = PROFILES[profile]
     family = PROFILE_FAMILIES.get(profile, family)
     device = torch.device(device)
+    overrides = [*profile_settings(yaml, family, scale, overrides), f"data_config.img_size={resolution}"]
     swap = load_config(str(ROOT / yaml), [f"data_config.img_dir={NO_IMAGES}", *overrides],
                        default_family=family).blocks_to_swap
-    swap = scaled_swap(swap, family, scale)
-    overrides = [*overrides, f"blocks_to_swap={swap}", f"data_config.img_size={resolution}"]
     with rig_session(family, device, torch.bfloat16, scale=scale, profile=yaml, overrides=overrides,
                      resolution=resolution) as rig:
         steps_report = run_steps(rig, steps, resolution)

@@ -91,11 +91,17 @@ def quantized_types(rig: harness.Rig) -> List[str]:
             if isinstance(m, torch.nn.Linear) and "lora_" not in name and is_quantized(m.weight)]
 
 
+# The 24 GB profile as it was before auto_fit (which now chooses torchao's W8A8 there): quanto's qfloat8
+# blocks, 8-bit AdamW, every block checkpointed with its input offloaded. Given as keys, auto_fit keeps them.
+QUANTO = ["quantize=true", "quantization.backend=quanto", "quantization.weights=qfloat8", "optimizer=adamw8bit",
+          "gradient_checkpointing=true", "gradient_checkpointing_cpu_offload=true"]
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.xdist_group("quanto")
 def test_24gb_profile_runs_quanto_fp8_marlin_with_8bit_adamw_and_offload(where: Where) -> None:
-    """The 24 GB profile's parts on CUDA: qfloat8 blocks through quanto's fp8 Marlin GEMM (which
-    refused the fp32 LayerNorm output at f24b9c6), bitsandbytes 8-bit AdamW, checkpointed block
+    """The 24 GB profile's parts on CUDA with quanto (``QUANTO``): qfloat8 blocks through quanto's fp8 Marlin
+    GEMM (which refused the fp32 LayerNorm output at f24b9c6), bitsandbytes 8-bit AdamW, checkpointed block
     inputs offloaded on a side stream."""
     wait_for_quanto_build()
     seen = {}
@@ -105,7 +111,7 @@ def test_24gb_profile_runs_quanto_fp8_marlin_with_8bit_adamw_and_offload(where: 
                     offload=rig.cfg.gradient_checkpointing_cpu_offload)
 
     report = harness.memory_profile("24gb", where.device, scale=where.scale, resolution=where.resolution, steps=3,
-                                    inspect=inspect)
+                                    inspect=inspect, overrides=QUANTO)
     print(report.summary())
     assert len(report.steps.losses) == 3 and report.steps.finite, report.steps.losses
     assert seen["offload"] and seen["weights"]
@@ -125,9 +131,10 @@ def test_block_swap_of_quantized_blocks_trains_like_resident_blocks(where: Where
     wait_for_quanto_build()
     loads = []
     swapped = harness.memory_profile("16gb", where.device, scale=where.scale, resolution=where.resolution, steps=3,
-                                     inspect=lambda rig: loads.append(rig.swapper.loads if rig.swapper else 0))
+                                     inspect=lambda rig: loads.append(rig.swapper.loads if rig.swapper else 0),
+                                     overrides=QUANTO)
     resident = harness.memory_profile("16gb", where.device, scale=where.scale, resolution=where.resolution, steps=3,
-                                      overrides=["blocks_to_swap=0"])
+                                      overrides=[*QUANTO, "blocks_to_swap=0"])
     print(swapped.summary())
     print(resident.summary())
     assert swapped.blocks_to_swap == 1 and resident.blocks_to_swap == 0

@@ -40,8 +40,8 @@ def test_loss_convergence(family: str, cuda: torch.device) -> None:
 
 
 def test_loss_convergence_low_memory(cuda: torch.device) -> None:
-    """The 24 GB profile (qfloat8 blocks through quanto's CUDA kernels, 8-bit AdamW, checkpointing with
-    offloaded inputs) overfits the fixed sample as bf16 does."""
+    """The 24 GB profile (auto_fit's choice for 24 GiB: W8A8 blocks, checkpointing with offloaded inputs)
+    overfits the fixed sample as bf16 does."""
     report = harness.convergence("qwen_image", steps=100, resolution=RESOLUTION, dtype=BF16, device=cuda,
                                  profile="24gb")
     print(report.summary())
@@ -59,7 +59,7 @@ def test_gradient_flow(family: str, cuda: torch.device) -> None:
 
 @pytest.mark.parametrize("profile", sorted(harness.PROFILES))
 def test_memory_profile(profile: str, cuda: torch.device) -> None:
-    """The 24 GB / 16 GB profiles (qfloat8 blocks, 8-bit AdamW, block swap for 16 GB) stay below
+    """The low-memory profiles (the 24 GB / 16 GB ones with auto_fit's choice for their card) stay below
     their budgets, and the memory planner predicts the peak within +-15%."""
     report = harness.memory_profile(profile, cuda, resolution=RESOLUTION)
     print(report.summary())

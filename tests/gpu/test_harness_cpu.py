@@ -156,8 +156,8 @@ def test_convergence_runs_the_fixed_sample() -> None:
 
 
 def test_convergence_with_the_24gb_profile() -> None:
-    """The GPU suite's low-memory convergence check, on the CPU at tiny scale: qfloat8 blocks (quanto),
-    8-bit AdamW or its fallback, the fixed sample's loss falls."""
+    """The GPU suite's low-memory convergence check, on the CPU at tiny scale: the settings auto_fit chooses
+    for the full-size model on 24 GiB (8-bit W8A8 blocks, checkpoint offload), the fixed sample's loss falls."""
     report = harness.convergence("qwen_image", steps=15, resolution=RES, dtype=torch.bfloat16, device=CPU,
                                  scale=TINY, lr=1e-2, factor=1.05, profile="24gb")
     assert len(report.losses) == 15 and report.ok, report.summary()
@@ -178,8 +178,8 @@ def test_fp8_smoke_skips_without_support() -> None:
 
 
 def test_memory_profile_16gb_tiny() -> None:
-    """The 16 GB profile as the engine builds it: qfloat8 blocks via ``place``, block swap, 8-bit
-    AdamW (or its fallback); no device memory to measure on the CPU, the planner still answers."""
+    """The 16 GB profile as the engine builds it with auto_fit's choice for 16 GiB (8-bit blocks via ``place``,
+    block swap, 8-bit AdamW or its fallback); no device memory to measure on the CPU, the planner still answers."""
     report = harness.memory_profile("16gb", CPU, scale=TINY, resolution=RES, steps=2)
     assert report.blocks_to_swap == 1 and report.steps.finite
     assert report.measured_gib is None and report.within_budget is None
@@ -199,6 +199,15 @@ def test_profile_top_kernels() -> None:
     assert harness.kernel_category("flash_bwd_kernel") == "attention"
     assert harness.kernel_category("multi_tensor_apply_kernel") == "optimizer"
     assert harness.kernel_category("vectorized_elementwise_kernel") == "other"
+
+
+def test_a_profiles_auto_fit_choice_is_made_for_its_full_size_model() -> None:
+    """The 24 GB profile's settings on the rig: auto_fit's choice for Qwen-Image at 24 GiB (the tiny model would
+    fit any card unquantized), block counts scaled to the tiny model's 2 blocks, the given keys kept."""
+    full = harness.profile_settings("train_configs/train_lora_4090.yaml", "qwen_image", harness.FULL)
+    assert "quantize=true" in full and "auto_fit=false" in full and "gradient_checkpointing=58" in full
+    tiny = harness.profile_settings("train_configs/train_lora_4090.yaml", "qwen_image", TINY, ["optimizer=adamw8bit"])
+    assert "gradient_checkpointing=2" in tiny and tiny[-2] == "blocks_to_swap=0" and "optimizer=adamw8bit" in tiny
 
 
 def test_machine_facts_and_scales() -> None:

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
 from utils.folders import system_folder
+from utils.sizes import parse_size
 from trainer.families import SPECS
 from trainer.step.optimizer_specs import OPTIMIZERS
 from trainer.config.schema import (EVAL_ROLE, FOLDER_KEYS, DatasetEntry, EvaluationConfig, FolderKeys, Section,
@@ -248,12 +249,24 @@ def _evaluation_problems(cfg: TrainConfig) -> List[str]:
 
 
 def _memory_problems(cfg: TrainConfig) -> List[str]:
+    checkpointing = cfg.gradient_checkpointing
     return failing(
         (cfg.blocks_to_swap >= 0, f"key 'blocks_to_swap': value {cfg.blocks_to_swap} must be >= 0"),
-        (not (cfg.gradient_checkpointing_cpu_offload and cfg.disable_gradient_checkpointing),
+        (checkpointing >= 0, f"key 'gradient_checkpointing': value {checkpointing} must be true, false or a number "
+                             "of blocks >= 0"),
+        (not (cfg.gradient_checkpointing_cpu_offload and checkpointing in (False, 0)),
          "key 'gradient_checkpointing_cpu_offload': offloads the inputs gradient checkpointing keeps; "
-         "set disable_gradient_checkpointing: false"),
+         "set gradient_checkpointing: true (or a number of blocks)"),
+        (cfg.gpu_memory is None or _readable_size(cfg.gpu_memory),
+         f"key 'gpu_memory': cannot read {cfg.gpu_memory!r} as a memory size; write e.g. 24GiB, 24GB or 16 (GiB)"),
     )
+
+
+def _readable_size(text: str) -> bool:
+    try:
+        return parse_size(text) > 0
+    except ValueError:
+        return False
 
 
 def _platform_problems(cfg: TrainConfig) -> List[str]:

@@ -10,7 +10,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, TypeVar
 
 import yaml
 from loguru import logger
@@ -48,12 +48,14 @@ def load_config(
 def _load(path: str | os.PathLike | None, overrides: List[str], default_family: Optional[str],
           profile_defaults: Dict[str, Any]) -> TrainConfig:
     user = _read_yaml(path) if path is not None else OmegaConf.create({})
-    given = {str(key) for key in user} | {item.partition("=")[0].strip().split(".")[0] for item in overrides}
+    explicit = _explicit_keys(OmegaConf.to_container(user, resolve=False), overrides)
+    given = {key.split(".")[0] for key in explicit}
     if profile_defaults:
-        user = OmegaConf.merge(OmegaConf.create(profile_defaults), user)
+        user = OmegaConf.merge(_without_other_names(OmegaConf.create(profile_defaults), set(user)), user)
     source = str(path) if path is not None else "<overrides>"
     if overrides:
-        user = _apply_overrides(user, overrides, source)
+        user = _apply_overrides(_without_other_names(user, {item.partition("=")[0].strip() for item in overrides}),
+                                overrides, source)
     raw = OmegaConf.to_container(user, resolve=False)
     # Every problem is collected before any is reported: a key that is unknown, calls a resolver or has
     # the wrong type is dropped (and named), so that the keys after it are still checked.
@@ -75,7 +77,46 @@ def _load(path: str | os.PathLike | None, overrides: List[str], default_family: 
         raise _config_error(source, problems, overrides)
     for note in notes:
         logger.info(note)
+    cfg.explicit_keys = frozenset(FLYMYAI_TARGETS.get(key, key) for key in explicit)
     return cfg
+
+
+# A setting with two names (FlyMyAI's, the schema's): a layer above (the YAML over an entry script's defaults,
+# an override over the YAML) that gives one name replaces the other below it; given together, they must agree.
+OTHER_NAME = {"gradient_checkpointing": "disable_gradient_checkpointing",
+              "disable_gradient_checkpointing": "gradient_checkpointing"}
+
+
+def _without_other_names(lower: DictConfig, upper: Set[str]) -> DictConfig:
+    """``lower`` without the other name of each key of ``upper``, the layer that goes on top of it."""
+    for key in upper & set(OTHER_NAME):
+        if OTHER_NAME[key] not in upper and OTHER_NAME[key] in lower:
+            lower.pop(OTHER_NAME[key])
+    return lower
+
+
+# Where each FlyMyAI key lands in the schema (flymyai_compat): setting one sets that key.
+FLYMYAI_TARGETS = {"adam8bit": "optimizer", "disable_gradient_checkpointing": "gradient_checkpointing",
+                   "train_batch_size": "data_config.train_batch_size", "disable_sampling": "validation.every_n_steps",
+                   "sample_every": "validation.every_n_steps", "sample_width": "validation.width",
+                   "sample_height": "validation.height", "sample_steps": "validation.steps"}
+
+
+def _explicit_keys(yaml: Any, overrides: List[str]) -> Set[str]:
+    """The keys the user set, dotted (``quantization.weights``, and ``quantization`` too): every key of the
+    YAML down to its leaves (not into lists), and each override's key."""
+    keys: Set[str] = set()
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items() if isinstance(node, dict) else ():
+            keys.add(f"{prefix}{key}")
+            walk(value, f"{prefix}{key}.")
+
+    walk(yaml, "")
+    for item in overrides:
+        parts = item.partition("=")[0].strip().split(".")
+        keys.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return keys
 
 
 class Problem(NamedTuple):
@@ -207,7 +248,23 @@ def flymyai_compat(raw: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
                               steps=old.sample_steps)
     if old.double_blocks is not None:
         problems.append("key 'double_blocks': choosing FLUX blocks is not yet supported (set double_blocks: null)")
+    if old.disable_gradient_checkpointing is not None:
+        problems += _checkpointing_switch(raw, old.disable_gradient_checkpointing)
     return raw, problems
+
+
+def _checkpointing_switch(raw: Dict[str, Any], disable: bool) -> List[str]:
+    """FlyMyAI's ``disable_gradient_checkpointing`` written as ``gradient_checkpointing`` (into ``raw``), or the
+    problem when both are given and disagree (true with a number of blocks, false with false or 0)."""
+    given = raw.get("gradient_checkpointing")
+    if given is None:
+        raw["gradient_checkpointing"] = not disable
+        return []
+    if isinstance(given, (bool, int)) and (given not in (False, 0)) == disable:
+        return [f"key 'disable_gradient_checkpointing': value {str(disable).lower()} contradicts "
+                f"gradient_checkpointing: {str(given).lower()}; set one of them (gradient_checkpointing: true, false "
+                "or a number of blocks)"]
+    return []
 
 
 def _resolver_calls(raw: Dict[str, Any]) -> List[Problem]:
@@ -375,6 +432,10 @@ def _describe_type_error(exc: OmegaConfBaseException, prefix: str = "") -> Probl
         key = prefix + next((f.name for f in dataclasses.fields(TrainConfig)
                     if getattr(f.default_factory, "__name__", None) == section.group(1)), "?")
         return Problem(key, f"key '{key}': is a section (a mapping of keys), not a single value")
+    if "incompatible with type hint 'Union[bool, int]'" in message:  # gradient_checkpointing
+        value = re.search(r"Value '(.*?)'", message)
+        return Problem(key, f"key '{key}': value '{value.group(1) if value else '?'}' is not true, false or a "
+                            "whole number")
     match = re.search(r"Value '(.*?)' (?:of type '.*?' )?could not be converted to (\w+)", message)
     if match:
         kind = {"Integer": "integer", "Float": "number", "Boolean": "boolean (true/false)"}

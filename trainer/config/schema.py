@@ -3,8 +3,8 @@
 Key names follow the FlyMyAI trainer so that its users' YAML files run unchanged
 (``pretrained_model_name_or_path``, ``data_config.img_dir``, ``rank``, ``adam_beta1``, ...). FlyMyAI's
 keys for things this schema names otherwise (``adam8bit``, the top-level ``train_batch_size``,
-``disable_sampling`` + ``sample_*``, ``double_blocks``) are translated once, before the schema, by
-``flymyai_compat``, so ``TrainConfig`` has one name per thing.
+``disable_sampling`` + ``sample_*``, ``double_blocks``, ``disable_gradient_checkpointing``) are translated
+once, before the schema, by ``flymyai_compat``, so ``TrainConfig`` has one name per thing.
 
 A field with a fixed set of values carries it in ``metadata["choices"]`` (one loop checks them all,
 and a form can be generated from ``dataclasses.fields``). Each section checks its own values
@@ -18,7 +18,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 
 from trainer.families import SPECS
@@ -352,7 +352,11 @@ class TrainConfig:
     mixed_precision: Optional[str] = one_of(None, ("no", "fp16", "bf16"),
                                             "accelerate launch's --mixed_precision or accelerate config wins when "
                                             "given (trainer/precision.py)")
-    disable_gradient_checkpointing: bool = False
+    # Recompute blocks in backward instead of keeping their activations: true (every block), false (none),
+    # or N: the first N blocks in execution order, the others keep theirs. Each block not checkpointed saves
+    # its recomputation and costs its activations (0.48 GiB per Qwen-Image block at 1024^2, bf16).
+    # FlyMyAI's disable_gradient_checkpointing: true is gradient_checkpointing: false.
+    gradient_checkpointing: Union[bool, int] = True
     # Keep the checkpointed block inputs in host memory (1.45 GiB for Qwen-Image at 1024^2), for PCIe traffic.
     gradient_checkpointing_cpu_offload: bool = False
     # Quantize the transformer's block weights (FlyMyAI's switch, kept as the schema's own: the README
@@ -362,6 +366,10 @@ class TrainConfig:
     quantize_text_encoder: bool = False  # also for the cache pass (Qwen's encoder is 16 GB in bf16)
     disable_quantization: bool = False  # wins over quantize (the DGX Spark switch)
     blocks_to_swap: int = 0  # transformer blocks kept in host memory, brought in just in time
+    # Before any weight loads, set the memory keys above that the YAML and the command line leave open to the
+    # fastest combination the memory planner fits into the card (trainer/planner/auto_fit.py).
+    auto_fit: bool = False
+    gpu_memory: Optional[str] = None  # the card's memory for auto_fit and --plan, e.g. 24GiB (default: detected)
 
     # Flow matching
     timestep_sampling: str = one_of("logit_normal", ("uniform", "logit_normal", "mode", "cosmap", "sigmoid"),
@@ -422,6 +430,10 @@ class TrainConfig:
     use_fastsafetensors: bool = True
     fastsafetensors_num_threads: int = 8
 
+    # Not a key: the dotted keys the user set (in the YAML or a key=value override, not an entry script's
+    # default), filled in by load_config for auto_fit, which keeps them. A TrainConfig built in code has none.
+    explicit_keys: ClassVar[FrozenSet[str]] = frozenset()
+
     @property
     def resolved_cache_dir(self) -> Path:
         """Folder of the on-disk embedding cache."""
@@ -440,6 +452,7 @@ class FlyMyAIKeys:
     sample_height: int = 1024  # validation.height
     sample_steps: int = 20  # validation.steps
     double_blocks: Optional[List[int]] = None  # FLUX block choice: not built, so anything but null is refused
+    disable_gradient_checkpointing: Optional[bool] = None  # gradient_checkpointing with the opposite value
 
 
 FLYMYAI_KEYS = tuple(f.name for f in dataclasses.fields(FlyMyAIKeys))
@@ -450,8 +463,6 @@ DESIGN_NOTE_KEYS = {
     "cuda_13_features": "write cuda_features (the same four enable_* switches)",
     "memory_efficient_attention": "remove it: attention_backend: auto (the default) picks the fastest SDPA "
                                   "kernel, memory-efficient included; attention_backend: efficient forces it",
-    "gradient_checkpointing": "write disable_gradient_checkpointing with the opposite value "
-                              "(gradient_checkpointing: false is disable_gradient_checkpointing: true)",
     "memory_pool": "write unified_memory: true (for memory_pool: unified)",
     "cuda_version": "remove it: the CUDA version is torch's own, read at start-up "
                     "(python -m utils.device_report shows it)",

@@ -12,11 +12,13 @@ copies it back, without a host sync. Gradients never leave the device: the graph
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from loguru import logger
 from torch.utils.checkpoint import checkpoint
+
+from utils.errors import ConfigError
 
 CheckpointFunc = Callable[..., Any]
 
@@ -27,15 +29,69 @@ def offloads_block_inputs(cfg: Any, unified_memory: bool) -> bool:
     return bool(cfg.gradient_checkpointing_cpu_offload) and not unified_memory
 
 
-def checkpointing_func(cfg: Any, unified_memory: bool) -> Optional[CheckpointFunc]:
-    """What to hand ``enable_gradient_checkpointing``: the offloading checkpoint when
-    ``gradient_checkpointing_cpu_offload`` is on, else None (diffusers' default)."""
-    if not offloads_block_inputs(cfg, unified_memory):
-        if cfg.gradient_checkpointing_cpu_offload:
-            logger.warning("gradient_checkpointing_cpu_offload ignored: host and GPU share one memory here")
-        return None
-    logger.info("gradient checkpointing keeps the block inputs in host memory (gradient_checkpointing_cpu_offload)")
-    return offloading_checkpoint()
+def checkpointed_blocks(cfg: Any, total: int) -> int:
+    """How many of the ``total`` blocks are checkpointed: ``gradient_checkpointing`` true (all), false (none)
+    or a number, which may not exceed the blocks there are (the memory planner asks this too)."""
+    wanted = cfg.gradient_checkpointing
+    if wanted is True or wanted is False:
+        return total if wanted else 0
+    if not 0 <= wanted <= total:
+        raise ConfigError(f"key 'gradient_checkpointing': value {wanted} is more than the transformer's {total} blocks "
+                          "(true checkpoints them all)")
+    return wanted
+
+
+def checkpointed_indices(count: int, total: int) -> range:
+    """Which ``count`` of ``total`` blocks (execution order) are checkpointed: the first ones. Any ``count``
+    blocks cost the same recomputation, but backward reaches the first blocks last, once the blocks that
+    kept their activations have freed them: the peak is the larger of (the kept activations + the
+    checkpointed inputs) and (those inputs + one recomputed block). Checkpointing the last blocks instead
+    would recompute them while every kept activation is alive, one block's activations more, so that one
+    checkpointed block would save nothing. Block swap swaps the last blocks, and a swapped block saves
+    memory only when it is checkpointed: swap goes with every block checkpointed (as auto_fit sets it)."""
+    return range(count)
+
+
+def checkpointing_func(cfg: Any, unified_memory: bool,
+                       blocks: Sequence[torch.nn.Module] = ()) -> Optional[CheckpointFunc]:
+    """What to hand ``enable_gradient_checkpointing``: None (diffusers' default) when every block is
+    checkpointed in place; else a function that checkpoints the chosen ``blocks`` (keeping their inputs in
+    host memory with ``gradient_checkpointing_cpu_offload``) and runs the others directly. A module that is
+    none of ``blocks`` is checkpointed, as diffusers would."""
+    count = checkpointed_blocks(cfg, len(blocks)) if blocks else None
+    offload = offloads_block_inputs(cfg, unified_memory)
+    if cfg.gradient_checkpointing_cpu_offload and not offload:
+        logger.warning("gradient_checkpointing_cpu_offload ignored: host and GPU share one memory here")
+    if offload:
+        logger.info("gradient checkpointing keeps the block inputs in host memory (gradient_checkpointing_cpu_offload)")
+    if count is None or count == len(blocks):
+        return offloading_checkpoint() if offload else None
+    logger.info(f"gradient checkpointing: the first {count} of {len(blocks)} blocks; the others keep their activations")
+    unsaved = min(cfg.blocks_to_swap, len(blocks) - count)
+    if unsaved:
+        logger.warning(f"blocks_to_swap: {unsaved} of the {cfg.blocks_to_swap} swapped blocks (the last ones) are not "
+                       f"checkpointed (gradient_checkpointing: {count}, the first ones) and save no memory")
+    chosen = set(checkpointed_indices(count, len(blocks)))
+    direct = [block for index, block in enumerate(blocks) if index not in chosen]
+    return selective_checkpoint(direct, offloading_checkpoint() if offload else plain_checkpoint)
+
+
+def plain_checkpoint(module: torch.nn.Module, *args: Any) -> Any:
+    """diffusers' default ``gradient_checkpointing_func``: torch's non-reentrant checkpoint."""
+    return checkpoint(module, *args, use_reentrant=False)
+
+
+def selective_checkpoint(direct: Sequence[torch.nn.Module], checkpointed: CheckpointFunc) -> CheckpointFunc:
+    """A ``gradient_checkpointing_func`` that runs the modules of ``direct`` as they are (their activations
+    stay for backward, nothing is recomputed) and hands every other one to ``checkpointed``."""
+    plain = {id(module) for module in direct}
+
+    def run(module: torch.nn.Module, *args: Any) -> Any:
+        if id(module) in plain:
+            return module(*args)
+        return checkpointed(module, *args)
+
+    return run
 
 
 def offloading_checkpoint(host: torch.device = torch.device("cpu")) -> CheckpointFunc:

@@ -17,7 +17,7 @@ import torch
 from loguru import logger
 
 from trainer.families.base import ModelFamily
-from trainer.model.activation_offload import checkpointing_func
+from trainer.model.activation_offload import checkpointed_blocks, checkpointing_func
 from trainer.model.adapters import TrainedWeights, skip_lora_input_upcast
 from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig
@@ -54,8 +54,8 @@ def prepare_transformer(cfg: TrainConfig, family: ModelFamily, transformer: torc
         raise ConfigError(f"key 'blocks_to_swap': value {cfg.blocks_to_swap} is more than the "
                           f"transformer's {len(blocks)} blocks")
     place(transformer, device, spec, blocks, "transformer", host_blocks=cfg.blocks_to_swap)
-    if not cfg.disable_gradient_checkpointing:
-        transformer.enable_gradient_checkpointing(checkpointing_func(cfg, unified_memory))
+    if checkpointed_blocks(cfg, len(blocks)):
+        transformer.enable_gradient_checkpointing(checkpointing_func(cfg, unified_memory, blocks))
     batch = cfg.data_config.train_batch_size
     shape = attention_shape(transformer, attention_tokens, batch) if attention_tokens else None
     attention = choose_attention(cfg, transformer, shape, device, compute_dtype)

@@ -15,13 +15,15 @@ not been measured on a GPU yet; the host baseline was measured on this project's
 
 Split by concern: ``model`` (configs, meta-device sizes), ``settings`` (assumptions, the run's
 settings from the trainer's own rules), ``activations`` (LoRA layout, per-block formulas), ``plan``
-(the items of each phase, advice), ``report`` (the plan's result: peaks, verdict, table), ``__main__``
-(the command line).
+(the items of each phase, advice), ``report`` (the plan's result: peaks, verdict, table, JSON),
+``auto_fit`` (the fastest settings that fit a card), ``entry`` (what the command line prints) and
+``__main__`` (the command line).
 """
 
 from trainer.planner.activations import estimate_activations, lora_layout
 from trainer.planner.model import ModelSizes, model_sizes, read_model_configs
-from trainer.planner.plan import build_plan, plan_memory, print_plan
+from trainer.planner.entry import print_plan
+from trainer.planner.plan import build_plan, plan_memory
 from trainer.planner.report import MemoryItem, MemoryPlan
 from trainer.planner.settings import Settings, load_plan_config, parse_size, resolve_settings
 

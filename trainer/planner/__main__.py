@@ -9,7 +9,7 @@ from typing import List, Optional
 import trainer.planner
 from utils.errors import UserError
 from trainer.families import SPECS
-from trainer.planner.plan import print_plan
+from trainer.planner.entry import print_plan
 from trainer.planner.settings import load_plan_config
 
 
@@ -20,7 +20,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         prog="python -m trainer.planner", description=trainer.planner.__doc__.split("\n\n")[0],
         epilog="Config keys can be overridden after the flags, e.g. data_config.img_size=768")
     parser.add_argument("--config", required=True, help="YAML profile in train_configs/")
-    parser.add_argument("--gpu-memory", help="the card's memory, e.g. 24GiB, 16GiB, 80GB (a bare number is GiB)")
+    parser.add_argument("--gpu-memory", help="the card's memory, e.g. 24GiB, 16GiB, 80GB (a bare number is GiB; "
+                                             "default: the config's gpu_memory)")
     parser.add_argument("--family", default="qwen_image", choices=list(SPECS),
                         help="family when the YAML names none (default: train.py's, qwen_image)")
     parser.add_argument("--blocks-to-swap", type=int, help="override blocks_to_swap")
@@ -31,6 +32,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--whole-model-loading", action="store_true",
                         help="plan the from_pretrained fallback (whole transformer on the host) instead of "
                              "the streamed loader (one shard at a time)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (fits, gpu_peak_gib, host_peak_gib, settings, items, auto_fit)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     try:
@@ -40,7 +43,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     return print_plan(cfg, args.gpu_memory, blocks_to_swap=args.blocks_to_swap, quantization=args.quantization,
                       text_tokens=args.text_tokens, device=args.device,
-                      streamed_loading=not args.whole_model_loading)
+                      streamed_loading=not args.whole_model_loading, as_json=args.json)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 from trainer.families.spec import BlockLayout
 from trainer.step.optimizer_specs import Matrix, TrainedShapes
 from trainer.planner.model import BlockKind, LinearInfo, TransformerSizes
-from trainer.planner.settings import INT8_SCRATCH_IN, INT8_SCRATCH_OUT, W8A8_FORMATS, Settings
+from trainer.planner.settings import INT8_SCRATCH_IN, INT8_SCRATCH_OUT, Settings
 
 
 # --------------------------------------------------------------------------- LoRA targets
@@ -170,7 +170,7 @@ def block_quantization_bytes(transformer: TransformerSizes, kind: BlockKind, t: 
     torchao int8_w8a8, float8_w8a8, auto: nothing (the 8-bit layer keeps only its own weight for backward).
     """
     layout = kind.layout
-    if s.quantization in W8A8_FORMATS:
+    if s.w8a8:
         return 0
     if s.backend == "torchao":
         graded = [li for li in kind.linears
@@ -234,11 +234,12 @@ def backward_transient_bytes(transformer: TransformerSizes, kind: BlockKind, lor
 @dataclass(frozen=True)
 class ActivationEstimate:
     per_block: Tuple[int, ...]  # saved activations of each block kind, in spec order (bytes)
-    saved: int  # kept until backward: all blocks, or (checkpointing) every block's inputs
-    recompute: int  # checkpointing: the largest block's activations during its recomputation
+    saved: int  # kept until backward: the blocks not checkpointed, and the checkpointed ones' inputs
+    recompute: int  # checkpointing: what the largest checkpointed block's recomputation adds to ``saved`` at the peak
     transient: int
     outside: int  # embedders, final norm, rotary tables, loss, LoRA outside the blocks
-    offloaded: int = 0  # gradient_checkpointing_cpu_offload: the block inputs, in host memory
+    offloaded: int = 0  # gradient_checkpointing_cpu_offload: the checkpointed blocks' inputs, in host memory
+    uncheckpointed: int = 0  # the part of ``saved`` that is the activations of the blocks not checkpointed
 
 
 def estimate_activations(transformer: TransformerSizes, lora: LoraLayout, s: Settings) -> ActivationEstimate:
@@ -258,18 +259,22 @@ def estimate_activations(transformer: TransformerSizes, lora: LoraLayout, s: Set
                          + block_quantization_bytes(transformer, kind, t, s, mod_streams)
                          + zero_cond_bytes(transformer, kind, t, a))
     inputs = block_input_bytes(transformer, t, a)
+    # Execution order: the first ``s.checkpointed`` blocks are checkpointed (activation_offload.checkpointed_indices).
+    ordered = [b for k, b in zip(transformer.blocks, per_block) for _ in range(k.count)]
+    checkpointed, kept = ordered[:s.checkpointed], sum(ordered[s.checkpointed:])
+    # Backward recomputes them last, once the other blocks have freed their activations: the peak holds
+    # the larger of the kept activations and one recomputed block, so the recomputation adds only its excess.
+    recompute = max(max(checkpointed, default=0) - kept, 0)
     offloaded = 0
-    if s.checkpointing and s.offload_checkpoints:
+    if checkpointed and s.offload_checkpoints:
         # On the device: the block input being copied out and the one copied back for the block.
-        saved, recompute, offloaded = 2 * inputs, max(per_block), transformer.num_blocks * inputs
-    elif s.checkpointing:
-        saved, recompute = transformer.num_blocks * inputs, max(per_block)
+        saved, offloaded = kept + 2 * inputs, len(checkpointed) * inputs
     else:
-        saved, recompute = sum(k.count * b for k, b in zip(transformer.blocks, per_block)), 0
+        saved = kept + len(checkpointed) * inputs
     transient = max(backward_transient_bytes(transformer, k, lora.per_block.get(k.prefix, ()), t, s)
                     for k in transformer.blocks)
     return ActivationEstimate(tuple(per_block), saved, recompute, transient, _outside_bytes(transformer, lora, t, s),
-                              offloaded)
+                              offloaded, kept)
 
 
 def _modulated_streams(kind: BlockKind, layout: Mapping[str, Tuple[str, str]], adapted: Sequence[LinearInfo],

@@ -1,13 +1,12 @@
 """The plan: itemised GPU and host memory per phase (cache pass, training, validation renders, host),
-the verdict against a budget, and advice (config changes, cumulative, until it fits)."""
+the verdict against a budget, and advice (config changes, cumulative, until it fits). ``entry.py`` prints
+it for the command line."""
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
-from utils.errors import UserError
 from trainer.families import SPECS
 from trainer.families.components import VAE_ACTIVATION_FACTORS
 from trainer.step.optimizer_specs import OPTIMIZERS
@@ -26,11 +25,9 @@ from trainer.planner.settings import (
     HOST_BASELINE_CUDA_GIB,
     QUANT_BYTES,
     SCALE_BYTES,
-    W8A8_FORMATS,
     WORKSPACE_GIB,
     Settings,
     _side_tokens,
-    parse_size,
     planned_family,
     resolve_settings,
 )
@@ -117,17 +114,20 @@ def _training_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[Mem
     t, a = spec.transformer, s.act_bytes
     outer, blocks = _transformer_weight_bytes(t, s)
     swapped = blocks[len(blocks) - s.blocks_to_swap:] if s.blocks_to_swap else []
-    # Without checkpointing autograd keeps every swapped block's device copy until backward: no saving.
-    resident = sum(blocks) - (sum(swapped) if s.checkpointing else 0)
+    # Autograd keeps the device copy of a swapped block that is not checkpointed until backward: no saving.
+    # The swapped blocks are the last ones, the checkpointed the first: those that are both save memory.
+    saving = blocks[len(blocks) - s.blocks_to_swap:s.checkpointed] if swapped else []
+    resident = sum(blocks) - sum(saving)
     q = s.quantization or _dtype_name(s)
     items = [MemoryItem(f"transformer weights ({q})", _gib(outer + resident),
                         f"{t.params / 1e9:.2f}B params, {t.num_blocks} blocks"
                         + (f"; {len(swapped)} swapped to host" if swapped else ""))]
     if swapped:
+        unsaved = len(swapped) - len(saving)
         items.append(MemoryItem("block swap: blocks in flight", _gib(2 * max(swapped)),
                                 "the running block and the prefetched next one"
-                                + ("" if s.checkpointing else "; no saving without gradient checkpointing")))
-    if s.quantization in W8A8_FORMATS:
+                                + (f"; no saving for the {unsaved} not checkpointed" if unsaved else "")))
+    if s.w8a8:
         items.append(MemoryItem("int8 matmul scratch", _gib(int8_scratch_bytes(t, s)),
                                 "the largest linear's input in 8 bits and its int32/fp32 product"))
     elif s.quantization is not None:
@@ -166,17 +166,24 @@ def _activation_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[M
     est = estimate_activations(t, lora, s)
     tokens = f"{s.batch} x ({s.image_tokens} image + {s.text_tokens} text) tokens"
     per_block = ", ".join(f"{k.kind} {_gib(b):.3f}" for k, b in zip(t.blocks, est.per_block))
-    if s.checkpointing and s.offload_checkpoints:
-        items = [MemoryItem("activations: block inputs (in host memory)", _gib(est.saved),
-                            f"two on the GPU at a time; {t.num_blocks} x {_gib(est.offloaded / t.num_blocks):.3f} "
-                            "GiB on the host (gradient_checkpointing_cpu_offload)"),
-                 MemoryItem("activations: one block recomputed", _gib(est.recompute),
-                            f"per block GiB: {per_block}")]
-    elif s.checkpointing:
-        items = [MemoryItem("activations: block inputs (checkpointed)", _gib(est.saved),
-                            f"{t.num_blocks} blocks x {tokens} x {t.hidden} x {s.act_bytes} B"),
-                 MemoryItem("activations: one block recomputed", _gib(est.recompute),
-                            f"per block GiB: {per_block}")]
+    inputs = est.saved - est.uncheckpointed
+    n = s.checkpointed
+    items = []
+    if 0 < n < t.num_blocks:
+        kept = t.num_blocks - n
+        items.append(MemoryItem(f"activations: {kept} block{'s' if kept > 1 else ''} not checkpointed",
+                                _gib(est.uncheckpointed),
+                                f"the last {kept} (gradient_checkpointing: {n} of {t.num_blocks}); "
+                                f"{tokens}; per block GiB: {per_block}"))
+    recomputed = MemoryItem("activations: one block recomputed", _gib(est.recompute), f"per block GiB: {per_block}"
+                            + ("; only its excess over the kept activations, freed by then" if n < t.num_blocks else ""))
+    if n and s.offload_checkpoints:
+        items += [MemoryItem("activations: block inputs (in host memory)", _gib(inputs),
+                             f"two on the GPU at a time; {n} x {_gib(est.offloaded / n):.3f} "
+                             "GiB on the host (gradient_checkpointing_cpu_offload)"), recomputed]
+    elif n:
+        items += [MemoryItem("activations: block inputs (checkpointed)", _gib(inputs),
+                             f"{n} blocks x {tokens} x {t.hidden} x {s.act_bytes} B"), recomputed]
     else:
         items = [MemoryItem("activations: all blocks (no checkpointing)", _gib(est.saved),
                             f"{tokens}; per block GiB: {per_block}")]
@@ -289,9 +296,9 @@ def _host_items(spec: ModelSizes, s: Settings, cache_pass_gib: float, training_g
     else:
         encoders = sum(e.params for e in spec.text_encoders) * a  # loaded on the host, then moved
         loading = min(shard, full) if s.streamed_loading else full
-        offloaded = spec.transformer.num_blocks * block_input_bytes(
+        offloaded = s.checkpointed * block_input_bytes(
             spec.transformer, Tokens(s.image_tokens * s.batch, s.text_tokens * s.batch), a) \
-            if s.checkpointing and s.offload_checkpoints else 0
+            if s.offload_checkpoints else 0
         training = "training (swapped blocks, pinned" + (", offloaded block inputs)" if offloaded else ")")
         phases = {"text encoder load (host copy before the GPU)": _gib(encoders),
                   ("transformer load (one shard at a time)" if s.streamed_loading
@@ -333,9 +340,15 @@ def _title(spec: ModelSizes, s: Settings) -> str:
     return (f"Memory plan: {spec.name} ({s.family}; configs: {spec.source}), {s.img_size}x{s.img_size}, "
             f"batch {s.batch}, {s.precision}, LoRA rank {s.rank}\n"
             f"tokens per sample: {s.image_tokens} image + {s.text_tokens} text; gradient checkpointing "
-            f"{'on' if s.checkpointing else 'off'}; quantization {quant}; optimizer "
+            f"{_checkpointing_label(s)}; quantization {quant}; optimizer "
             f"{OPTIMIZERS[s.optimizer].label}; blocks_to_swap {s.blocks_to_swap}; "
             f"device {s.device}")
+
+
+def _checkpointing_label(s: Settings) -> str:
+    if s.checkpointed in (0, s.num_blocks):
+        return "on" if s.checkpointed else "off"
+    return f"on for the first {s.checkpointed} of {s.num_blocks} blocks"
 
 
 def _notes(spec: ModelSizes, s: Settings) -> List[str]:
@@ -380,8 +393,8 @@ def advise(spec: ModelSizes, s: Settings, budget: float) -> List[str]:
     steps = [
         ("quantize_text_encoder: true", lambda x: x.text_encoder_quantization is None and x.precompute_text,
          lambda x: dataclasses.replace(x, text_encoder_quantization=x.quantization or "qfloat8"), "cache"),
-        ("disable_gradient_checkpointing: false (checkpointing on)", lambda x: not x.checkpointing,
-         lambda x: dataclasses.replace(x, checkpointing=True), "training"),
+        ("gradient_checkpointing: true (every block)", lambda x: x.checkpointed < x.num_blocks,
+         lambda x: dataclasses.replace(x, checkpointed=x.num_blocks), "training"),
         ("quantize: true (quantization: {backend: torchao, weights: auto})", lambda x: x.quantization is None,
          lambda x: dataclasses.replace(x, quantization="auto"), "training"),
         ("adam8bit: true", lambda x: x.optimizer == "adamw",
@@ -445,18 +458,3 @@ def _advise_size(spec: ModelSizes, s: Settings, budget: float, advice: List[str]
             advice.append(f"data_config.img_size: {size} -> GPU peak {trial.gpu_peak_gib:.2f} GiB")
             return smaller, trial
     return s, current
-
-
-# --------------------------------------------------------------------------- entry points
-def print_plan(cfg, gpu_memory: str | None = None, **kwargs: Any) -> int:
-    """Print the plan of ``cfg``; exit code 0 when it fits (or no budget was given), 1 when it does
-    not, 2 when the plan cannot be made (model configs missing, bad size, a family it does not model)."""
-    try:
-        budget = parse_size(gpu_memory) if gpu_memory else None
-        plan = plan_memory(cfg, budget, **kwargs)
-    except (ValueError, FileNotFoundError, UserError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(plan.format())
-    return 1 if plan.fits is False else 0
-

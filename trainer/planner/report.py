@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from trainer.planner.settings import Settings
 
@@ -72,6 +72,17 @@ class MemoryPlan:
             lines += [f"  - {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def as_json(self) -> Dict[str, Any]:
+        """The plan as one JSON object: the peaks in GiB as the table prints them (two decimals), the verdict,
+        the settings it was made for, its items, advice and assumptions."""
+        return {"fits": self.fits, "gpu_memory_gib": self.gpu_memory_gib, "gpu_peak_gib": _two(self.gpu_peak_gib),
+                "host_peak_gib": _two(self.host_gib), "cache_pass_gib": _two(self.cache_pass_gib),
+                "training_gib": _two(self.training_gib), "validation_gib": _two(self.validation_gib),
+                "settings": settings_json(self.settings) if self.settings is not None else {},
+                "items": [{"name": i.name, "gib": _two(i.gib), "section": i.section, "counted": i.counted,
+                           "note": i.note} for i in self.items],
+                "advice": list(self.advice), "notes": list(self.notes), "title": self.title}
+
     def verdict(self) -> str:
         """One line: the peaks, and whether they fit the budget."""
         peak = (f"GPU peak {self.gpu_peak_gib:.2f} GiB (the largest phase), "
@@ -85,3 +96,17 @@ class MemoryPlan:
 def _row(item: MemoryItem, width: int) -> str:
     gib = f"{item.gib:8.2f}" if item.counted else f"({item.gib:.2f})".rjust(8)
     return f"  {item.name:<{width - 2}}{gib}   {item.note}".rstrip()
+
+
+def _two(gib: float) -> float:
+    return round(gib, 2)
+
+
+def settings_json(s: Settings) -> Dict[str, Any]:
+    """What the plan assumed of the run's memory settings (``quantization``: the transformer's weight format,
+    null when unquantized)."""
+    return {"quantization": s.quantization, "quantization_backend": s.backend,
+            "checkpointed_blocks": s.checkpointed, "blocks": s.num_blocks,
+            "gradient_checkpointing_cpu_offload": s.offload_checkpoints, "optimizer": s.optimizer,
+            "blocks_to_swap": s.blocks_to_swap, "text_encoder_quantization": s.text_encoder_quantization,
+            "mixed_precision": s.precision, "img_size": s.img_size, "batch": s.batch, "device": s.device}

@@ -2,8 +2,8 @@
 
 Every decision the run makes is asked of the trainer's own rule, not worked out again here: the
 quantization (``trainer.model.quantization``), the LoRA targets (``trainer.model.adapters``), the reference
-folders (``image_datasets.dataset``), whether the encoders stay loaded (``trainer.platform``) and
-whether checkpointed block inputs go to host memory (``trainer.model.activation_offload``). The family's
+folders (``image_datasets.dataset``), whether the encoders stay loaded (``trainer.platform``), how many
+blocks are checkpointed and whether their inputs go to host memory (``trainer.model.activation_offload``). The family's
 facts (text tokens, references, presets) come from its spec.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 from omegaconf import OmegaConf
 
 from image_datasets.dataset import IMAGE_EXTENSIONS, find_control_dirs
-from trainer.model.activation_offload import offloads_block_inputs
+from trainer.model.activation_offload import checkpointed_blocks, offloads_block_inputs
 from trainer.model.adapters import resolve_lora_targets
 from trainer.config import TORCHAO_WEIGHTS, TrainConfig, dataset_entries, load_config
 from utils.errors import ConfigError
@@ -28,8 +28,7 @@ from trainer.data.features import ENCODE_BATCH  # the cache pass's prompts per e
 from trainer.planner.model import ModelSizes
 from trainer.platform import keeps_encoders
 from trainer.model.quantization import QuantizationChoice, quantization_spec, text_encoder_spec
-
-GIB = 2**30
+from utils.sizes import GIB, parse_size  # noqa: F401  (parse_size: the planner's, re-exported)
 
 # --------------------------------------------------------------------------- assumptions
 # Each constant is named in the plan's notes or in docs/MEMORY_PLANNER.md.
@@ -50,30 +49,14 @@ QUANT_BYTES: Dict[str, float] = {
     "int8_w8a8": 1.0, "float8_w8a8": 1.0, "auto": 1.0,
 }
 # The formats whose activations are quantized too (QuantizedLinear): no dequantized weight kept for backward.
-W8A8_FORMATS = ("int8_w8a8", "float8_w8a8", "auto")
+W8A8_WEIGHTS = ("int8_w8a8", "float8_w8a8", "auto")
 # Bytes of each output channel's scale of an 8-bit weight: bf16, but fp32 in torchao's Int8Tensor and
 # Float8Tensor.
-SCALE_BYTES: Dict[str, int] = {name: 4 for name in W8A8_FORMATS}
+SCALE_BYTES: Dict[str, int] = {name: 4 for name in W8A8_WEIGHTS}
 # The 8-bit matmul's scratch per token (trainer/model/quantized_linear.py): the input quantized (an fp32 copy
 # and its 8-bit values, 5 B per input feature) and the product (int32, then fp32: 8 B per output feature;
 # fp8 writes bf16, so this bounds it too).
 INT8_SCRATCH_IN, INT8_SCRATCH_OUT = 5, 8
-
-# --------------------------------------------------------------------------- sizes
-_UNITS = {"": GIB, "g": GIB, "gi": GIB, "gib": GIB, "gb": 1e9, "m": 2**20, "mi": 2**20, "mib": 2**20,
-          "mb": 1e6, "t": 2**40, "ti": 2**40, "tib": 2**40, "tb": 1e12}
-
-
-def parse_size(text: str | float | int) -> float:
-    """A memory size in GiB: ``"24GiB"``, ``"24 GB"`` (10^9 bytes), ``"16"`` (GiB), ``"512MiB"``."""
-    if isinstance(text, (int, float)):
-        return float(text)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"cannot read memory size {text!r}; write e.g. 24GiB, 24GB, 16 (GiB) or 512MiB")
-    return float(match.group(1)) * _UNITS[unit] / GIB
-
 
 # --------------------------------------------------------------------------- run settings
 @dataclass(frozen=True)
@@ -92,7 +75,7 @@ class Settings:
     rank: int
     lora_targets: Any
     lora_dropout: bool
-    checkpointing: bool
+    checkpointed: int  # blocks recomputed in backward (gradient checkpointing): the last ones, 0 to num_blocks
     quantization: Optional[str]  # None, or a QUANT_BYTES key
     text_encoder_quantization: Optional[str]
     optimizer: str  # a key of trainer.step.optimizer_specs.OPTIMIZERS
@@ -112,12 +95,23 @@ class Settings:
     validation_pixels: int = 0  # validation renders: width x height (0: off)
     dora: bool = False
     offload_checkpoints: bool = False  # gradient_checkpointing_cpu_offload (GPU, not unified memory)
+    num_blocks: int = 0  # the transformer's blocks (what gradient_checkpointing: true checkpoints)
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether any block is checkpointed."""
+        return self.checkpointed > 0
 
     @property
     def backend(self) -> Optional[str]:
         if self.quantization is None:
             return None
-        return "torchao" if self.quantization in TORCHAO_WEIGHTS else "quanto"
+        return "torchao" if self.quantization in TORCHAO_WEIGHTS + W8A8_WEIGHTS else "quanto"
+
+    @property
+    def w8a8(self) -> bool:
+        """Weights and activations in 8 bits (the int8 layer: no saved input, a matmul scratch)."""
+        return self.quantization in W8A8_WEIGHTS
 
 
 def planned_family(cfg: TrainConfig) -> FamilySpec:
@@ -131,8 +125,9 @@ def planned_family(cfg: TrainConfig) -> FamilySpec:
 def resolve_settings(cfg: TrainConfig, spec: ModelSizes, *, blocks_to_swap: Optional[int] = None,
                      quantization: Optional[str] = None, text_tokens: Optional[int] = None,
                      device: str = "cuda", streamed_loading: bool = True,
-                     text_encoder_quantization: Optional[str] = None) -> Settings:
-    """The plan's inputs: the config's keys, with the arguments (when given) winning."""
+                     text_encoder_quantization: Optional[str] = None, image_count: Optional[int] = None) -> Settings:
+    """The plan's inputs: the config's keys, with the arguments (when given) winning. ``image_count``: the
+    dataset's images when already counted (auto_fit plans hundreds of variants of one config)."""
     family = planned_family(cfg)
     precision = cfg.mixed_precision or "no"
     quant = _check_quantization(quantization) if quantization is not None else _weights(quantization_spec(cfg))
@@ -147,23 +142,25 @@ def resolve_settings(cfg: TrainConfig, spec: ModelSizes, *, blocks_to_swap: Opti
         raise ValueError(f"blocks_to_swap {swap} is not between 0 and the transformer's "
                          f"{spec.transformer.num_blocks} blocks")
     unified = bool(cfg.unified_memory)  # the planned machine's, as the config says (nothing is detected)
-    checkpointing = not cfg.disable_gradient_checkpointing
+    checkpointed = checkpointed_blocks(cfg, spec.transformer.num_blocks)
     return Settings(
         family=family.name, img_size=side, batch=cfg.data_config.train_batch_size, text_tokens=tokens.text,
         caption_tokens=tokens.caption, image_tokens=tokens.image, target_tokens=tokens.target,
         act_bytes=2 if precision in ("bf16", "fp16") else 4, precision=precision, rank=cfg.rank,
         lora_targets=resolve_lora_targets(cfg, family.lora_presets), lora_dropout=cfg.lora_dropout > 0,
-        checkpointing=checkpointing, quantization=quant,
+        checkpointed=checkpointed, quantization=quant,
         text_encoder_quantization=te_quant, optimizer=cfg.optimizer,
         blocks_to_swap=swap, precompute_text=cfg.precompute_text_embeddings,
         precompute_image=cfg.precompute_image_embeddings, cache_on_disk=cfg.save_cache_on_disk,
         keep_encoders=keeps_encoders(cfg, unified), device=device,
         unified_memory=unified, streamed_loading=streamed_loading,
-        num_images=None if cfg.save_cache_on_disk else _count_images([e.img_dir for e in dataset_entries(cfg)]),
+        num_images=None if cfg.save_cache_on_disk else image_count if image_count is not None
+        else _count_images([e.img_dir for e in dataset_entries(cfg)]),
         references=tokens.references, encode_tokens=tokens.encode_tokens, encode_batch=tokens.encode_batch,
         vision_patches=tokens.vision_patches, validation_pixels=_validation_pixels(cfg),
         dora=cfg.use_dora,
-        offload_checkpoints=checkpointing and device == "cuda" and offloads_block_inputs(cfg, unified))
+        offload_checkpoints=checkpointed > 0 and device == "cuda" and offloads_block_inputs(cfg, unified),
+        num_blocks=spec.transformer.num_blocks)
 
 
 def _weights(spec: Optional[QuantizationChoice]) -> Optional[str]:

@@ -1,4 +1,5 @@
-"""Before any weights load: the memory planner's verdict for this run on this card.
+"""Before any weights load: the memory planner's verdict for this run on this card, or (``auto_fit: true``)
+the fastest memory settings that fit it.
 
 A run whose planned GPU peak exceeds the card (FLUX.2 [dev] in bf16 on a 24 GB card, say) would
 otherwise find out minutes later, after the text encoder's cache pass, as an out-of-memory error. The
@@ -35,11 +36,28 @@ def fit_warning(cfg: TrainConfig, gpu_memory_gib: float) -> Optional[str]:
             f"{gpu_memory_gib:.0f}GiB to this command (docs/MEMORY_PLANNER.md)")
 
 
+def card_memory_gib(device: torch.device) -> Optional[float]:
+    """The memory of the CUDA card ``device`` (GiB); None for any other device."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / 2**30
+
+
 def warn_if_it_does_not_fit(cfg: TrainConfig, device: torch.device) -> None:
     """On a CUDA device, log ``fit_warning`` for the device's memory before anything loads."""
-    if device.type != "cuda":
-        return
-    total = torch.cuda.get_device_properties(device).total_memory / 2**30
-    message = fit_warning(cfg, total)
+    total = card_memory_gib(device)
+    message = fit_warning(cfg, total) if total is not None else None
     if message:
         logger.warning(message)
+
+
+def fit_to_card(cfg: TrainConfig, device: torch.device) -> None:
+    """Before any weight loads: with ``auto_fit: true``, set the memory keys the user left open to the fastest
+    that fit the card (``trainer/planner/auto_fit.py``; a one-line ``ConfigError`` when nothing does); else
+    warn when the configured run does not fit."""
+    if not cfg.auto_fit:
+        warn_if_it_does_not_fit(cfg, device)
+        return
+    from trainer.planner.auto_fit import fit_run  # builds models on the meta device: only when asked
+
+    fit_run(cfg, card_memory_gib(device))
