@@ -44,6 +44,7 @@ CASES = {
     "qwen_image_edit": Case("qwen_image_edit", "qwen_image_edit", (6,), references=((6, 10),)),
     "edit_2511": Case("qwen_image_edit", "qwen_image_edit_plus", (6,), references=((8, 8), (4, 8)),
                       zero_cond_t=True),
+    "qwen_image21": Case("qwen_image21", "qwen_image21", (9,), references=((4, 8),)),
 }
 
 
@@ -240,7 +241,30 @@ def test_install_changes_no_weight_config_or_module(loaded: Callable[..., Any]) 
     assert all(torch.equal(state[k], v) for k, v in transformer.state_dict().items())
 
 
-@pytest.mark.parametrize("name", ["qwen_image"])
+def test_another_processor_keeps_diffusers_rope(loaded: Callable[..., Any]) -> None:
+    """A processor the project's one does not reproduce (Qwen-Image-2.1's flex one) on any block: install
+    changes nothing and says so (the table is shared by all blocks)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import (
+        QwenImage21AttnProcessor,
+        QwenImage21FlexAttnProcessor,
+    )
+
+    family, transformer = loaded("qwen_image21")
+    restore(transformer)
+    try:
+        transformer.transformer_blocks[1].attn.set_processor(QwenImage21FlexAttnProcessor())
+        assert install(transformer, family.real_rope) is False
+        assert not is_installed(transformer)
+        assert type(transformer.transformer_blocks[0].attn.processor) is QwenImage21AttnProcessor
+        image_pad_mask = torch.tensor([False, True, True, True, True, False])  # a 2x2 image between text
+        assert transformer.pos_embed([(1, 2, 2)], image_pad_mask, torch.device("cpu")).is_complex()
+    finally:
+        transformer.transformer_blocks[1].attn.set_processor(QwenImage21AttnProcessor())
+        install(transformer, family.real_rope)
+    assert is_installed(transformer)
+
+
+@pytest.mark.parametrize("name", ["qwen_image", "qwen_image21"])
 def test_render_equals_diffusers(name: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """The family's pipeline renders the same image with the project's processors (Qwen-Image-2.1: with a
     reference, through its KV cache: the prefix's keys stored, then reused)."""
