@@ -45,6 +45,7 @@ CASES = {
     "edit_2511": Case("qwen_image_edit", "qwen_image_edit_plus", (6,), references=((8, 8), (4, 8)),
                       zero_cond_t=True),
     "qwen_image21": Case("qwen_image21", "qwen_image21", (9,), references=((4, 8),)),
+    "z_image": Case("z_image", "z_image", (5, 9)),
 }
 
 
@@ -185,7 +186,7 @@ def test_each_block_equals_diffusers_compiled_without_complex_values(name: str, 
 
 @pytest.mark.parametrize("name", CASES)
 def test_transformer_equals_diffusers_forward_and_backward(name: str, loaded: Callable[..., Any]) -> None:
-    """The whole prediction (tables converted once, every block), each block's
+    """The whole prediction (tables converted once, every block list: Z-Image's refiners too), each block's
     forward compiled as the engine compiles them, and eager: output and gradients (latents, references, every
     weight) within 1e-5 of diffusers' eager processors."""
     family, transformer = loaded(name)
@@ -344,3 +345,21 @@ def test_compiled_resume_is_bit_equal(tiny_qwen_image: Path, sample_data: Path, 
     product, unchanged: tests/test_resilience.py, tests/test_qwen_image21_family.py)."""
     assert_resume_is_bit_equal("train_configs/quickstart_tiny.yaml", "qwen_image", tiny_qwen_image, sample_data,
                                tmp_path, "lora", "pytorch_lora_weights.safetensors", "compile=true")
+
+
+def test_every_complex_rope_family_has_real_rope() -> None:
+    """The families whose diffusers 0.42.1 transformer module multiplies complex numbers are the ones with
+    ``real_rope``; the others' (FLUX, FLUX.2, Krea 2: ``use_real=True``; Kandinsky 5: a real sum) have none."""
+    import importlib
+    import inspect
+
+    from trainer.families import SPECS
+
+    with_real_rope, complex_processors = set(), set()
+    for spec in SPECS.values():
+        cls = getattr(importlib.import_module(f"trainer.families.{spec.name}.model"), spec.runtime)
+        if cls.real_rope is not None:
+            with_real_rope.add(spec.name)
+        if "view_as_complex" in inspect.getsource(inspect.getmodule(cls.transformer_class)):
+            complex_processors.add(spec.name)
+    assert with_real_rope == complex_processors == {"qwen_image", "qwen_image_edit", "qwen_image21", "z_image"}
