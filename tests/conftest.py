@@ -114,9 +114,10 @@ def assert_cli_refuses_other_family(family: str, profile: str, model: Path, scri
 
 
 def assert_resume_is_bit_equal(profile: str, family: str, model: Path, data: Path, tmp: Path, adapter: str,
-                               saved: str) -> None:
+                               saved: str, *overrides: str) -> None:
     """Four steps straight, and two steps then a resume to four (batches of two, caption and adapter dropout,
-    EMA): the saved adapter ``saved`` and its EMA copy equal bit for bit, and the logged losses too."""
+    EMA; ``overrides`` on every run): the saved adapter ``saved`` and its EMA copy equal bit for bit, and the
+    logged losses too."""
     import torch
     from safetensors.torch import load_file
 
@@ -126,7 +127,7 @@ def assert_resume_is_bit_equal(profile: str, family: str, model: Path, data: Pat
                          f"max_train_steps={steps}", "checkpointing_steps=2", "lr_scheduler=constant",
                          "lr_warmup_steps=0", "data_config.caption_dropout_rate=0.3", "lora_dropout=0.1",
                          "overwrite_output_dir=false", "data_config.train_batch_size=2", "ema_decay=0.9",
-                         f"adapter_type={adapter}", *extra)
+                         f"adapter_type={adapter}", *overrides, *extra)
 
     run(tmp / "straight", 4)
     run(tmp / "resumed", 2)

@@ -19,6 +19,7 @@ import torch
 from utils.errors import ModelNotFoundError
 from trainer.families import check_pipeline, family_spec
 from trainer.families.model_index import read_model_index
+from trainer.families.real_rope import RealRope, install
 from trainer.families.spec import FamilySpec, TargetSpec, vae_scale_factor
 from trainer.model.quantization import QuantizationChoice, place, text_encoder_spec
 
@@ -112,6 +113,9 @@ class FamilyBase:
     transformer_class: ClassVar[type]
     text_pipe: Any = None
     vae: Any = None
+    # The family's own attention processors with real-valued RoPE, where diffusers' rotate q/k as complex numbers
+    # (real_rope.py): installed on every loaded transformer, so training, its renders and the judge run them.
+    real_rope: ClassVar[Optional[RealRope]] = None
 
     max_references: int = 0
 
@@ -181,12 +185,15 @@ class FamilyBase:
 
     def load_transformer(self, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
         """Streamed shard by shard onto ``device`` (fastsafetensors on a GPU, a memory map on the
-        CPU; diffusers' from_pretrained as the fallback)."""
+        CPU; diffusers' from_pretrained as the fallback), with the family's ``real_rope`` processors."""
         from utils.fast_loading import load_transformer
 
-        return from_pretrained(partial(load_transformer, self.transformer_class), self.model_path, "transformer",
-                               revision=self.revision, dtype=dtype, device=device, loader=self.loader,
-                               num_threads=self.loader_threads)
+        transformer = from_pretrained(partial(load_transformer, self.transformer_class), self.model_path,
+                                      "transformer", revision=self.revision, dtype=dtype, device=device,
+                                      loader=self.loader, num_threads=self.loader_threads)
+        if self.real_rope is not None:
+            install(transformer, self.real_rope)
+        return transformer
 
     @property
     def name(self) -> str:

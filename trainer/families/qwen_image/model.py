@@ -16,11 +16,13 @@ from trainer.step.async_step import to_device
 from trainer.families.base import (
     FamilyBase,
     FamilySpec,
+    RealRope,
     Tensors,
     from_pretrained,
     pad_sequences,
     unpack_latents,
 )
+from trainer.families.qwen_image.attention import QWEN_IMAGE_ROPE
 from trainer.families.qwen_image.spec import SPEC
 
 
@@ -32,6 +34,7 @@ class QwenImageFamily(FamilyBase):
     default_cfg_scale: ClassVar[float] = 4.0  # QwenImagePipeline's true_cfg_scale
     vae_class: ClassVar[type] = AutoencoderKLQwenImage
     transformer_class: ClassVar[type] = QwenImageTransformer2DModel
+    real_rope: ClassVar[RealRope] = QWEN_IMAGE_ROPE  # Edit inherits it: the same transformer
 
     # -- text -------------------------------------------------------------------------------------
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:

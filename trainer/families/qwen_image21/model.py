@@ -33,9 +33,10 @@ from transformers.utils import cached_file
 
 from trainer.step.async_step import to_device
 from trainer.config import TrainConfig
-from trainer.families.base import FamilyBase, FamilySpec, Tensors, from_pretrained
+from trainer.families.base import FamilyBase, FamilySpec, RealRope, Tensors, from_pretrained
 from trainer.families.spec import vae_scale_factor
 from trainer.families.qwen_image.model import QwenImageFamily
+from trainer.families.qwen_image21.attention import QWEN_IMAGE21_ROPE
 from trainer.families.qwen_image21.spec import REFERENCE_AREA, SPEC
 from utils.errors import ConfigError
 from utils.qwen_processor import load_qwen_vl_processor
@@ -78,6 +79,7 @@ class QwenImage21Family(FamilyBase):
     pipeline_class: ClassVar[type] = QwenImage21Pipeline
     vae_class: ClassVar[type] = AutoencoderKLQwenImage21
     transformer_class: ClassVar[type] = QwenImage21Transformer2DModel
+    real_rope: ClassVar[RealRope] = QWEN_IMAGE21_ROPE
     # true_cfg_scale, off at 1.0: "meant to be sampled without guidance" (the pipeline's default 1.0).
 
     _latent_stats = QwenImageFamily._latent_stats

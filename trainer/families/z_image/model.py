@@ -12,7 +12,8 @@ from diffusers import AutoencoderKL, ZImagePipeline, ZImageTransformer2DModel
 from transformers import AutoModel, AutoTokenizer
 
 from trainer.step.async_step import to_device
-from trainer.families.base import FamilyBase, FamilySpec, ShiftScaleLatents, Tensors, pad_sequences
+from trainer.families.base import FamilyBase, FamilySpec, RealRope, ShiftScaleLatents, Tensors, pad_sequences
+from trainer.families.z_image.attention import Z_IMAGE_ROPE
 from trainer.families.z_image.spec import SPEC
 
 
@@ -28,6 +29,7 @@ class ZImageFamily(ShiftScaleLatents, FamilyBase):
     default_cfg_scale: ClassVar[float] = 0.0
     vae_class: ClassVar[type] = AutoencoderKL
     transformer_class: ClassVar[type] = ZImageTransformer2DModel
+    real_rope: ClassVar[RealRope] = Z_IMAGE_ROPE
 
     # -- text -------------------------------------------------------------------------------------
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
