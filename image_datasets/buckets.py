@@ -54,6 +54,7 @@ def at_resolutions(samples: Sequence[Sample], resolutions: Sequence[int], multip
 
 
 def bucket_report(samples: Sequence[Sample]) -> str:
-    """One line per size: how many samples train at it."""
-    counts = Counter(s.size for s in samples)
-    return ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    """One line per size (and a clip's frames): how many samples train at it."""
+    counts = Counter((s.size, s.frames) for s in samples)
+    return ", ".join(f"{w}x{h}" + (f"x{frames}f" if frames else "") + f": {n}"
+                     for ((w, h), frames), n in sorted(counts.items(), key=lambda kv: -kv[1]))

@@ -18,6 +18,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import Dataset, Sampler
 
+from image_datasets.video import DECODE_ERRORS, first_frames
 from utils.errors import DataError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
@@ -36,11 +37,13 @@ class Sample:
     references: Tuple[Path, ...] = ()  # reference images (Edit), in control-folder order
     reference_sizes: Tuple[Tuple[int, int], ...] = ()
     original_size: Tuple[int, int] = (0, 0)  # (width, height) of the file, EXIF rotation applied
+    frames: int = 0  # a clip's frames (image_path is then a video file); 0: a still image
 
     @property
     def group(self) -> Hashable:
-        """Samples of one group stack into a batch: same target size, same reference sizes."""
-        return (self.size, self.reference_sizes)
+        """Samples of one group stack into a batch: same target size, same reference sizes, same frames
+        (stills keep the two-part group they always had, so their batches are drawn as before)."""
+        return (self.size, self.reference_sizes, self.frames) if self.frames else (self.size, self.reference_sizes)
 
     def content_hash(self) -> str:
         """Hash of the image file's bytes: a changed image gets a new cache entry."""
@@ -205,6 +208,8 @@ def load_image(sample: Sample, rng: random.Random | None = None, random_crop: bo
     With ``rng`` a random aspect crop is applied first (FlyMyAI's ``random_ratio``); with
     ``random_crop`` the crop window is placed at random instead of centred.
     """
+    if sample.frames:  # a clip: (3, F, H, W), its first frames centre-cropped
+        return read_clip(sample.image_path, sample.frames, sample.size)
     return pixels_at(open_rgb(sample.image_path), sample.size, rng, random_crop)
 
 
@@ -219,6 +224,18 @@ def pixels_at(img: Image.Image, size: Tuple[int, int], rng: random.Random | None
     img = ImageOps.fit(img, size, method=Image.Resampling.BICUBIC, centering=centering)  # cover, then crop
     array = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def read_clip(path: Path, num_frames: int, size: Tuple[int, int]) -> torch.Tensor:
+    """The clip's first ``num_frames`` frames at ``size`` (cover-resized, centre-cropped) as a ``(3, F, H, W)``
+    tensor in [-1, 1]."""
+    try:
+        frames = first_frames(path, num_frames)
+    except DECODE_ERRORS as exc:
+        raise unreadable_now(path, exc) from None
+    if len(frames) < num_frames:
+        raise unreadable_now(path, ValueError(f"{len(frames)} of {num_frames} frames"))
+    return torch.stack([pixels_at(frame, size) for frame in frames], dim=1)
 
 
 def _fit_ratio(size: Tuple[int, int], ratio: Tuple[int, int]) -> Tuple[int, int]:

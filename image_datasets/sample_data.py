@@ -1,9 +1,11 @@
 """Write the small sample dataset used by the quick-start and the tests.
 
     python -m image_datasets.sample_data --out data/sample_dataset [--size 64] [--count 6] [--offset 0]
+    python -m image_datasets.sample_data --out data/sample_videos --video-frames 9
 
 Each image is a coloured shape on a plain background with a caption saying so, in the standard
-layout (``img1.png`` + ``img1.txt``), across png/jpg/webp and one non-square image.
+layout (``img1.png`` + ``img1.txt``), across png/jpg/webp and one non-square image. With ``--video-frames`` each
+sample is a clip of the shape sliding right (``clip1.mp4`` + ``clip1.txt``, mp4 and webm).
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw
+
+from image_datasets.video import write_clip
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 70), "blue": (40, 80, 220), "yellow": (240, 210, 40),
            "white": (245, 245, 245), "black": (15, 15, 15)}
@@ -65,6 +70,19 @@ def make_sample_dataset(out: Path, size: int = 64, count: int = 6, offset: int =
     return out
 
 
+def make_video_dataset(out: Path, frames: int, size: int = 64, count: int = 4, offset: int = 0) -> Path:
+    """Write ``count`` clips of ``frames`` frames with their captions into ``out`` and return it: each sample's
+    image sliding right, ``size // 16`` pixels a frame."""
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        img, caption = draw_sample(i + offset, size)
+        base = np.asarray(img.resize((img.width // 16 * 16, size)))  # even sides for yuv420p
+        clip = [np.roll(base, shift=k * (size // 16), axis=1) for k in range(frames)]
+        write_clip(out / f"clip{i + 1}.{('mp4', 'webm')[i % 2]}", clip)
+        (out / f"clip{i + 1}.txt").write_text(caption.replace(" on ", " sliding right on ") + "\n", encoding="utf-8")
+    return out
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("data/sample_dataset"))
@@ -73,8 +91,11 @@ if __name__ == "__main__":
     parser.add_argument("--offset", type=int, default=0, help="first sample to draw (another dataset's images)")
     parser.add_argument("--edit-references", type=int, default=0,
                         help="write an Edit dataset with this many reference folders instead")
+    parser.add_argument("--video-frames", type=int, default=0, help="write clips of this many frames instead")
     args = parser.parse_args()
-    if args.edit_references:
+    if args.video_frames:
+        print(make_video_dataset(args.out, args.video_frames, args.size, args.count, args.offset))
+    elif args.edit_references:
         print(make_edit_dataset(args.out, args.size, args.count, args.edit_references))
     else:
         print(make_sample_dataset(args.out, args.size, args.count, args.offset))

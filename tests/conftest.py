@@ -75,6 +75,14 @@ def sample_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_sample_dataset(tmp_path_factory.mktemp("data") / "sample", size=64, count=6)
 
 
+@pytest.fixture(scope="session")
+def sample_videos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four 9-frame clips (mp4 and webm; one landscape) of a shape sliding right, with captions."""
+    from image_datasets.sample_data import make_video_dataset
+
+    return make_video_dataset(tmp_path_factory.mktemp("data") / "videos", frames=9, size=64, count=4)
+
+
 def train_in_process(config: str | Path, family: str, *overrides: str):
     """The real engine in this process (to inspect or count what it does); accelerate's global
     state is reset around it so runs don't leak into each other."""

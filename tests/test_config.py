@@ -30,7 +30,7 @@ def base(data_dir: Path) -> list:
 ENTRY_FAMILIES = {"train.py": "qwen_image", "train_4090.py": "qwen_image", "train_full_qwen_image.py": "qwen_image",
                   "train_flux_lora.py": "flux", "train_flux2_lora.py": "flux2",
                   "train_qwen_edit_lora.py": "qwen_image_edit", "train_krea2_lora.py": "krea2",
-                  "train_qwen_image21_lora.py": "qwen_image21"}
+                  "train_qwen_image21_lora.py": "qwen_image21", "train_wan_lora.py": "wan"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
@@ -43,7 +43,8 @@ def test_every_shipped_yaml_fits_the_schema(path: Path, data_dir: Path) -> None:
     # The data folders of a shipped profile are the user's; point them at an existing one to validate.
     raw = OmegaConf.load(path)
     folders = [f"data_config.img_dir={data_dir}"] + \
-        ([f"data_config.control_dir={data_dir}"] if raw.data_config.get("control_dir") else [])
+        ([f"data_config.control_dir={data_dir}"] if raw.data_config.get("control_dir") else []) + \
+        ([f"data_config.video_dir={data_dir}"] if raw.data_config.get("video_dir") else [])
     if raw.get("datasets"):  # several datasets: each entry's folder
         folders = [f"datasets.{i}.img_dir={data_dir}" for i in range(len(raw.datasets))]
     cfg = load_config(path, folders, default_family=ENTRY_FAMILIES[script])
@@ -64,7 +65,8 @@ def test_commented_validation_examples_fit_the_schema(path: Path, data_dir: Path
     uncommented = tmp_path / path.name
     uncommented.write_text("\n".join(lines[:start] + [line[2:] for line in block] + rest) + "\n")
     script = next(word for word in lines[1].split() if word.endswith(".py"))
-    cfg = load_config(uncommented, [f"data_config.img_dir={data_dir}"], default_family=ENTRY_FAMILIES[script])
+    videos = [f"data_config.video_dir={data_dir}"] if OmegaConf.load(path).data_config.get("video_dir") else []
+    cfg = load_config(uncommented, [f"data_config.img_dir={data_dir}", *videos], default_family=ENTRY_FAMILIES[script])
     assert cfg.validation.every_n_steps > 0 and cfg.validation.prompts
 
 

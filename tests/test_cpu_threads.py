@@ -60,7 +60,7 @@ def test_the_width_rule_puts_every_tiny_model_on_one_thread_and_no_published_one
     for name, spec in SPECS.items():
         for hub_id, files in spec.hub_configs.items():
             width = transformer_width(files["transformer/config.json"])
-            assert width is not None and width >= 2560, (hub_id, width)
+            assert width is not None and width >= 1536, (hub_id, width)  # Wan 2.1 1.3B: 12 x 128
             assert choose_cpu_threads(width, None).threads is None, hub_id
     assert transformer_width({"num_attention_heads": 24, "attention_head_dim": 128}) == 3072
     assert transformer_width({"dim": 3840}) == 3840 and transformer_width({"model_dim": 2560}) == 2560

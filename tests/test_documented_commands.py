@@ -445,7 +445,8 @@ def test_runnable_blocks_run_as_written(page: Path, tmp_path: Path) -> None:
 @pytest.mark.e2e
 @pytest.mark.parametrize("profile", PROFILES, ids=[p.name for p in PROFILES])
 def test_each_profiles_header_command_works(profile: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                            tiny_model, sample_data: Path, edit_data: Path) -> None:
+                                            tiny_model, sample_data: Path, edit_data: Path,
+                                            sample_videos: Path) -> None:
     """From a fresh scratch copy: the header's builds, then its --plan lines as written, then its
     training command: one step on the CPU profiles (as written, plus max_train_steps=1), a plan for
     the others, and one step on the family's tiny model where the planner refuses the family."""
@@ -477,8 +478,11 @@ def test_each_profiles_header_command_works(profile: Path, tmp_path: Path, monke
                 from trainer.families import SPECS
 
                 data = edit_data if SPECS[family].uses_references else sample_data
+                videos = OmegaConf.load(profile).data_config.get("video_dir")  # a video profile: 9-frame clips
                 code, _, err = run_in_process([prog.target, *prog.args, f"pretrained_model_name_or_path={tiny_model(family)}",
                                             f"data_config.img_dir={data}", "data_config.img_size=64",
+                                            *([f"data_config.video_dir={sample_videos}", "data_config.num_frames=9"]
+                                              if videos else []),
                                             "data_config.num_workers=0", f"output_dir={tmp_path / 'tiny-run'}",
                                             "max_train_steps=1", "report_to=none", "validation.every_n_steps=0"])
                 assert code == 0, f"{profile.name}: one step on the tiny {family}: exit {code}\n{err[-1500:]}"

@@ -96,6 +96,13 @@ def _z_image_call(call: Call, pipe: Any) -> Prediction:
             -torch.stack(out[0]).squeeze(2))
 
 
+def _wan_call(call: Call, pipe: Any) -> Prediction:
+    """WanPipeline: (B, C, F, h, w) latents, the scheduler's integer timestep t = 1000 * sigma, prompts padded to 512."""
+    _, kw, out = call
+    return (kw["hidden_states"], kw["timestep"] / 1000, {"prompt_embeds": kw["encoder_hidden_states"]}, [],
+            out[0])
+
+
 def _krea2_call(call: Call, pipe: Any) -> Prediction:
     """Krea2Pipeline: 2x2-packed latents after the 512-token text (position ids: text rows zero), t / 1000,
     image rows out; the pipeline's padded text (masked) is compared as the cache holds it: real rows only."""
@@ -154,6 +161,15 @@ def _z_image_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensor
     return {"prompt_embeds": embeds[0]}
 
 
+def _wan_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
+    """The pipeline's 512 rows, cut to the prompt's tokens (by the tokenizer's mask): the rest are its zero padding."""
+    embeds, _ = pipe.encode_prompt([prompt], do_classifier_free_guidance=False, max_sequence_length=512)
+    tokens = sum(pipe.tokenizer([prompt], padding="max_length", max_length=512, truncation=True,
+                                add_special_tokens=True)["attention_mask"][0])
+    assert not embeds[0, tokens:].any(), "the pipeline pads with zeros"
+    return {"prompt_embeds": embeds[0, :tokens]}
+
+
 def _krea2_text(pipe: Any, prompt: str, refs: Sequence[Image.Image]) -> Tensors:
     embeds, mask = pipe.encode_prompt([prompt], max_sequence_length=512)
     return {"prompt_embeds": embeds[0][mask[0]]}  # (tokens, taps, width)
@@ -180,6 +196,15 @@ def _qwen_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
     mean = torch.tensor(pipe.vae.config.latents_mean).view(shape)
     std = torch.tensor(pipe.vae.config.latents_std).view(shape)
     return ((raw - mean) / std)[:, :, 0], pipe.vae.decode(raw).sample[:, :, 0]
+
+
+def _wan_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The Wan VAE on a one-frame clip, normalised per channel; latents and decoded frames keep the frame axis."""
+    raw = pipe.vae.encode(pixels[:, :, None]).latent_dist.mode()
+    shape = (1, raw.shape[1], 1, 1, 1)
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(shape)
+    std = torch.tensor(pipe.vae.config.latents_std).view(shape)
+    return (raw - mean) / std, pipe.vae.decode(raw).sample
 
 
 def _shift_scale_vae(pipe: Any, pixels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -256,6 +281,9 @@ _KREA2_BOTH = _KREA2_ATTN | {"ff.gate", "ff.up", "ff.down"}
 _QWEN21_ATTN = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"}
 _QWEN21_BOTH = _QWEN21_ATTN | {"img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"}
 
+_WAN_ATTN = {f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0")}
+_WAN_BOTH = _WAN_ATTN | {"ffn.net.0.proj", "ffn.net.2"}
+
 FAMILY_CASES: Dict[str, FamilyCase] = {
     "qwen_image": FamilyCase(_QWEN_PRESETS, _QWEN_MODULATION, _qwen_call, _qwen_text, _qwen_vae),
     "qwen_image_edit": FamilyCase(_QWEN_PRESETS, _QWEN_MODULATION, _qwen_call, _qwen_text, _qwen_vae, references=1),
@@ -316,6 +344,16 @@ FAMILY_CASES: Dict[str, FamilyCase] = {
         references=1,
         # Uncached, so the second step's call holds the whole sequence; references sized as the tests' 64x64.
         pipeline_kwargs={"use_kv_cache": False, "output_resolution": 64}),
+    "wan": FamilyCase(
+        {"attention": ({"blocks": _WAN_ATTN}, set()),
+         "attention_mlp": ({"blocks": _WAN_BOTH}, set()),
+         "all_linear": ({"blocks": _WAN_BOTH},
+                        {"proj_out", "condition_embedder.time_embedder.linear_1",
+                         "condition_embedder.time_embedder.linear_2", "condition_embedder.text_embedder.linear_1",
+                         "condition_embedder.text_embedder.linear_2"})},
+        # The timestep's projection to every block's shift/scale/gate (the tables are parameters, not linears).
+        lambda name: name == "condition_embedder.time_proj", _wan_call, _wan_text, _wan_vae,
+        pipeline_kwargs={"num_frames": 5}),  # 2 latent frames (the pipeline's default 81 is slow for nothing)
 }
 FAMILIES = list(FAMILY_CASES)
 

@@ -30,6 +30,7 @@ class E2ECase:
     profile: str  # the shipped profile the run starts from
     data: str = "sample_data"  # the dataset fixture (Edit: images/ with control/ beside it)
     modulation: str = ".norm"  # no LoRA key may name a modulation layer: this marks one
+    videos: str = ""  # a video family: the fixture of its clips (data_config.video_dir), beside the images
 
 
 E2E_CASES: Dict[str, E2ECase] = {
@@ -42,6 +43,8 @@ E2E_CASES: Dict[str, E2ECase] = {
     "krea2": E2ECase("train_configs/quickstart_krea2_tiny.yaml", modulation="time_mod_proj"),
     "qwen_image21": E2ECase("train_configs/quickstart_qwen_image21_tiny.yaml", data="edit_data",
                             modulation="modulation.1"),
+    # Clips and stills in one run (the stills as one-frame clips).
+    "wan": E2ECase("train_configs/quickstart_wan_tiny.yaml", modulation="time_proj", videos="sample_videos"),
 }
 
 
@@ -62,7 +65,8 @@ def test_entry_script_trains_and_the_lora_reloads_in_the_pipeline(name: str, tin
     model, data, out = tiny_model(name), request.getfixturevalue(case.data), tmp_path / "run"
     controls = find_control_dirs(data, None, None) if spec.uses_references else []
     references = [sorted(d.iterdir())[0] for d in controls]
-    result = run_entry(spec.entry_script, case.profile, [
+    videos = [f"data_config.video_dir={request.getfixturevalue(case.videos)}"] if case.videos else []
+    result = run_entry(spec.entry_script, case.profile, [*videos,
         f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}", f"output_dir={out}",
         f"family={name}", "report_to=tensorboard", "data_config.img_size=64", "data_config.num_workers=0",
         "data_config.train_batch_size=2", "max_train_steps=4", "checkpointing_steps=1", "checkpoints_total_limit=2",

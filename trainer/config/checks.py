@@ -111,7 +111,7 @@ def _data_problems(cfg: TrainConfig) -> List[str]:
     roles = [e.role for e in cfg.datasets]
     names = [e.name for e in cfg.datasets]
     p += failing(
-        (bool(d.img_dir) or bool(cfg.datasets),
+        (bool(d.img_dir or d.video_dir) or bool(cfg.datasets),
          "key 'data_config.img_dir' is required (the folder of images and captions), or a 'datasets' list"),
         (not (d.random_ratio and cfg.precompute_image_embeddings),
          "key 'data_config.random_ratio': a random crop needs live image encoding; set "
@@ -146,7 +146,25 @@ def _entry_problems(cfg: TrainConfig, prefix: str, e: FolderKeys) -> List[str]:
         p.append(f"key '{prefix}control_dir': reference images are only used by the "
                  f"{', '.join(u.name for u in users)} family, not '{cfg.family}' "
                  f"(use {', '.join(u.entry_script for u in users)})")
-    return p
+    return p + _clip_problems(cfg, prefix, e)
+
+
+def _clip_problems(cfg: TrainConfig, prefix: str, e: FolderKeys) -> List[str]:
+    """Clips need a video family, and as many frames as its VAE folds whole: 4k+1 for a 4x temporal VAE."""
+    spec = SPECS.get(cfg.family)
+    if not e.video_dir or spec is None:
+        return []
+    if not spec.trains_video:
+        video = [s for s in SPECS.values() if s.trains_video]
+        return [f"key '{prefix}video_dir': {spec.title} trains on images only; clips train with "
+                f"{', '.join(f'{s.entry_script} (family: {s.name})' for s in video)}"]
+    k = spec.temporal_compression
+    if e.num_frames is None or e.num_frames % k == 1 or k == 1:
+        return []
+    below, above = (e.num_frames - 1) // k * k + 1, ((e.num_frames - 1) // k + 1) * k + 1
+    return [f"key '{prefix}num_frames': value {e.num_frames} is not {k}k+1: {spec.title}'s VAE encodes the first "
+            f"frame alone and every later {k} frames as one latent frame, so a clip holds 1, {k + 1}, {2 * k + 1}, "
+            f"... frames; use {below} or {above}"]
 
 
 def _schedule_problems(cfg: TrainConfig) -> List[str]:

@@ -88,6 +88,10 @@ class FolderKeys(Section):
     may set for itself (``data_config`` holds them for a one-folder run, and as the entries' defaults)."""
 
     img_dir: str = ""  # the folder of images, each with its caption beside it (img1.png + img1.txt)
+    # A video family's clips (.mp4 .webm .mov .mkv), each with its caption beside it (clip1.mp4 + clip1.txt); an
+    # entry may hold img_dir too, whose images then train as one-frame clips.
+    video_dir: str = ""
+    num_frames: Optional[int] = None  # frames per clip from video_dir, drawn from the clip's start (Wan: 4k+1)
     img_size: int = 1024  # longest side after resize, as in FlyMyAI
     resolutions: Optional[List[int]] = None  # multi-resolution training, e.g. [512, 768, 1024]
     bucket_mode: str = one_of("longest_side", BUCKET_MODES,
@@ -106,6 +110,12 @@ class FolderKeys(Section):
         return super().problems(prefix) + failing(
             (not self.img_dir or Path(self.img_dir).is_dir(),
              f"key '{prefix}img_dir': folder '{self.img_dir}' does not exist"),
+            (not self.video_dir or Path(self.video_dir).is_dir(),
+             f"key '{prefix}video_dir': folder '{self.video_dir}' does not exist"),
+            (not self.video_dir or self.num_frames is not None,
+             f"key '{prefix}num_frames' is required with video_dir: the frames each clip trains on"),
+            (self.num_frames is None or self.num_frames >= 1,
+             f"key '{prefix}num_frames': value {self.num_frames} must be >= 1"),
             (self.img_size >= 16, f"key '{prefix}img_size': value {self.img_size} must be at least 16"),
             (0.0 <= self.caption_dropout_rate <= 1.0,
              f"key '{prefix}caption_dropout_rate': value {self.caption_dropout_rate} must be in [0, 1]"),
@@ -124,8 +134,8 @@ FOLDER_KEYS = tuple(f.name for f in dataclasses.fields(FolderKeys))
 
 
 def dataset_name(entry: FolderKeys) -> str:
-    """A dataset's default name: its folder's name."""
-    return Path(entry.img_dir).name or "dataset"
+    """A dataset's default name: its folder's name (the image folder's where it has both)."""
+    return Path(entry.img_dir or entry.video_dir).name or "dataset"
 
 
 @dataclass
@@ -167,7 +177,8 @@ class DatasetEntry(FolderKeys):
 
     def problems(self, prefix: str) -> List[str]:
         return super().problems(prefix) + failing(
-            (bool(self.img_dir), f"key '{prefix}img_dir' is required (the folder of images and captions)"),
+            (bool(self.img_dir or self.video_dir),
+             f"key '{prefix}img_dir' is required (the folder of images and captions), or video_dir for clips"),
             (self.repeats >= 1, f"key '{prefix}repeats': value {self.repeats} must be >= 1"),
             (self.name is None or (bool(self.name) and "/" not in self.name),
              f"key '{prefix}name': value '{self.name}' must be a non-empty name without '/'"),

@@ -18,13 +18,29 @@ from image_datasets.buckets import at_resolutions, bucket_report
 from image_datasets.checks import check_before_training
 from image_datasets.dataset import (Sample, SizeGroupedBatchSampler, add_trigger_word, find_control_dirs,
                                     scan_image_folder)
+from image_datasets.clips import scan_video_folder
 from trainer.families.base import ModelFamily, as_reference_family
 from trainer.config import EVAL_ROLE, REGULARIZATION, DatasetEntry, TrainConfig, dataset_entries, same_folder_warnings
 from utils.errors import DataError
 
 
 def scan_dataset(entry: DatasetEntry, family: ModelFamily) -> List[Sample]:
-    """The training samples of one folder, after the dataset checks (before any model loads)."""
+    """The training samples of one dataset: its images (after the dataset checks) and its clips (a bad clip
+    named and left out), before any model loads."""
+    samples = scan_images(entry, family) if entry.img_dir else []
+    if entry.video_dir:
+        clips, skipped = scan_video_folder(entry.video_dir, entry.caption_type, entry.img_size, family.pixel_multiple,
+                                           entry.num_frames or 1)
+        for clip in skipped:
+            logger.warning(f"{entry.name}: {clip}")
+        samples += clips
+    samples = at_resolutions(samples, entry.resolutions or [entry.img_size], family.pixel_multiple, entry.bucket_mode)
+    logger.info(f"buckets of {entry.name} ({entry.bucket_mode}): {bucket_report(samples)}")
+    return add_trigger_word(samples, entry.trigger_word)
+
+
+def scan_images(entry: DatasetEntry, family: ModelFamily) -> List[Sample]:
+    """The image samples of one folder, after the dataset checks."""
     control_dirs: List[Path] = []
     reference_size = None
     if family.uses_references:
@@ -38,11 +54,8 @@ def scan_dataset(entry: DatasetEntry, family: ModelFamily) -> List[Sample]:
         logger.info(f"reference folders: {', '.join(map(str, control_dirs)) or 'none (text-to-image)'}")
     skip = check_before_training(entry.img_dir, entry.caption_type, entry.img_size, family.pixel_multiple,
                                  control_dirs, skip_bad=entry.skip_bad_samples)
-    samples = scan_image_folder(entry.img_dir, entry.caption_type, entry.img_size, family.pixel_multiple,
-                                control_dirs, reference_size, exclude=skip)
-    samples = at_resolutions(samples, entry.resolutions or [entry.img_size], family.pixel_multiple, entry.bucket_mode)
-    logger.info(f"buckets of {entry.name} ({entry.bucket_mode}): {bucket_report(samples)}")
-    return add_trigger_word(samples, entry.trigger_word)
+    return scan_image_folder(entry.img_dir, entry.caption_type, entry.img_size, family.pixel_multiple,
+                             control_dirs, reference_size, exclude=skip)
 
 
 @dataclass
@@ -72,7 +85,7 @@ class TrainingData:
             samples += found
             dataset_of += [index] * len(found)
         data = cls(entries, samples, dataset_of)
-        where = entries[0].img_dir if len(entries) == 1 else f"{len(entries)} datasets"
+        where = entries[0].img_dir or entries[0].video_dir if len(entries) == 1 else f"{len(entries)} datasets"
         logger.info(f"{len(samples)} samples from {where}: " + ", ".join(
             f"{e.name} {data.count(i)} x{e.repeats}" + (" (regularization)" if e.role == REGULARIZATION else "")
             for i, e in enumerate(entries)))
@@ -126,7 +139,7 @@ class TrainingData:
         out = []
         for index, entry in enumerate(self.entries):
             mine = [i for i, d in enumerate(self.dataset_of) if d == index]
-            out.append({"name": entry.name, "path": entry.img_dir, "role": entry.role,
+            out.append({"name": entry.name, "path": entry.img_dir or entry.video_dir, "role": entry.role,
                         "images": len({self.samples[i].image_path for i in mine}), "repeats": entry.repeats,
                         "samples_seen": seen.pop(entry.name)})
         return out + [{"name": name, "samples_seen": count, "removed": True} for name, count in seen.items()]

@@ -20,7 +20,7 @@ from loguru import logger
 from tqdm.auto import tqdm
 
 from image_datasets.cache import FeatureCache, Tensors, cache_key
-from image_datasets.dataset import Sample, file_hash, open_rgb, pixels_at
+from image_datasets.dataset import Sample, file_hash, open_rgb, pixels_at, read_clip
 from trainer.families.base import ModelFamily
 from trainer.step.async_step import to_device
 from trainer.config import TrainConfig, dataset_entries
@@ -29,13 +29,17 @@ from utils.folders import writable_folder
 ENCODE_BATCH = 8  # prompts per text-encoder call in the cache pass (the memory planner plans for it)
 HOLD_BYTES = 1 << 30  # a run's disk-cache entries up to this size are read once and held in memory
 TextRequest = Tuple[str, Tuple[Path, ...]]  # a caption and the reference images it is encoded with
-ImageRequest = Tuple[Path, Tuple[int, int]]  # an image file and the (width, height) it is encoded at
+# an image or clip file, the (width, height) it is encoded at, and a clip's frames (0: a still image)
+ImageRequest = Tuple[Path, Tuple[int, int], int]
 
 
-def latent_shape(family: ModelFamily, size: Tuple[int, int], batch: int = 1) -> Tuple[int, int, int, int]:
+def latent_shape(family: ModelFamily, size: Tuple[int, int], batch: int = 1, frames: int = 0) -> Tuple[int, ...]:
     """The latent shape of ``batch`` images of ``(width, height)`` pixels (``2 / pixel_multiple`` of them;
-    one channel stands for all)."""
-    return batch, 1, size[1] * 2 // family.pixel_multiple, size[0] * 2 // family.pixel_multiple
+    one channel stands for all); of clips of ``frames`` frames, with the latent frames' axis before them."""
+    h, w = size[1] * 2 // family.pixel_multiple, size[0] * 2 // family.pixel_multiple
+    if not frames:
+        return batch, 1, h, w
+    return batch, 1, (frames - 1) // family.spec.temporal_compression + 1, h, w
 
 
 @dataclass(frozen=True)
@@ -105,9 +109,11 @@ class FeatureStore:
         areas = [area for area in (d.reference_condition_area, d.reference_vae_area) if area is not None]
         return self._key("text", caption, *[self._file_hash(p) for p in references], *areas)
 
-    def image_key(self, path: Path, size: Tuple[int, int]) -> str:
-        """Latents depend on the image file's bytes and the size it is encoded at."""
-        return self._key("latents", self._file_hash(path), size)
+    def image_key(self, path: Path, size: Tuple[int, int], frames: int = 0) -> str:
+        """Latents depend on the file's bytes and the size it is encoded at; a clip's on its frames too (an image's
+        key is the one it always had)."""
+        clip = ("frames", frames) if frames else ()
+        return self._key("latents", self._file_hash(path), size, *clip)
 
     def _key(self, kind: str, *content: object) -> str:
         f = self.family
@@ -121,7 +127,7 @@ class FeatureStore:
     def sample_keys(self, sample: Sample) -> SampleKeys:
         """The keys of what the config caches for ``sample``."""
         images, text = self.cfg.precompute_image_embeddings, self.cfg.precompute_text_embeddings
-        return SampleKeys(self.image_key(sample.image_path, sample.size) if images else None,
+        return SampleKeys(self.image_key(sample.image_path, sample.size, sample.frames) if images else None,
                           tuple(map(self.image_key, sample.references, sample.reference_sizes)) if images else (),
                           self.text_key(sample.caption, sample.references) if text else None,
                           self.text_key("", sample.references) if text and self._drops_per_sample() else None)
@@ -143,8 +149,8 @@ class FeatureStore:
             if not f.uses_references:
                 self.empty_text = self.text.get(self.text_key(""))
         if self.cfg.precompute_image_embeddings:
-            images = [(s.image_path, s.size) for s in self.samples] + \
-                [r for s in self.samples for r in zip(s.references, s.reference_sizes)]
+            images = [(s.image_path, s.size, s.frames) for s in self.samples] + \
+                [(*r, 0) for s in self.samples for r in zip(s.references, s.reference_sizes)]
             # One image per call: sizes differ between images, and the VAE is the memory peak here.
             self._fill("latent", self.latents, {self.image_key(*r): r for r in images}, Encoder(
                 "VAE", lambda: f.load_vae(device, dtype), self._encode_images, f.unload_vae, 1))
@@ -193,7 +199,8 @@ class FeatureStore:
         return self.family.encode_prompts(captions, [[open_rgb(p) for p in refs] for _, refs in requests])
 
     def _encode_images(self, requests: Sequence[ImageRequest]) -> List[Tensors]:
-        pixels = torch.stack([pixels_at(open_rgb(path), size) for path, size in requests])
+        pixels = torch.stack([read_clip(path, frames, size) if frames else pixels_at(open_rgb(path), size)
+                              for path, size, frames in requests])
         return [{"latents": latents} for latents in self.family.encode_images(pixels)]
 
     # -- reads ------------------------------------------------------------------------------------
@@ -214,8 +221,8 @@ class FeatureStore:
     def longest_sequence(self) -> int:
         """The run's longest joint sequence in tokens: the largest sample's image tokens (references
         included) plus its caption's text tokens (cached, else 256)."""
-        image = lambda s: sum(self.family.image_seq_len(latent_shape(self.family, size))  # noqa: E731
-                              for size in (s.size, *s.reference_sizes))
+        image = lambda s: self.family.image_seq_len(latent_shape(self.family, s.size, 1, s.frames)) + sum(  # noqa: E731
+            self.family.image_seq_len(latent_shape(self.family, size)) for size in s.reference_sizes)
         sample = max(self.samples, key=image)
         cond = self.cached_text(sample.caption, sample.references)
         return image(sample) + (256 if cond is None else max(t.shape[0] for t in cond.values() if t.ndim >= 2))

@@ -117,6 +117,7 @@ class ValidationRenderer:
                 pipe.resolutions = [(r.width, r.height)]
             with autocast():
                 image = pipe(**kwargs, return_dict=False)[0][0]  # (images,): Kandinsky 5 names it .image
+            image = image[0] if isinstance(image, list) else image  # a video family's frames: the first
             paths.append(folder / f"prompt-{index}.png")
             image.save(paths[-1])
         transformer.train(was_training)

@@ -188,6 +188,9 @@ class FamilySpec:
     # one: "kept" (the pipeline's encode_prompt runs it), "not loaded" (the bare model through AutoModel) or
     # "dropped" (loaded, then replaced: on the host while loading, never on the GPU). The planner counts it so.
     text_encoder_head: str = "kept"
+    # Video: the frames its VAE folds into each latent frame after the first, so a clip holds 4k+1 frames (Wan:
+    # 4); 0 for an image family (a ``video_dir`` dataset is refused).
+    temporal_compression: int = 0
 
     def __post_init__(self) -> None:
         if self.text_encoder_head not in TEXT_ENCODER_HEADS:
@@ -234,6 +237,11 @@ class FamilySpec:
             return ""
         listed = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} and {kinds[-1]}"
         return f"the activations of its {listed} blocks"
+
+    @property
+    def trains_video(self) -> bool:
+        """Whether it trains on clips (``video_dir`` datasets); its still images train as one-frame clips."""
+        return self.temporal_compression > 0
 
     def reference_checkpoint(self) -> Mapping[str, Any]:
         """The published configs of the family's reference checkpoint (the first of ``hub_configs``)."""

@@ -274,11 +274,13 @@ def load_plan_config(path: str, overrides: Sequence[str] = (), family: Optional[
         if prefix == "data_config." and entries:
             continue  # the entries hold the folders
         swaps.append(f"{prefix}img_dir={placeholder}")
+        if keys.get("video_dir"):
+            swaps.append(f"{prefix}video_dir={placeholder}")
         if keys.get("control_dir"):
             swaps.append(f"{prefix}control_dir={placeholder}")
         if keys.get("control_dirs"):
             swaps.append(f"{prefix}control_dirs=[{','.join([placeholder] * len(keys['control_dirs']))}]")
     cfg = load_config(path, [*overrides, *swaps], default_family=family, **extra)
     for keys in [cfg.data_config, *cfg.datasets]:
-        keys.img_dir = ""  # unknown dataset: no in-memory cache estimate
+        keys.img_dir = keys.video_dir = ""  # unknown dataset: no in-memory cache estimate
     return cfg

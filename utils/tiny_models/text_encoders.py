@@ -108,6 +108,14 @@ def _t5_config(tokenizer: Any, **overrides: Any) -> T5Config:
     return T5Config(**{**config, **overrides})
 
 
+def _umt5(tokenizer: Any, **overrides: Any) -> Any:
+    """UMT5 (Wan's text encoder): T5's tiny shape in UMT5's class (a relative attention bias in every layer)."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = {**_t5_config(tokenizer).to_dict(), "model_type": "umt5", **overrides}
+    return UMT5EncoderModel(UMT5Config(**{k: v for k, v in config.items() if k != "transformers_version"}))
+
+
 def _mistral3(tokenizer: Any, **overrides: Any) -> Any:
     """Mistral-3 (FLUX.2 [dev]): a Mistral language model and a Pixtral vision tower the prompt path never runs."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
@@ -130,6 +138,7 @@ BUILDERS: dict[str, Callable[..., Any]] = {
     "CLIPTextModel": lambda tok, **kw: CLIPTextModel(_clip_config(tok, **kw)),
     "T5EncoderModel": lambda tok, **kw: T5EncoderModel(_t5_config(tok, **kw)),
     "Mistral3ForConditionalGeneration": _mistral3,
+    "UMT5EncoderModel": _umt5,
     "Qwen3VLModel": lambda tok, **kw: Qwen3VLModel(_qwen3_vl_config(tok, **kw)),
     "Qwen3VLForConditionalGeneration": lambda tok, **kw: Qwen3VLForConditionalGeneration(_qwen3_vl_config(tok, **kw)),
 }

@@ -1,0 +1,77 @@
+"""Wan's facts: pipeline, LoRA presets, its one list of blocks, the frames its VAE folds together (no diffusers
+import). Wan 2.1 T2V and Wan 2.2 TI2V-5B are one transformer each (``WanTransformer3DModel``); the two-expert
+A14B checkpoints (``transformer_2``) and I2V are not trained here yet."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from trainer.families.components import WAN21_VAE, WAN22_VAE, model_index
+from trainer.families.spec import BlockGroup, FamilySpec, TargetSpec, TextTokens, lora_presets
+
+_ATTN = r"attn[12]\.(to_q|to_k|to_v|to_out\.0)"  # self-attention over the video, cross-attention to the text
+_MLP = r"ffn\.net\.(0\.proj|2)"
+# The text and timestep embedders and the output layer. condition_embedder.time_proj is the modulation (it
+# makes every block's shift/scale/gate), and the per-block scale_shift_table is a parameter: neither is a target.
+_OUTER = r"condition_embedder\.(time_embedder|text_embedder)\.linear_[12]|proj_out"
+WAN_LORA_PRESETS: Dict[str, TargetSpec] = lora_presets(
+    # Both attentions see the video: their queries are the video tokens.
+    attention=rf"blocks\.\d+\.{_ATTN}", attention_mlp=rf"blocks\.\d+\.({_ATTN}|{_MLP})", outer=_OUTER)
+
+# UMT5-XXL's encoder (google/umt5-xxl), the text encoder of every Wan 2.x checkpoint.
+UMT5_XXL_ENCODER: Dict[str, Any] = {
+    "architectures": ["UMT5EncoderModel"], "model_type": "umt5", "d_ff": 10240, "d_kv": 64, "d_model": 4096,
+    "num_heads": 64, "num_layers": 24, "vocab_size": 256384, "feed_forward_proj": "gated-gelu",
+    "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128, "layer_norm_epsilon": 1e-06,
+    "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0,
+}
+
+
+def _transformer(heads: int, ffn: int, layers: int, channels: int) -> Dict[str, Any]:
+    """A ``WanTransformer3DModel`` config: 128-wide heads, (1, 2, 2) patches, UMT5's 4096-wide text."""
+    return {"_class_name": "WanTransformer3DModel", "patch_size": [1, 2, 2], "num_attention_heads": heads,
+            "attention_head_dim": 128, "in_channels": channels, "out_channels": channels, "text_dim": 4096,
+            "freq_dim": 256, "ffn_dim": ffn, "num_layers": layers, "cross_attn_norm": True,
+            "qk_norm": "rms_norm_across_heads", "eps": 1e-06, "image_dim": None, "added_kv_proj_dim": None,
+            "rope_max_seq_len": 1024}
+
+
+def _checkpoint(transformer: Dict[str, Any], vae: Dict[str, Any], flow_shift: float, shards: int,
+                expand_timesteps: bool) -> Dict[str, Any]:
+    """One Wan checkpoint in diffusers layout: UniPC with flow sigmas (the pipeline's sampler), UMT5. The values
+    are those diffusers' ``scripts/convert_wan_to_diffusers.py`` writes for these checkpoints."""
+    index = model_index("WanPipeline", scheduler="diffusers.UniPCMultistepScheduler",
+                        text_encoder="transformers.UMT5EncoderModel", tokenizer="transformers.T5TokenizerFast",
+                        transformer="diffusers.WanTransformer3DModel", vae="diffusers.AutoencoderKLWan")
+    index.update(transformer_2=[None, None], boundary_ratio=None, expand_timesteps=expand_timesteps)
+    return {
+        "model_index.json": index,
+        "transformer/config.json": transformer,
+        "text_encoder/config.json": UMT5_XXL_ENCODER,
+        "vae/config.json": vae,
+        "scheduler/scheduler_config.json": {"num_train_timesteps": 1000, "prediction_type": "flow_prediction",
+                                            "use_flow_sigmas": True, "flow_shift": flow_shift},
+        "_shards": {"transformer": shards},
+    }
+
+
+SPEC = FamilySpec(
+    name="wan",
+    title="Wan 2.x",
+    entry_script="train_wan_lora.py",
+    lora_presets=WAN_LORA_PRESETS,
+    blocks=(BlockGroup("blocks", "video"),),  # no layout: the planner does not model Wan's blocks yet
+    runtime="WanFamily",
+    # WanPipeline pads every prompt with zeros to 512 tokens and the transformer attends to all of them.
+    text=TextTokens(max_length=512, padded=True, conditions={"prompt_embeds": ("text_dim", True)}),
+    hub_configs={
+        # Wan-AI/Wan2.1-T2V-1.3B-Diffusers: 12 heads x 128, 30 blocks, the 16-channel 8x Wan 2.1 VAE, 480p's shift 3.
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": _checkpoint(_transformer(12, 8960, 30, 16), WAN21_VAE, 3.0, 1, False),
+        # Wan-AI/Wan2.2-TI2V-5B-Diffusers: 24 heads x 128, 30 blocks, the 48-channel 16x Wan 2.2 VAE; its pipeline
+        # gives each token its own timestep (expand_timesteps), the same value everywhere for text-to-video.
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers": _checkpoint(_transformer(24, 14336, 30, 48), WAN22_VAE, 5.0, 3, True),
+    },
+    temporal_compression=4,
+    comfyui_unsupported="ComfyUI's Wan LoRA names are not mapped here yet",
+    compile_auto_off="its blocks have not been measured compiled on a GPU yet",
+)

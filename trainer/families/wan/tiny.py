@@ -1,0 +1,35 @@
+"""Wan's tiny test model: ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``'s published configs (``spec.py``) with the shrink
+overrides below (``python -m utils.tiny_models --family wan``). How a family adds its tiny model:
+``trainer/families/qwen_image/tiny.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from trainer.families.wan.spec import SPEC
+from utils.tiny_models.derive import pipeline_class, published, published_scheduler, save_pipeline, shrunk_model
+from utils.tiny_models.text_encoders import T5_WIDTH, tiny_text_encoder
+from utils.tiny_models.tokenizers import build_t5_tokenizer
+
+Z_DIM = 4  # VAE latent channels (the transformer's in and out channels)
+TRANSFORMER = dict(num_attention_heads=2, attention_head_dim=16,  # RoPE splits 16 as 8 (frames) + 4 + 4
+                   in_channels=Z_DIM, out_channels=Z_DIM, text_dim=T5_WIDTH, freq_dim=32, ffn_dim=32, num_layers=2)
+VAE = dict(base_dim=8, z_dim=Z_DIM,
+           dim_mult=[1, 2, 2, 2],  # 3 downsamplings: 8x like the published VAE; the last two also 2x in time
+           num_res_blocks=1,
+           # Not 0/1 so the pipeline's latent (de)normalisation is exercised.
+           latents_mean=[0.1, -0.2, 0.3, -0.4], latents_std=[1.5, 0.8, 1.2, 2.0])
+
+
+def build(out_dir: str | Path, seed: int = 0, checkpoint: Optional[str] = None) -> Path:
+    """Build the tiny Wan pipeline into ``out_dir``; loads with ``WanPipeline.from_pretrained``."""
+    configs = published(SPEC, checkpoint)
+    tokenizer = build_t5_tokenizer()
+    index = configs["model_index.json"]
+    pipe = pipeline_class(configs)(
+        scheduler=published_scheduler(configs), vae=shrunk_model(configs, "vae", seed, **VAE),
+        text_encoder=tiny_text_encoder(configs, "text_encoder", tokenizer, seed), tokenizer=tokenizer,
+        transformer=shrunk_model(configs, "transformer", seed, **TRANSFORMER),
+        expand_timesteps=index["expand_timesteps"])
+    return save_pipeline(pipe, out_dir)
