@@ -213,6 +213,7 @@ FAMILY_PROFILES = {
     "kandinsky5": "train_configs/train_kandinsky5_lora.yaml", "z_image": "train_configs/train_z_image_lora.yaml",
     "krea2": "train_configs/quickstart_krea2_tiny.yaml",
     "qwen_image21": "train_configs/quickstart_qwen_image21_tiny.yaml",
+    "wan": "train_configs/quickstart_wan_tiny.yaml",
 }
 
 
@@ -226,8 +227,11 @@ def test_every_family_trains_on_8bit_blocks(weights: str, name: str, tiny_model:
     matmuls ran."""
     data = request.getfixturevalue("edit_data" if SPECS[name].uses_references else "sample_data")
     out = tmp_path / "run"
+    # A video family trains on clips too (the profile's folder is the user's: the test's clips instead).
+    clips = [f"data_config.video_dir={request.getfixturevalue('sample_videos')}"] if SPECS[name].trains_video else []
     trainer = train_in_process(FAMILY_PROFILES[name], name, *qwen_args(
-        tiny_model(name), data, out, *FORMATS[weights][0], f"family={name}", "data_config.img_size=64", "max_train_steps=2",
+        tiny_model(name), data, out, *FORMATS[weights][0], *clips, f"family={name}", "data_config.img_size=64",
+        "max_train_steps=2",
         "mixed_precision=bf16", "disable_gradient_checkpointing=false", "lora_target=all_linear",
         "checkpointing_steps=1000", "validation.every_n_steps=0", "data_config.num_workers=0"))
     losses = read_losses(out)
