@@ -157,3 +157,21 @@ def test_resume_of_clips_is_bit_equal(tiny_wan: Path, sample_data: Path, sample_
     assert_resume_is_bit_equal(QUICKSTART, "wan", tiny_wan, sample_data, tmp_path, "lora",
                                "pytorch_lora_weights.safetensors", "data_config.img_dir=''",
                                f"data_config.video_dir={sample_videos}")
+
+
+def test_stills_train_as_one_frame_clips_beside_clips(tiny_wan: Path, sample_data: Path, sample_videos: Path,
+                                                      tmp_path: Path) -> None:
+    """One dataset of images and clips: a still's latents are one latent frame, a 9-frame clip's three; every
+    batch of the epoch holds one kind and one size (buckets by frames, height, width)."""
+    trainer = train_in_process(QUICKSTART, "wan", f"pretrained_model_name_or_path={tiny_wan}",
+                               f"data_config.img_dir={sample_data}", f"data_config.video_dir={sample_videos}",
+                               "data_config.train_batch_size=2", f"output_dir={tmp_path / 'run'}", "max_train_steps=1",
+                               "report_to=none")
+    samples, features = trainer.samples, trainer.features
+    assert sorted({s.frames for s in samples}) == [0, 9] and len(samples) == 10
+    frames = {s.frames: features.latents.get(features.sample_keys(s).latents)["latents"].shape[1] for s in samples}
+    assert frames == {0: 1, 9: 3}
+    for batch in trainer.sampler.batches(0):
+        assert len({(samples[i].frames, samples[i].size) for i in batch}) == 1, "a batch mixes kinds or sizes"
+    assert {(samples[b[0]].frames, samples[b[0]].size) for b in trainer.sampler.batches(0)} == \
+        {(0, (64, 64)), (0, (64, 32)), (9, (64, 64)), (9, (64, 32))}
