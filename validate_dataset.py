@@ -7,7 +7,8 @@
 With ``--config`` the image size, caption extension and reference folders come from the profile
 (flags win over it). With ``--config`` and no ``--path`` every dataset of the profile is checked
 (each ``datasets`` entry with its own settings, or ``data_config.img_dir``), each reported under its
-name. The family is ``--family``, else the profile's ``family`` key, else the one that trains the
+name; a ``video_dir`` is checked as training reads it (its first ``num_frames`` frames of each clip decoded: a clip
+training would leave out is a warning, no usable clip an error). The family is ``--family``, else the profile's ``family`` key, else the one that trains the
 profile's model (its model_index.json's pipeline; the Edit profiles name no family). Datasets of a
 family that trains on reference images (Qwen-Image-Edit) find ``control/`` or ``control_0/``,
 ``control_1/``, ... beside DIR as the trainer does, and a missing reference is an error.
@@ -61,6 +62,7 @@ class Check:
     path: str
     settings: Settings
     label: str = ""  # "datasets[1] (style)" when the config lists several
+    num_frames: int = 0  # a clip folder (video_dir): the frames each clip trains on; 0: images
 
 
 def resolve_checks(args: argparse.Namespace) -> List[Check]:
@@ -73,9 +75,15 @@ def resolve_checks(args: argparse.Namespace) -> List[Check]:
         labelled, family = bool(cfg.datasets), _family(cfg)
         for warning in same_folder_warnings(cfg.datasets):
             print(f"warning: {warning}", file=sys.stderr)
-        return [_finish(args, entry.img_dir, Settings(entry.caption_type, entry.img_size, _controls(entry), family),
-                        f"datasets[{i}] ({entry.name})" if labelled else "")
-                for i, entry in enumerate(dataset_entries(cfg))]
+        checks = []
+        for i, entry in enumerate(dataset_entries(cfg)):
+            label = f"datasets[{i}] ({entry.name})" if labelled else ""
+            settings = lambda: Settings(entry.caption_type, entry.img_size, _controls(entry), family)  # noqa: E731
+            if entry.img_dir:
+                checks.append(_finish(args, entry.img_dir, settings(), label))
+            if entry.video_dir:  # its clips, as training reads them
+                checks.append(Check(entry.video_dir, settings(), label, num_frames=entry.num_frames or 1))
+        return checks
     s = Settings(family=args.family)
     if args.config:
         overrides = ["datasets=[]", f"data_config.img_dir={args.path}"]
@@ -158,6 +166,10 @@ def check_one(check: Check, args: argparse.Namespace) -> Any:
     from image_datasets.dataset import find_control_dirs
 
     s, path = check.settings, check.path
+    if check.num_frames:
+        from image_datasets.clips import check_clips
+
+        return check_clips(path, s.caption_ext, s.img_size, check.num_frames)
     if s.family is None and not s.control_dirs and find_control_dirs(path, None, None):
         users = " or ".join(name for name, spec in SPECS.items() if spec.uses_references)
         print(f"note: reference folders found beside {path}; pass --family {users} to check "

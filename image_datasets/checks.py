@@ -58,6 +58,7 @@ TITLES: Dict[str, str] = {
     "orphan-caption": "Caption without an image (ignored)",
     "orphan-reference": "Reference without a target image (ignored)",
     "unsupported-ext": "Unsupported image format (ignored)",
+    "clip": "Clip left out of training (cannot be decoded, too short, or no caption)",
 }
 
 

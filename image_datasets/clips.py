@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Tuple
 
+from image_datasets.checks import ERROR, WARNING, DatasetReport, Problem
 from image_datasets.dataset import Sample, target_size
 from image_datasets.video import DECODE_ERRORS, VIDEO_EXTENSIONS, first_frames
 from utils.errors import DataError
@@ -43,6 +44,18 @@ def scan_video_folder(video_dir: str | Path, caption_ext: str, img_size: int, mu
     """Every readable clip under ``video_dir`` (sorted) with its caption, as samples of ``num_frames`` frames, and
     the clips left out with the reason. ``DataError`` when none is left."""
     root = Path(video_dir)
+    samples, skipped = read_video_folder(root, caption_ext, img_size, multiple, num_frames)
+    if not samples:
+        found = f"{len(skipped)} clip(s), none usable" if skipped else "no clips"
+        reasons = "".join(f"\n  {s}" for s in skipped[:20])
+        raise DataError(f"{root}: {found} (expected {', '.join(VIDEO_EXTENSIONS)} files with .{caption_ext} "
+                        f"captions beside them){reasons}")
+    return samples, skipped
+
+
+def read_video_folder(root: Path, caption_ext: str, img_size: int, multiple: int,
+                      num_frames: int) -> Tuple[List[Sample], List[Skipped]]:
+    """The clips under ``root`` that train, and those left out with the reason."""
     clips = sorted(p for p in root.rglob("*") if p.suffix.lower() in VIDEO_EXTENSIONS and p.is_file())
     samples: List[Sample] = []
     skipped: List[Skipped] = []
@@ -51,11 +64,6 @@ def scan_video_folder(video_dir: str | Path, caption_ext: str, img_size: int, mu
             samples.append(_clip_sample(root, path, caption_ext, img_size, multiple, num_frames))
         except DataError as exc:
             skipped.append(Skipped(path, str(exc)))
-    if not samples:
-        found = f"{len(clips)} clip(s), none usable" if clips else "no clips"
-        reasons = "".join(f"\n  {s}" for s in skipped[:20])
-        raise DataError(f"{root}: {found} (expected {', '.join(VIDEO_EXTENSIONS)} files with .{caption_ext} "
-                        f"captions beside them){reasons}")
     return samples, skipped
 
 
@@ -72,3 +80,23 @@ def _clip_sample(root: Path, path: Path, caption_ext: str, img_size: int, multip
     key = str(path.relative_to(root).with_suffix(""))
     return Sample(key, path, caption, target_size(width, height, img_size, multiple), original_size=(width, height),
                   frames=num_frames)
+
+
+def check_clips(video_dir: str | Path, caption_ext: str, img_size: int, num_frames: int) -> DatasetReport:
+    """The dataset checker's report of a clip folder, agreeing with training: each clip training would leave out
+    is a warning naming why (the run skips it), and no usable clip at all is an error."""
+    root = Path(video_dir)
+    report = DatasetReport(root)
+    if not root.is_dir():
+        report.problems.append(Problem(root, ERROR, "the folder does not exist", "fix video_dir", "folder"))
+        return report
+    samples, skipped = read_video_folder(root, caption_ext, img_size, 16, num_frames)
+    if not samples:
+        report.problems.append(Problem(root, ERROR, f"no usable clip of {len(skipped)}",
+                                       f"add clips ({', '.join(VIDEO_EXTENSIONS)}) of at least {num_frames} frames "
+                                       f"with .{caption_ext} captions", "folder"))
+    report.problems += [Problem(s.path, WARNING, s.reason, "training leaves it out: replace or remove it", "clip")
+                        for s in skipped]
+    report.ok_samples = len(samples)
+    report.total_samples = len(samples) + len(skipped)
+    return report

@@ -175,3 +175,29 @@ def test_stills_train_as_one_frame_clips_beside_clips(tiny_wan: Path, sample_dat
         assert len({(samples[i].frames, samples[i].size) for i in batch}) == 1, "a batch mixes kinds or sizes"
     assert {(samples[b[0]].frames, samples[b[0]].size) for b in trainer.sampler.batches(0)} == \
         {(0, (64, 64)), (0, (64, 32)), (9, (64, 64)), (9, (64, 32))}
+
+
+def test_the_dataset_checker_reads_clips_as_training_does(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """validate_dataset.py --config checks a video_dir with the run's num_frames: the clip training would skip is
+    a warning naming why (exit 0: the run trains); with too many frames for every clip it is an error (exit 1)."""
+    import validate_dataset as validate_cli
+
+    folder = _clips(tmp_path / "clips", count=2)
+    (folder / "broken.webm").write_bytes(b"\x1a\x45\xdf\xa3" + b"\x00" * 200)
+    (folder / "broken.txt").write_text("a broken clip\n")
+    config = tmp_path / "wan.yaml"
+
+    def check(frames: int) -> tuple:
+        config.write_text(f"family: wan\npretrained_model_name_or_path: Wan-AI/Wan2.1-T2V-1.3B-Diffusers\n"
+                          f"data_config:\n  video_dir: {folder}\n  num_frames: {frames}\n  img_size: 64\n")
+        code = validate_cli.main(["--config", str(config), "--json"])
+        return code, json.loads(capsys.readouterr().out)
+
+    code, report = check(9)
+    assert code == 0 and (report["ok_samples"], report["total_samples"], report["errors"]) == (2, 3, 0)
+    assert [(Path(p["path"]).name, p["code"]) for p in report["problems"]] == [("broken.webm", "clip")]
+    assert report["problems"][0]["message"].startswith("cannot decode the clip")
+    code, report = check(17)
+    assert code == 1 and report["ok_samples"] == 0 and report["errors"] == 1
+    assert sorted(p["message"] for p in report["problems"] if p["code"] == "clip")[1:] == \
+        ["holds 9 frame(s), fewer than num_frames=17"] * 2
