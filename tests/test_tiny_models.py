@@ -44,6 +44,7 @@ PIPELINES = {
     "krea2_turbo": Krea2Pipeline,
     "qwen_image21": QwenImage21Pipeline,
     "wan": WanPipeline,
+    "wan22_ti2v": WanPipeline,
 }
 QWEN_FAMILIES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
 
@@ -79,10 +80,10 @@ def render(family: str, pipe, height: int = 64, width: int = 64) -> np.ndarray:
         kwargs.update(guidance_scale=3.5, max_sequence_length=32)
     if "edit" in family:
         kwargs["image"] = reference_image()
-    if family == "wan":  # a video pipeline: a 5-frame clip, its first frame checked
+    if family.startswith("wan"):  # a video pipeline: a 5-frame clip, its first frame checked
         kwargs["num_frames"] = 5
     output = pipe(prompt="a red cat", **kwargs)
-    if family == "wan":
+    if family.startswith("wan"):
         return output.frames[:, 0]
     return output.image if family == "kandinsky5" else output.images
 

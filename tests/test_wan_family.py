@@ -201,3 +201,42 @@ def test_the_dataset_checker_reads_clips_as_training_does(tmp_path: Path, capsys
     assert code == 1 and report["ok_samples"] == 0 and report["errors"] == 1
     assert sorted(p["message"] for p in report["problems"] if p["code"] == "clip")[1:] == \
         ["holds 9 frame(s), fewer than num_frames=17"] * 2
+
+
+def test_ti2v_5b_layout_predicts_as_its_pipeline_and_trains_on_clips(tiny_wan22_ti2v: Path, sample_videos: Path,
+                                                                    tmp_path: Path) -> None:
+    """Wan 2.2 TI2V-5B's layout (tiny): its 16x VAE (2x2 pixel patches) sets the side multiple to 32 and the
+    latents are the pipeline's; its pipeline hands the transformer one timestep per token (expand_timesteps), all
+    equal for text-to-video, and ``predict`` with one per sample returns the same; clips train."""
+    from trainer.config import TrainConfig
+    from trainer.families.base import load_family
+
+    pipe = family_pipeline("wan", tiny_wan22_ti2v)
+    assert pipe.config.expand_timesteps
+    family = load_family(TrainConfig(family="wan", pretrained_model_name_or_path=str(tiny_wan22_ti2v)))
+    assert (family.vae_scale_factor, family.pixel_multiple) == (16, 32) == (pipe.vae_scale_factor_spatial, 32)
+    calls = []
+    handle = pipe.transformer.register_forward_hook(lambda m, a, kw, out: calls.append((kw, out)), with_kwargs=True)
+    pipe(prompt="a red circle", height=64, width=64, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
+         output_type="latent", generator=torch.Generator().manual_seed(0))
+    handle.remove()
+    kw, out = calls[1]
+    latents, per_token = kw["hidden_states"], kw["timestep"]
+    assert per_token.shape == (1, 2 * 2 * 2) and (per_token == per_token[0, 0]).all(), "2 frames x 2x2 tokens, one t"
+    with torch.no_grad():
+        ours = family.predict(pipe.transformer, latents, per_token[:, 0] / 1000,
+                              {"prompt_embeds": kw["encoder_hidden_states"]})
+    torch.testing.assert_close(ours, out[0], atol=1e-5, rtol=1e-4)
+    family.load_vae(torch.device("cpu"), torch.float32)
+    pixels = torch.rand(1, 3, 5, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    raw = pipe.vae.encode(pixels).latent_dist.mode()
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(pipe.vae.config.latents_std).view(1, -1, 1, 1, 1)
+    torch.testing.assert_close(family.encode_images(pixels), (raw - mean) / std)
+
+    trainer = train_in_process(QUICKSTART, "wan", f"pretrained_model_name_or_path={tiny_wan22_ti2v}",
+                               "data_config.img_dir=''", f"data_config.video_dir={sample_videos}",
+                               f"output_dir={tmp_path / 'run'}", "max_train_steps=2", "report_to=none")
+    assert {s.size for s in trainer.samples} == {(64, 64), (64, 32)}  # sides in multiples of 32
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and all(np.isfinite(losses))

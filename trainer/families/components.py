@@ -175,12 +175,13 @@ WAN21_VAE: Dict[str, Any] = {
 }
 
 # Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json: the 48-channel Wan 2.2 VAE (2x2 pixel patches in, 16x
-# spatial, 4x temporal), as diffusers' scripts/convert_wan_to_diffusers.py writes it.
+# spatial, 4x temporal), as diffusers' scripts/convert_wan_to_diffusers.py writes it (less its clip_output: False,
+# which diffusers 0.42's AutoencoderKLWan does not take).
 WAN22_VAE: Dict[str, Any] = {
     "_class_name": "AutoencoderKLWan", "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48,
     "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [], "temperal_downsample": [False, True, True],
     "dropout": 0.0, "is_residual": True, "in_channels": 12, "out_channels": 12, "patch_size": 2,
-    "scale_factor_temporal": 4, "scale_factor_spatial": 16, "clip_output": False,
+    "scale_factor_temporal": 4, "scale_factor_spatial": 16,
     "latents_mean": [-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813,
                      0.0891, 0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108,
                      -0.2158, 0.2502, -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313,

@@ -20,6 +20,11 @@ VAE = dict(base_dim=8, z_dim=Z_DIM,
            num_res_blocks=1,
            # Not 0/1 so the pipeline's latent (de)normalisation is exercised.
            latents_mean=[0.1, -0.2, 0.3, -0.4], latents_std=[1.5, 0.8, 1.2, 2.0])
+# Wan 2.2's VAE keeps its layout (2x2 pixel patches in, residual blocks): 3 downsamplings x the patch = 16x.
+VAE22 = dict(base_dim=8, decoder_base_dim=8, z_dim=Z_DIM, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+             latents_mean=VAE["latents_mean"], latents_std=VAE["latents_std"])
+# tiny name -> the published checkpoint it shrinks (``utils.tiny_models``): TI2V-5B's VAE and per-token timesteps.
+VARIANTS = {"wan22_ti2v": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}
 
 
 def build(out_dir: str | Path, seed: int = 0, checkpoint: Optional[str] = None) -> Path:
@@ -27,8 +32,9 @@ def build(out_dir: str | Path, seed: int = 0, checkpoint: Optional[str] = None) 
     configs = published(SPEC, checkpoint)
     tokenizer = build_t5_tokenizer()
     index = configs["model_index.json"]
+    vae = VAE22 if configs["vae/config.json"].get("is_residual") else VAE
     pipe = pipeline_class(configs)(
-        scheduler=published_scheduler(configs), vae=shrunk_model(configs, "vae", seed, **VAE),
+        scheduler=published_scheduler(configs), vae=shrunk_model(configs, "vae", seed, **vae),
         text_encoder=tiny_text_encoder(configs, "text_encoder", tokenizer, seed), tokenizer=tokenizer,
         transformer=shrunk_model(configs, "transformer", seed, **TRANSFORMER),
         expand_timesteps=index["expand_timesteps"])
