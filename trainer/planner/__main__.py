@@ -34,6 +34,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "the streamed loader (one shard at a time)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (fits, gpu_peak_gib, host_peak_gib, settings, items, auto_fit)")
+    parser.add_argument("--pipeline-stages", type=int, default=1, metavar="N",
+                        help="plan the blocks split over N cards (pipeline stages): each card's peak and the "
+                             "traffic per step against FSDP and block swap (docs/TWO_CARDS.md)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     try:
@@ -43,7 +46,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     return print_plan(cfg, args.gpu_memory, blocks_to_swap=args.blocks_to_swap, quantization=args.quantization,
                       text_tokens=args.text_tokens, device=args.device,
-                      streamed_loading=not args.whole_model_loading, as_json=args.json)
+                      streamed_loading=not args.whole_model_loading, as_json=args.json,
+                      pipeline_stages=args.pipeline_stages)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,16 @@ from utils.errors import UserError
 from utils.sizes import parse_size
 
 
-def print_plan(cfg: TrainConfig, gpu_memory: Optional[str] = None, *, as_json: bool = False, **options: Any) -> int:
+def print_plan(cfg: TrainConfig, gpu_memory: Optional[str] = None, *, as_json: bool = False,
+               pipeline_stages: int = 1, **options: Any) -> int:
     """Print the plan of ``cfg`` for ``gpu_memory`` (else the config's ``gpu_memory``); with ``auto_fit: true``
-    and a budget, the plan of auto_fit's choice, which is shown first. ``options`` go to ``plan_memory``."""
+    and a budget, the plan of auto_fit's choice, which is shown first; with ``pipeline_stages`` > 1, each
+    card's plan of that split (``stages.py``). ``options`` go to ``plan_memory``."""
     fit: Dict[str, Any] = {}
     try:
         budget = parse_size(gpu_memory) if gpu_memory else parse_size(cfg.gpu_memory) if cfg.gpu_memory else None
+        if pipeline_stages > 1:
+            return _print_stages(cfg, budget, pipeline_stages, as_json, options)
         if cfg.auto_fit:
             cfg = _flags_as_keys(cfg, options)
         try:
@@ -37,6 +41,22 @@ def print_plan(cfg: TrainConfig, gpu_memory: Optional[str] = None, *, as_json: b
     else:
         print(_fit_lines(fit) + plan.format())
     return 1 if plan.fits is False or "error" in fit else 0
+
+
+def _print_stages(cfg: TrainConfig, budget: Optional[float], stages: int, as_json: bool,
+                  options: Dict[str, Any]) -> int:
+    """Each card's plan of a pipeline split over ``stages`` cards and the traffic per step (the config as
+    written: auto_fit chooses for one card)."""
+    from trainer.planner.model import model_sizes
+    from trainer.planner.settings import planned_family, resolve_settings
+    from trainer.planner.stages import format_stages, stage_plans, stages_json, traffic
+
+    spec = model_sizes(cfg.pretrained_model_name_or_path, cfg.revision, planned_family(cfg).name)
+    s = resolve_settings(cfg, spec, **options)
+    micro = cfg.gradient_accumulation_steps
+    plans, flow = stage_plans(spec, s, stages, micro, budget), traffic(spec, s, stages, micro, budget)
+    print(json.dumps(stages_json(plans, flow)) if as_json else format_stages(plans, flow, micro))
+    return 1 if any(p.plan.fits is False for p in plans) else 0
 
 
 def _auto_fit(cfg: TrainConfig, budget: Optional[float], options: Dict[str, Any]) -> Tuple[TrainConfig, Dict[str, Any]]:

@@ -94,7 +94,7 @@ def _dtype_name(s: Settings) -> str:
     return {"bf16": "bf16", "fp16": "fp16"}.get(s.precision, "fp32")
 
 
-def _transformer_weight_bytes(spec: TransformerSizes, s: Settings) -> Tuple[float, List[float]]:
+def transformer_weight_bytes(spec: TransformerSizes, s: Settings) -> Tuple[float, List[float]]:
     """(outside-the-blocks bytes, bytes of each block in execution order)."""
     a = s.act_bytes
     blocks: List[float] = []
@@ -112,7 +112,7 @@ def _transformer_weight_bytes(spec: TransformerSizes, s: Settings) -> Tuple[floa
 
 def _training_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[MemoryItem]:
     t, a = spec.transformer, s.act_bytes
-    outer, blocks = _transformer_weight_bytes(t, s)
+    outer, blocks = transformer_weight_bytes(t, s)
     swapped = blocks[len(blocks) - s.blocks_to_swap:] if s.blocks_to_swap else []
     # Autograd keeps the device copy of a swapped block that is not checkpointed until backward: no saving.
     # The swapped blocks are the last ones, the checkpointed the first: those that are both save memory.
@@ -285,7 +285,7 @@ def _cache_pass_items(spec: ModelSizes, s: Settings) -> List[MemoryItem]:
 def _host_items(spec: ModelSizes, s: Settings, cache_pass_gib: float, training_gib: float) -> List[MemoryItem]:
     """Host: process baseline + the largest phase (encoder load, transformer load, training) + caches."""
     a = s.act_bytes
-    _, blocks = _transformer_weight_bytes(spec.transformer, s)
+    _, blocks = transformer_weight_bytes(spec.transformer, s)
     swapped = sum(blocks[len(blocks) - s.blocks_to_swap:]) if s.blocks_to_swap else 0.0
     full = spec.transformer.params * a
     shard = full / spec.transformer_shards if spec.transformer_shards else DEFAULT_SHARD_GIB * GIB
