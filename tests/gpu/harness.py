@@ -813,6 +813,7 @@ class MemoryReport:
     planned_gib: Optional[float]  # utils.memory_planner's training peak, when the planner exists
     steps: Optional[StepReport] = None
     compiled: bool = False  # the blocks were compiled (the profile's own compile setting)
+    anatomy: Optional[StepAnatomy] = None  # the step explained, from one profiled step (memory_profile's anatomy)
 
     @property
     def measured_gib(self) -> Optional[float]:
@@ -880,11 +881,13 @@ def planned_training_gib(cfg: TrainConfig, text: int) -> Optional[float]:
 
 def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: Scale = FULL,
                    resolution: int = 1024, steps: int = 3, family: str = "qwen_image",
-                   overrides: Sequence[str] = (), inspect: Optional[Callable[[Rig], None]] = None) -> MemoryReport:
+                   overrides: Sequence[str] = (), inspect: Optional[Callable[[Rig], None]] = None,
+                   anatomy: bool = False) -> MemoryReport:
     """Train a few steps with a low-memory profile (quantized blocks, 8-bit AdamW, block swap) built
     as the engine builds it, and measure its peak against the budget and the planner. ``overrides``
     change the profile (another weight format, more or fewer swapped blocks); ``inspect`` is called
-    with the rig after the steps (tests look at what the engine built)."""
+    with the rig after the steps (tests look at what the engine built); ``anatomy``: one more step profiled,
+    and the step explained (``step_anatomy``)."""
     yaml, budget = PROFILES[profile]
     family = PROFILE_FAMILIES.get(profile, family)
     device = torch.device(device)
@@ -899,8 +902,9 @@ def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: 
         outside = _outside_allocator_gib(device)
         device_peak = None if outside is None else steps_report.reserved_gib + outside
         planned = planned_training_gib(rig.cfg, steps_report.text_tokens)
+        explained = step_anatomy(rig, steps_report, profile_step(rig, resolution, warmup=False)) if anatomy else None
         return MemoryReport(profile, budget, swap, rig.load_peak_gib, steps_report.peak_gib, device_peak,
-                            planned, steps_report, rig.compiled)
+                            planned, steps_report, rig.compiled, explained)
 
 
 # =========================================================================== FLOPs and MFU

@@ -1,6 +1,6 @@
 """Where one training step's time goes: the arithmetic behind every step measurement of the GPU pass.
 
-A step measurement says four things side by side (``docs/GPU_RESULTS.md``, "Reading a step row"):
+A step measurement says four things side by side (``docs/GPU_RESULTS.md``, "What a step row says"):
 
 * ``s_per_step``: the median interval between two loss read-outs, the engine's way (``StepReadout``),
   without the warm-up steps and without the final flush interval (with a lag of one, the last
@@ -127,7 +127,7 @@ class Breakdown:
 
     def summary(self) -> Dict[str, Any]:
         """What the results keep of a profile: busy ms, the breakdown in ms and shares, the top kernels."""
-        return {"unit": self.unit, "steps": self.steps, "gpu_busy_ms": round(self.busy_ms, 3),
+        return {"unit": self.unit, "steps": self.steps, "busy_ms": round(self.busy_ms, 3),
                 "breakdown_ms": {k: round(v, 3) for k, v in self.by_category().items()},
                 "shares": {k: round(v, 4) for k, v in self.shares().items()},
                 "top": [{**r, "ms_per_step": round(r["ms_per_step"], 3), "share": round(r["share"], 4),
