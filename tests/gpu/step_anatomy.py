@@ -247,6 +247,15 @@ class StepAnatomy:
             return "unknown"
         return "host" if self.host_ms > self.gpu_busy_ms else "gpu"
 
+    @property
+    def explained(self) -> Optional[float]:
+        """max(host ms, GPU busy ms) over the step time: near 1 when the two sides account for the step (the
+        2d769dd review's criterion: within 3%); well below 1, the step waits on something neither shows (syncs,
+        transfers on another stream)."""
+        if self.gpu_busy_ms is None or self.host_ms is None or self.s_per_step <= 0:
+            return None
+        return max(self.host_ms, self.gpu_busy_ms) / 1000 / self.s_per_step
+
     def fields(self) -> Dict[str, Any]:
         """The flat fields of a results record (ms rounded to 0.1, ratios to 0.1%)."""
         u = self.utilisation
@@ -256,6 +265,7 @@ class StepAnatomy:
             "host_ms": _round(self.host_ms, 1), "gpu_busy_ms": _round(busy, 1),
             "gpu_busy_of_step": _round(busy / 1000 / self.s_per_step if busy and self.s_per_step > 0 else None, 3),
             "flush_tail_ms": _round(self.flush_tail_ms, 1), "bound": self.bound,
+            "explained_of_step": _round(self.explained, 3),
             "tflop_per_step": round(u.model_flops / 1e12, 2), "hw_tflop_per_step": round(u.hardware_flops / 1e12, 2),
             "recompute_fraction": round(u.recompute_fraction, 3),
             "mfu": _round(u.mfu, 4), "hfu": _round(u.hfu, 4)}

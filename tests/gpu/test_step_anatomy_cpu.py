@@ -136,6 +136,8 @@ def test_the_anatomy_record_says_which_side_limits_the_step() -> None:
     assert host_bound["breakdown_ms"] == {"gemm": 300.0, "attention": 100.0, "elementwise": 60.0, "lora": 0.0,
                                           "optimizer": 0.0, "copy": 0.0}
     assert host_bound["mfu"] == pytest.approx(0.3248, abs=1e-4) and host_bound["hw_tflop_per_step"] == 225.7
+    assert host_bound["explained_of_step"] == pytest.approx(0.985, abs=1e-3)  # 475 ms of 482
     assert sa.StepAnatomy(0.482, 120.0, 400.0, u, gpu).fields()["bound"] == "gpu"
+    assert sa.StepAnatomy(0.920, 120.0, 400.0, u, gpu).fields()["explained_of_step"] == pytest.approx(0.5)
     cpu = sa.Breakdown([sa.KernelTime("aten::mm", 5.0, "gemm")], unit="CPU")
     assert sa.StepAnatomy(1.0, 500.0, None, u, cpu).fields()["gpu_busy_ms"] is None  # CPU op time is no GPU time
