@@ -32,9 +32,10 @@ def recorded_graphs(monkeypatch: pytest.MonkeyPatch) -> List[torch.fx.GraphModul
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
     # Keep a region called once as a region: the tiny model's 2 blocks are each single-use (block 0's input needs
     # no gradient, block 1's does, so they differ), which dynamo would inline; from block 2 on they are reused.
-    monkeypatch.setattr(torch._dynamo.config, "inline_single_use_invoke_subgraph", False)
+    # (config.patch, not monkeypatch: monkeypatch's undo deletes a dynamo config key)
     torch._dynamo.reset()
-    yield graphs
+    with torch._dynamo.config.patch(inline_single_use_invoke_subgraph=False):
+        yield graphs
     torch._dynamo.reset()
 
 
@@ -84,3 +85,60 @@ def test_the_default_and_a_valid_whole_model_config_load() -> None:
     cfg = load_config(None, ["compile_mode=model_cudagraphs", "gradient_checkpointing=false", *BASE],
                       default_family="qwen_image")
     assert cfg.compile_mode == "model_cudagraphs"
+
+
+class _Double(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class _Single(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.a(x))
+
+
+class _TwoKinds(torch.nn.Module):
+    """FLUX's shape: two kinds of blocks, each repeated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.doubles = torch.nn.ModuleList([_Double() for _ in range(3)])
+        self.singles = torch.nn.ModuleList([_Single() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in [*self.doubles, *self.singles]:
+            x = block(x)
+        return x
+
+
+def test_each_kind_of_block_is_one_region_and_the_output_and_gradients_are_eagers(
+        recorded_graphs: List[torch.fx.GraphModule]) -> None:
+    """Two block classes make two regions; every block is a region call; forward and gradients equal eager's with
+    blocks reusing a region (3 of each kind: the tiny Qwen-Image's 2 blocks never reuse one). A region marked on
+    the instances' forward failed this: each reuse ran the first block's weights."""
+    from trainer.platform import _region_classes, compile_whole_model
+
+    torch.manual_seed(0)
+    model, x = _TwoKinds(), torch.randn(4, 8)
+    blocks = [*model.doubles, *model.singles]
+    assert set(_region_classes(blocks)) == {_Double, _Single}
+    want = model(x)
+    want.sum().backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    compile_whole_model(model, blocks, None)
+    got = model(x)
+    got.sum().backward()
+    assert torch.allclose(got, want, atol=1e-6)
+    assert all(torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(model.parameters(), want_grads))
+    assert len(recorded_graphs) == 1 and subgraph_calls(recorded_graphs[0]) == len(blocks)
+    assert [type(b).__name__ for b in blocks] == ["_Double"] * 3 + ["_Single"] * 3
+    assert isinstance(blocks[0], _Double) and isinstance(blocks[-1], _Single)

@@ -333,32 +333,37 @@ def compile_for_training(cfg: TrainConfig, transformer: torch.nn.Module, blocks:
         compile_whole_model(transformer, blocks, COMPILE_MODES[cfg.compile_mode])
 
 
-def _region_forwards(blocks: Sequence[torch.nn.Module]) -> Dict[type, Any]:
-    """One nested-compile-region forward per block class (FLUX has two): the compiler keys the region on this
-    function, so it traces a block once and stamps it out for the others (their weights are its inputs)."""
-    regions: Dict[type, Any] = {}
+def _region_classes(blocks: Sequence[torch.nn.Module]) -> Dict[type, type]:
+    """For each block class (FLUX has two), a subclass whose ``forward`` is one nested compile region: the
+    compiler traces a block once and stamps it out for the others (their weights are its inputs).
+
+    The region must be the class's ``forward`` (torch's documented form): marked on an instance's ``forward``
+    instead, torch 2.13 reused the first block's graph with the first block's weights for every block (silently
+    wrong outputs, tests/test_whole_model_compile.py). dynamo keys reuse on the function's code object, so each
+    class's function gets one of its own."""
+    classes: Dict[type, type] = {}
     for cls in dict.fromkeys(type(block) for block in blocks):
         def forward(self: torch.nn.Module, *args: Any, _forward: Any = cls.forward, **kwargs: Any) -> Any:
             return _forward(self, *args, **kwargs)
 
-        regions[cls] = torch.compiler.nested_compile_region(forward)
-    return regions
+        forward.__code__ = forward.__code__.replace(co_name=f"forward_{cls.__name__}")
+        classes[cls] = type(cls.__name__, (cls,), {"forward": torch.compiler.nested_compile_region(forward),
+                                                   "__module__": cls.__module__})
+    return classes
 
 
 def compile_whole_model(transformer: torch.nn.Module, blocks: Sequence[torch.nn.Module], mode: Optional[str]) -> None:
     """``torch.compile`` the transformer's forward once, its blocks marked with
     ``torch.compiler.nested_compile_region``: one forward and one backward graph per step instead of one per
     block, so the host issues far less (and with ``mode="reduce-overhead"`` replays CUDA graphs). Only without
-    gradient checkpointing and block swap (the config's checks): the recompute and the swap hooks run per block."""
-    import types
-
-    region = getattr(torch.compiler, "nested_compile_region", None)
-    if region is None:
+    gradient checkpointing and block swap (the config's checks): the recompute and the swap hooks run per block.
+    Each block becomes an instance of its class's region subclass (same name, weights and state dict)."""
+    if getattr(torch.compiler, "nested_compile_region", None) is None:
         raise ConfigError(f"key 'compile_mode': compiling the whole model needs torch.compiler.nested_compile_region "
                           f"(torch >= 2.9; this is {torch.__version__}); set compile_mode: blocks")
-    regions = _region_forwards(blocks)
+    classes = _region_classes(blocks)
     for block in blocks:
-        block.forward = types.MethodType(regions[type(block)], block)
+        block.__class__ = classes[type(block)]
     transformer.forward = torch.compile(transformer.forward, mode=mode)
     logger.info(f"compiling the whole transformer once ({len(blocks)} blocks as one nested region"
                 + (", CUDA graphs" if mode == "reduce-overhead" else "") + "): the first step includes the compilation")
