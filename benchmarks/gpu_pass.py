@@ -80,7 +80,7 @@ class Stage:
     cap_s: float
     dry_estimate_s: float
     dry_cap_s: float
-    kind: str = "measure"  # measure (gpu_pass_measure.py NAME) | tests | int8
+    kind: str = "measure"  # measure (gpu_pass_measure.py NAME) | tests | int8 | repro (flux_compile_repro.py)
     needs_quanto: bool = False
 
 
@@ -100,11 +100,24 @@ class Stage:
 STAGES: Sequence[Stage] = (
     Stage("machine", 0, "machine, versions, commit", 10, 30, 10, 60),
     Stage("tests", 1, "quick tests of every CUDA-only path", 110, 120, 40, 150, kind="tests"),
-    Stage("qwen_step", 2, "Qwen-Image LoRA 1024^2, checkpointing + compile", 85, 160, 25, 150),
+    # Each step stage profiles one step after its timed ones (~10 s at full size): a8112a6's qwen_step took 41 s.
+    Stage("qwen_step", 2, "Qwen-Image LoRA 1024^2, checkpointing + compile (today)", 55, 160, 25, 150),
+    # Issue 45's levers, in order of value: no recompute (fits 80 GB), the whole model compiled once with CUDA
+    # graphs (one graph per pass: less host work), fp8 W8A8 for the frozen linears.
+    Stage("qwen_no_recompute", 2, "Qwen-Image LoRA 1024^2, no checkpointing, compiled blocks", 55, 150, 25, 150),
+    Stage("qwen_whole_model", 2, "Qwen-Image LoRA 1024^2, no checkpointing, whole model compiled + CUDA graphs",
+          90, 200, 60, 240),
+    Stage("qwen_fp8", 2, "Qwen-Image LoRA 1024^2, no checkpointing, fp8 W8A8 frozen linears", 65, 150, 30, 150),
     # One layer's int8 vs bf16 matmul time is cheap and decides issue 35's profile choice: before item 3.
     Stage("int8_layer", 2, "int8 and fp8 W8A8 vs bf16: one layer at Qwen-Image widths", 35, 70, 20, 90, kind="int8"),
-    Stage("mem_24gb", 3, "24 GB profile: device peak and s/step", 65, 140, 20, 120, needs_quanto=True),
-    Stage("mem_16gb", 3, "16 GB profile: device peak and s/step", 75, 150, 20, 120, needs_quanto=True),
+    # auto_fit chooses torchao's W8A8 for both profiles now (a6c9b66): quanto's kernels are not needed.
+    Stage("mem_24gb", 3, "24 GB profile: device peak and s/step", 65, 140, 25, 120),
+    Stage("mem_16gb", 3, "16 GB profile: device peak and s/step", 75, 150, 25, 120),
+    # FLUX.1-dev's compiled backward hit an illegal memory access on an H200 (a8112a6, c7bf323): whether it works
+    # now, then the smallest reproduction (benchmarks/flux_compile_repro.py, one process per variant).
+    Stage("flux_compiled", 3, "FLUX.1-dev LoRA 1024^2, checkpointing, compile: true", 55, 110, 25, 120),
+    Stage("flux_repro", 3, "FLUX.1-dev compiled backward: the smallest failing variant", 100, 150, 150, 320,
+          kind="repro"),
     Stage("flux2_klein", 4, "FLUX.2 [klein] 4B profile: step, peak, MFU", 65, 120, 20, 120),
     # Before the quanto stages of its group: quanto's extension builds meanwhile. Measured on an H100:
     # 73 s for Krea 2's three tests (aa54b89), 30 s for Qwen-Image-2.1's (75294e7).
@@ -127,6 +140,12 @@ STAGES: Sequence[Stage] = (
     Stage("fp8", 5, "torchao float8 vs bf16, both compiled", 110, 150, 15, 60),
 )
 STAGE_NAMES = [s.name for s in STAGES]
+REPRO_SCRIPT = "benchmarks/flux_compile_repro.py"
+# Named selections of stages (--preset): issue 45's pass, the measurements that explain the step and its levers.
+PRESETS: Dict[str, Sequence[str]] = {
+    "levers": ("machine", "qwen_step", "qwen_no_recompute", "qwen_whole_model", "qwen_fp8", "mem_24gb", "mem_16gb",
+               "flux_compiled", "flux_repro"),
+}
 
 
 # =========================================================================== records
@@ -418,6 +437,9 @@ def run_stage(p: Pass, stage: Stage) -> None:
         also = open(p.out / TESTS, "a", encoding="utf-8")
     elif stage.kind == "int8":
         cmd = int8_command(p, stage, timeout)
+    elif stage.kind == "repro":
+        cmd = [p.python, REPRO_SCRIPT, "--out", str(p.out), "--budget", str(int(timeout - 5)),
+               *(["--dry-run"] if p.dry_run else [])]
     else:
         cmd = measure_command(p, stage.name)
     p.say(f"-> {stage.name} (group {stage.group}): {stage.title}; estimate {estimate(p, stage):.0f} s, "
@@ -520,6 +542,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="every stage on tiny models on the CPU (estimates and limits for the CPU)")
     parser.add_argument("--stages", nargs="+", choices=STAGE_NAMES, default=None,
                         help="run only these stages (in the pass's order)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="run a named selection of stages (levers: issue 45's step measurements and levers)")
     parser.add_argument("--list", action="store_true", help="print the stages and exit")
     return parser.parse_args(argv)
 
@@ -535,9 +559,9 @@ def out_folder(args: argparse.Namespace) -> Path:
 
 
 def list_stages() -> None:
-    print(f"{'stage':<12} {'group':>5} {'est. s':>7} {'cap s':>6} {'dry est.':>8} {'dry cap':>8}  what")
+    print(f"{'stage':<18} {'group':>5} {'est. s':>7} {'cap s':>6} {'dry est.':>8} {'dry cap':>8}  what")
     for s in STAGES:
-        print(f"{s.name:<12} {s.group:>5} {s.estimate_s:>7.0f} {s.cap_s:>6.0f} {s.dry_estimate_s:>8.0f} "
+        print(f"{s.name:<18} {s.group:>5} {s.estimate_s:>7.0f} {s.cap_s:>6.0f} {s.dry_estimate_s:>8.0f} "
               f"{s.dry_cap_s:>8.0f}  {s.title}")
     print(f"sum of the estimates: {sum(s.estimate_s for s in STAGES):.0f} s (GPU); "
           f"budget {DEFAULT_BUDGET_S:.0f} s")
@@ -553,7 +577,8 @@ def main(argv: Optional[List[str]] = None) -> Path:
     t0 = float(os.environ.get("GPU_PASS_T0") or time.time())
     p = Pass(out, Path(tempfile.mkdtemp(prefix="gpu-pass-work-")), args.budget, args.dry_run, t0)
     p.log = open(out / LOG, "a", encoding="utf-8")
-    selected = [s for s in STAGES if args.stages is None or s.name in args.stages]
+    wanted = set(args.stages or ()) | set(PRESETS.get(args.preset, ()))
+    selected = [s for s in STAGES if not wanted or s.name in wanted]
     p.record("pass", event="start", commit=commit_of_tree(), budget_s=args.budget, dry_run=args.dry_run,
              argv=sys.argv[1:] if argv is None else argv, python=sys.version.split()[0],
              when=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

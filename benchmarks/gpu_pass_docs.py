@@ -7,8 +7,8 @@
     python benchmarks/gpu_pass_docs.py RESULTS.jsonl --summary  # the pass's summary table
 
 Every row carries the commit and the device it was measured on. A missed target stays in its table
-with its figure; a step that misses the H100 target by more than 20% is followed by its profile (top
-kernels, GPU idle share of the step). The targets are stated for an H100: on another card the text
+with its figure; every step row says where its time goes (host ms, GPU busy ms and its breakdown, MFU, HFU)
+and is followed by its one profiled step (top kernels). The targets are stated for an H100: on another card the text
 says which card it was.
 """
 
@@ -108,10 +108,14 @@ def describe(r: Record) -> str:
             text += (f"; goals <= {r['goal_gib']:.0f} GiB: {fmt(r.get('meets_memory_goal'))}, MFU "
                      f"{fmt(r.get('mfu'), '.1%')} >= {r.get('goal_mfu', 0):.0%}: {fmt(r.get('meets_mfu_goal'))}")
         return text
+    if kind == "anatomy":
+        return (f"{r.get('variant') or r.get('title')}: host {fmt(r.get('host_ms'), '.0f')} ms, GPU busy "
+                f"{fmt(r.get('gpu_busy_ms'), '.0f')} ms per step ({r.get('bound')}-bound), MFU {fmt(r.get('mfu'), '.1%')}, "
+                f"HFU {fmt(r.get('hfu'), '.1%')}")
     if kind == "profile":
-        return (f"profile: GPU busy {fmt(r.get('device_busy_s'), '.3f')} s of {fmt(r.get('s_per_step'), '.3f')} "
-                f"s/step (idle {fmt(r.get('idle_of_step'), '.0%')}); "
-                + ", ".join(f"{k} {v:.0%}" for k, v in (r.get("shares") or {}).items()))
+        return ("profile: " + ", ".join(f"{k} {v:.0%}" for k, v in (r.get("shares") or {}).items() if v >= 0.005))
+    if kind == "repro":
+        return f"{r.get('variant')}: {r.get('status')}{' ' + r['error'][:120] if r.get('error') else ''}"
     if kind == "attention":
         ms = ", ".join(f"{x['name']} {fmt(x.get('ms'))}" for x in r.get("results", []) if x.get("ms") is not None)
         return f"{r.get('title')} attention ms: {ms}; auto {r.get('auto')}, fastest {r.get('fastest')}"
@@ -154,7 +158,7 @@ def summary(records: List[Record]) -> str:
     p = Pass(records)
     lines = [f"GPU pass summary{' (DRY RUN on the CPU)' if p.dry_run else ''}: {p.device}, commit {p.commit}, "
              f"wall {fmt(p.wall, '.0f')} s of a {fmt(p.budget, '.0f')} s budget",
-             f"{'stage':<12} {'status':<16} {'wall s':>6}  result"]
+             f"{'stage':<18} {'status':<16} {'wall s':>6}  result"]
     for st in p.stages():
         name, status = st["stage"], st.get("status", "")
         short = status.split(":")[0].split(" (what")[0]
@@ -165,7 +169,7 @@ def summary(records: List[Record]) -> str:
                        if d]
         if short != status and not results:
             results = [status[len(short):].lstrip(": ")]
-        lines.append(f"{name:<12} {short[:16]:<16} {fmt(st.get('wall_s'), '.0f', ''):>6}  " + " | ".join(results))
+        lines.append(f"{name:<18} {short[:16]:<16} {fmt(st.get('wall_s'), '.0f', ''):>6}  " + " | ".join(results))
     bad = [t for t in p.of("test") if t["outcome"] not in ("passed", "skipped")]
     for t in bad:
         lines.append(f"  test {t['outcome']}: {t['id']} {t.get('message', '')[:200]}")
@@ -210,36 +214,87 @@ def tests_md(p: Pass, only: Optional[Sequence[str]] = None) -> str:
             + table(("Test", "Outcome", "s", "Message"), rows) + f"\n\nDevice {p.where()}.\n")
 
 
+STEP_COLUMNS_NOTE = """\
+LoRA rank 16 (the families' `attention` preset), AdamW, bf16 autocast, batch 1. How to read a row (the
+arithmetic is `tests/gpu/step_anatomy.py`, unit-tested on the CPU):
+
+- *s/step*: the median interval between two reads of the loss as the engine runs (the host queues step N+1
+  while the GPU runs step N), after two warm-up steps (the first includes the compilation) and **without the
+  final flush interval** (with a read-out lag of one, the last interval is the GPU's tail, not a step).
+- *Host ms*: the median time the host takes to issue one step (forward, backward, clip, optimizer) without
+  waiting for the GPU (perf_counter around the queueing, no synchronisation). Near s/step: the host limits
+  the step, and GPU-only speed-ups will not show.
+- *GPU busy ms*: the sum of the kernel times of one step profiled with `torch.profiler` after the timed steps
+  (overlapping streams would count twice). Near s/step: the GPU limits the step. *Bound* says which of host
+  ms and GPU busy ms is larger.
+- *GEMM / attention / elementwise / LoRA / optimizer ms*: that profile's kernels by category: GEMMs (cuBLAS,
+  cutlass, `_scaled_mm`), attention kernels (flash, cuDNN, memory-efficient), elementwise (pointwise ops,
+  norms, reductions, casts, inductor's triton kernels), LoRA (the GEMMs whose shapes show the LoRA rank:
+  its scaling and add are elementwise), optimizer (fused AdamW, gradient clipping); copies are in the
+  record only.
+- *MFU*: model FLOPs per step (`harness.step_flops`: frozen linears 4NT, LoRA 6NT, attention 12 S^2 d per
+  block) / (s/step x the card's dense bf16 peak). *HFU*: the same with the recomputed forward of the
+  checkpointed blocks counted (the FLOPs the hardware ran); without checkpointing HFU = MFU.
+"""
+
+
+def checkpointed(value: Any) -> str:
+    """``gradient_checkpointing`` as a table cell: every block, none, or how many."""
+    if value is True:
+        return "all blocks"
+    if value in (False, 0, None):
+        return "none" if value is not None else "n/a"
+    return f"{value} blocks"
+
+
 def steps_md(p: Pass) -> str:
     steps = p.of("step")
     if not steps:
         return ""
-    rows = [(r.get("title"), "on", f"{r.get('compile')} ({'compiled' if r.get('compiled') else 'eager'})",
-             fmt(r.get("s_per_step"), ".3f"), fmt(r.get("first_step_s"), ".1f"), fmt(r.get("tflop_per_step"), ".4g"),
-             fmt(r.get("mfu"), ".1%"), fmt(r.get("peak_gib")), r.get("attention"),
-             target_text(r.get("s_per_step") or 0, r.get("target_s")), r.get("device"), p.commit) for r in steps]
-    body = table(("Family", "Checkpointing", "Compile", "s/step", "First step s", "TFLOP/step", "MFU", "Peak GiB",
-                  "Attention", "Target", "Device", "Commit"), rows)
-    return (f"#### Step time and MFU at {steps[0].get('resolution')}^2\n\n{body}\n\nLoRA rank 16 (the families' "
-            "`attention` preset), AdamW, bf16 autocast, batch 1; s/step is the median after two warm-up steps "
-            "(the first includes the compilation), timed between two reads of the loss as the engine runs. "
-            "MFU = model FLOPs per step (`harness.step_flops`) / (s/step x dense bf16 peak).\n"
-            + "".join(profile_md(r) for r in p.of("profile")))
+    anatomy = {(r.get("stage"), r.get("variant")): r for r in p.of("anatomy")}
+    rows = []
+    for r in steps:
+        a = anatomy.get((r.get("stage"), r.get("variant")), {})
+        parts = a.get("breakdown_ms") or {}
+        rows.append((r.get("title"), r.get("variant") or r.get("stage"), checkpointed(r.get("checkpointing")),
+                     f"{r.get('compile_mode', 'blocks')} ({'compiled' if r.get('compiled') else 'eager'})",
+                     fmt(r.get("s_per_step"), ".3f"), fmt(r.get("host_ms"), ".0f"), fmt(a.get("gpu_busy_ms"), ".0f"),
+                     a.get("bound", "n/a"), *(fmt(parts.get(k), ".0f") for k in ("gemm", "attention", "elementwise",
+                                                                                  "lora", "optimizer")),
+                     fmt(r.get("mfu"), ".1%"), fmt(r.get("hfu"), ".1%"), fmt(r.get("peak_gib")),
+                     fmt(r.get("first_step_s"), ".1f"), r.get("attention"),
+                     target_text(r.get("s_per_step") or 0, r.get("target_s")), r.get("device"), p.commit))
+    body = table(("Family", "Variant", "Checkpointing", "Compile", "s/step", "Host ms", "GPU busy ms", "Bound",
+                  "GEMM ms", "Attention ms", "Elementwise ms", "LoRA ms", "Optimizer ms", "MFU", "HFU", "Peak GiB",
+                  "First step s", "Attention", "Target", "Device", "Commit"), rows)
+    return (f"#### Step time, host and GPU time, MFU at {steps[0].get('resolution')}^2\n\n{body}\n\n"
+            f"{STEP_COLUMNS_NOTE}" + "".join(profile_md(r) for r in p.of("profile")) + repro_md(p))
 
 
 def profile_md(r: Record) -> str:
-    rows = [(f"`{k['name'][:90]}`", k["calls"], fmt(k["self_ms"], ".1f"), fmt(k["share"], ".1%"), k["category"])
+    """One profiled step: its breakdown and its heaviest kernels."""
+    rows = [(f"`{k['name'][:90]}`", k["calls"], fmt(k["ms_per_step"], ".1f"), fmt(k["share"], ".1%"), k["category"])
             for k in r.get("top", [])]
-    shares = ", ".join(f"{k} {v:.0%}" for k, v in (r.get("shares") or {}).items())
+    parts = ", ".join(f"{k} {fmt(v, '.1f')} ms" for k, v in (r.get("breakdown_ms") or {}).items())
     unit = r.get("unit", "device")
-    return (f"\n##### Where the time goes: {r.get('title')} ({fmt(r.get('s_per_step'), '.3f')} s/step)\n\n"
-            f"torch.profiler over {r.get('profiled_steps')} steps: the {unit} is busy "
-            f"{fmt(r.get('device_busy_s'), '.3f')} s per step, against {fmt(r.get('s_per_step'), '.3f')} s/step "
-            f"measured without the profiler: **idle {fmt(r.get('idle_of_step'), '.0%')} of the step** (host gaps: "
-            f"launches, syncs, Python; {fmt(r.get('idle_of_profiled_step'), '.0%')} of the slower profiled "
-            f"step). Kernel time: {shares}.\n\n"
-            + table(("Kernel", "Calls", f"Self {unit} ms", "Share", "Category"), rows)
-            + "\n\nWhat would close the gap:\n\n" + "\n".join(f"- {a}" for a in r.get("advice", [])) + "\n")
+    what = "GPU busy" if unit == "device" else "CPU op time (a CPU profile: no GPU time)"
+    return (f"\n##### Where the time goes: {r.get('title')}, {r.get('variant') or r.get('stage')} "
+            f"({fmt(r.get('s_per_step'), '.3f')} s/step)\n\n"
+            f"One step under torch.profiler: {what} {fmt(r.get('busy_ms'), '.1f')} ms; {parts}.\n\n"
+            + table(("Kernel", "Calls", f"{unit} ms per step", "Share", "Category"), rows) + "\n")
+
+
+def repro_md(p: Pass) -> str:
+    """FLUX.1-dev's compiled backward, variant by variant (benchmarks/flux_compile_repro.py)."""
+    runs = p.of("repro")
+    if not runs:
+        return ""
+    rows = [(r.get("variant"), r.get("tells", ""), r.get("status"), r.get("error", ""), " <- ".join(r.get("where", [])),
+             r.get("torch", "")) for r in runs]
+    return ("\n##### FLUX.1-dev compiled backward: the smallest reproduction (`benchmarks/flux_compile_repro.py`)\n\n"
+            "Two LoRA steps of FLUX.1-dev cut to 2 double- and 2 single-stream blocks at the real width, 1024^2, "
+            "`CUDA_LAUNCH_BLOCKING=1`, one process per variant.\n\n"
+            + table(("Variant", "What it tells", "Status", "Error", "Where", "torch"), rows) + "\n")
 
 
 def memory_md(p: Pass) -> str:

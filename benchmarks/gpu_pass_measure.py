@@ -11,6 +11,8 @@ runs the same code on tiny models at 64^2 on the CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib.metadata
 import os
 import platform
@@ -21,7 +23,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 for _path in (ROOT, ROOT / "tests" / "gpu"):
@@ -48,7 +50,6 @@ def load_project() -> None:
 
 
 TARGET_S = 0.45  # s/step, stated for an H100 (gpu_report.TARGET_S_PER_STEP, checked in load_project's users)
-PROFILE_WHEN_OVER = 1.2  # profile a target family that misses the target by more than 20%
 FLUX2_GOAL_GIB, FLUX2_GOAL_MFU = 10.0, 0.30  # FLUX.2 [klein] 4B LoRA at 1024^2
 PACKAGES = ("torch", "triton", "diffusers", "transformers", "accelerate", "peft", "safetensors", "optimum-quanto",
             "bitsandbytes", "torchao", "fastsafetensors", "omegaconf", "loguru", "huggingface-hub", "tokenizers",
@@ -185,45 +186,69 @@ def quanto_build(ctx: Ctx, status: Path) -> None:
 # =========================================================================== step time
 
 
-def step(ctx: Ctx, family: str, compile: str = "auto", profile: bool = False, attention: str = "auto") -> None:
-    """LoRA steps of ``family`` with checkpointing (``compile``: the engine's auto, or off; ``attention``:
-    the engine's measured choice, or one backend); a torch.profiler pass when a target family misses
-    the H100 target by more than 20%."""
-    overrides = (["compile=false"] if compile == "off" else []) + (
-        [f"attention_backend={attention}"] if attention != "auto" else [])
-    with harness.rig_session(family, ctx.device, torch.bfloat16, scale=ctx.scale, overrides=overrides,
-                             checkpointing=True, resolution=ctx.resolution) as rig:
-        ctx.emit("build", family=family, build_s=round(rig.build_seconds, 1), load_peak_gib=rig.load_peak_gib,
-                 compiled=rig.compiled, attention=rig.attention.name, attention_reason=rig.attention.reason)
+# The levers of issue 45 on Qwen-Image (each its own stage, in order of value): the step without recompute, the
+# whole transformer compiled once with CUDA graphs, and fp8 W8A8 for the frozen linears. Each is the config
+# keys it sets on top of the engine's defaults; ``checkpointing`` False is gradient_checkpointing: false.
+NO_RECOMPUTE: List[str] = []
+WHOLE_MODEL = ["compile=true", "compile_mode=model_cudagraphs"]
+FP8_W8A8 = ["quantize=true", "quantization.backend=torchao", "quantization.weights=float8_w8a8"]
+
+
+def step(ctx: Ctx, family: str, compile: str = "auto", attention: str = "auto", checkpointing: bool = True,
+         extra: Sequence[str] = (), variant: str = "") -> None:
+    """LoRA steps of ``family`` (``compile``: the engine's auto, off, or on; ``attention``: the engine's measured
+    choice, or one backend; ``extra``: config keys of a lever, named ``variant``), then one step profiled: the
+    record says s/step, host ms, GPU busy ms and its breakdown, MFU and HFU (``harness.step_anatomy``)."""
+    overrides = {"off": ["compile=false"], "on": ["compile=true"]}.get(compile, []) + (
+        [f"attention_backend={attention}"] if attention != "auto" else []) + list(extra)
+    with dry_run_compile(ctx), harness.rig_session(family, ctx.device, torch.bfloat16, scale=ctx.scale,
+                                                   overrides=overrides, checkpointing=checkpointing,
+                                                   resolution=ctx.resolution) as rig:
+        ctx.emit("build", family=family, variant=variant, build_s=round(rig.build_seconds, 1),
+                 load_peak_gib=rig.load_peak_gib, compiled=rig.compiled, attention=rig.attention.name,
+                 attention_reason=rig.attention.reason)
         report = harness.run_steps(rig, ctx.steps, ctx.resolution)
-        flops = harness.rig_flops(rig, report)
-        seconds = report.median_step_s
-        targeted = family in gpu_report.TARGET_FAMILIES and compile == "auto"
-        ctx.emit("step", family=family, title=gpu_report.FAMILY_NAMES[family], checkpointing=True, compile=compile,
-                 compiled=rig.compiled, s_per_step=round(seconds, 4), first_step_s=round(report.step_times[0], 2),
-                 step_times=[round(t, 4) for t in report.step_times], peak_gib=report.peak_gib,
-                 reserved_gib=report.reserved_gib, tflop_per_step=round(flops.training / 1e12, 2),
-                 mfu=harness.mfu(flops, seconds, harness.peak_bf16_tflops(ctx.device_name)),
-                 image_tokens=report.image_tokens, text_tokens=report.text_tokens, attention=report.attention,
-                 losses=report.losses, finite=report.finite, device=ctx.device_name, resolution=ctx.resolution,
-                 steps=ctx.steps, target_s=TARGET_S if targeted else None,
-                 meets=(seconds <= TARGET_S) if targeted else None)
-        if profile and (seconds > TARGET_S * PROFILE_WHEN_OVER or ctx.dry_run):
-            profile_steps(ctx, rig, family, seconds)
+        targeted = family in gpu_report.TARGET_FAMILIES and compile == "auto" and checkpointing and not extra
+        emit_step(ctx, rig, report, family, variant=variant or ("today" if targeted else ""), compile=compile,
+                  target_s=TARGET_S if targeted else None, settings=overrides)
 
 
-def profile_steps(ctx: Ctx, rig: harness.Rig, family: str, seconds: float) -> None:
-    """Where the step's time goes: the top kernels by device time and how much of the step the GPU
-    sits idle (host gaps: launches, syncs, Python)."""
-    prof = harness.profile_top_kernels(rig, ctx.resolution, steps=2)
-    top = [{"name": r.name, "calls": r.calls, "self_ms": round(r.self_ms, 2), "share": round(r.share, 4),
-            "category": harness.kernel_category(r.name)} for r in prof.top(15)]
-    ctx.emit("profile", family=family, title=gpu_report.FAMILY_NAMES[family], s_per_step=round(seconds, 4),
-             device_busy_s=round(prof.busy_s, 4), profiled_wall_s=round(prof.wall_s, 4),
-             idle_of_step=round(max(0.0, 1 - prof.busy_s / seconds), 3),
-             idle_of_profiled_step=round(max(0.0, 1 - prof.busy_s / prof.wall_s), 3),
-             shares={k: round(v, 4) for k, v in prof.shares().items()}, top=top, advice=gpu_report.advice(prof),
-             unit="device" if prof.device == "cuda" else "CPU", profiled_steps=prof.steps)
+def emit_step(ctx: Ctx, rig: harness.Rig, report: harness.StepReport, family: str, variant: str,
+              target_s: Optional[float] = None, **fields: Any) -> None:
+    """The ``step`` record of a measured run (its anatomy from one profiled step) and the ``profile`` record
+    (the profile's summary: the breakdown and the top kernels), each written as it comes."""
+    seconds = report.median_step_s
+    timing = harness.step_anatomy(rig, report).fields()  # host ms, MFU, HFU: no profile needed
+    ctx.emit("step", family=family, title=gpu_report.FAMILY_NAMES[family], variant=variant,
+             checkpointing=rig.cfg.gradient_checkpointing, compiled=rig.compiled,
+             compile_mode=rig.cfg.compile_mode, first_step_s=round(report.step_times[0], 2),
+             step_times=[round(t, 4) for t in report.step_times], host_times=[round(t, 4) for t in report.host_times],
+             peak_gib=report.peak_gib, reserved_gib=report.reserved_gib, image_tokens=report.image_tokens,
+             text_tokens=report.text_tokens, attention=report.attention, losses=report.losses,
+             finite=report.finite, device=ctx.device_name, resolution=ctx.resolution, steps=ctx.steps,
+             target_s=target_s, meets=(seconds <= target_s) if target_s is not None else None,
+             **{k: v for k, v in timing.items() if k not in ("gpu_busy_ms", "gpu_busy_of_step", "bound")}, **fields)
+    profile = harness.profile_step(rig, ctx.resolution, warmup=False)  # after the timed steps: warm already
+    anatomy = harness.step_anatomy(rig, report, profile)
+    ctx.emit("anatomy", family=family, title=gpu_report.FAMILY_NAMES[family], variant=variant,
+             device=ctx.device_name, **anatomy.fields())
+    ctx.emit("profile", family=family, title=gpu_report.FAMILY_NAMES[family], variant=variant,
+             s_per_step=round(seconds, 4), **profile.summary())
+
+
+@contextlib.contextmanager
+def dry_run_compile(ctx: Ctx) -> Iterator[None]:
+    """In a dry run a compiled variant runs its graphs with ``aot_eager`` (what inductor would get, op by op):
+    inductor itself takes minutes on a CPU. On the GPU nothing changes."""
+    if not ctx.dry_run:
+        yield
+        return
+    original = torch.compile
+    torch.compile = functools.partial(original, backend="aot_eager")
+    try:
+        yield
+    finally:
+        torch.compile = original
 
 
 # =========================================================================== memory profiles
@@ -234,7 +259,7 @@ def memory(ctx: Ctx, profile: str, steps: int) -> None:
     budget and the planner, and its s/step (FLUX.2 [klein]: MFU too, and its own goals)."""
     family = harness.PROFILE_FAMILIES.get(profile, "qwen_image")
     rep = harness.memory_profile(profile, ctx.device, scale=ctx.scale, resolution=ctx.resolution,
-                                 steps=steps if not ctx.dry_run else 2)
+                                 steps=steps if not ctx.dry_run else 3, anatomy=True)
     s = rep.steps.median_step_s
     fields: Dict[str, Any] = {}
     if family == "flux2":
@@ -251,6 +276,11 @@ def memory(ctx: Ctx, profile: str, steps: int) -> None:
              step_times=[round(t, 4) for t in rep.steps.step_times], losses=rep.steps.losses,
              finite=rep.steps.finite, compiled=rep.compiled, device=ctx.device_name, resolution=ctx.resolution,
              **fields)
+    if rep.anatomy is not None:
+        ctx.emit("anatomy", family=family, title=f"{profile} profile", variant=profile, device=ctx.device_name,
+                 **rep.anatomy.fields())
+        ctx.emit("profile", family=family, title=f"{profile} profile", variant=profile, s_per_step=round(s, 4),
+                 **rep.anatomy.profile.summary())
 
 
 # =========================================================================== what else fits
@@ -292,7 +322,12 @@ def report_section(ctx: Ctx, section: str, build: Callable[[gpu_report.Run], str
 
 MEASUREMENTS: Dict[str, Callable[[Ctx], None]] = {
     "machine": machine,
-    "qwen_step": lambda ctx: step(ctx, "qwen_image", "auto", profile=True),
+    "qwen_step": lambda ctx: step(ctx, "qwen_image", "auto"),
+    "qwen_no_recompute": lambda ctx: step(ctx, "qwen_image", checkpointing=False, variant="no recompute"),
+    "qwen_whole_model": lambda ctx: step(ctx, "qwen_image", checkpointing=False, extra=WHOLE_MODEL,
+                                         variant="no recompute, whole model compiled, CUDA graphs"),
+    "qwen_fp8": lambda ctx: step(ctx, "qwen_image", checkpointing=False, extra=FP8_W8A8,
+                                 variant="no recompute, fp8 W8A8 frozen linears"),
     "mem_24gb": lambda ctx: memory(ctx, "24gb", 5),
     "mem_16gb": lambda ctx: memory(ctx, "16gb", 5),
     "flux2_klein": lambda ctx: memory(ctx, "flux2_klein", 8),
@@ -300,6 +335,7 @@ MEASUREMENTS: Dict[str, Callable[[Ctx], None]] = {
     "qwen21_24gb": lambda ctx: memory(ctx, "qwen21_24gb", 5),
     "attention": attention,
     "flux_step": lambda ctx: step(ctx, "flux", "auto"),
+    "flux_compiled": lambda ctx: step(ctx, "flux", "on", variant="compiled (compile: true)"),
     # FLUX.1-dev compiled with the cuDNN kernel hit an illegal memory access on an H200 (a8112a6): the
     # same step with flash attention, and eager with cuDNN, say which of the two it needs.
     "flux_step_flash": lambda ctx: step(ctx, "flux", "auto", attention="flash"),

@@ -448,8 +448,12 @@ def test_every_fixed_set_of_values_is_in_field_metadata() -> None:
     assert {key for key, _, _ in choice_fields()} == {
         "family", "training_mode", "report_to", "lr_scheduler", "optimizer", "mixed_precision", "timestep_sampling",
         "timestep_shift", "loss_weighting", "adapter_type", "lora_init", "lora_target", "lora_export_formats",
-        "attention_backend", "data_config.bucket_mode", "quantization.backend", "quantization.weights"}
+        "attention_backend", "compile_mode", "data_config.bucket_mode", "quantization.backend", "quantization.weights"}
     assert dict((key, f.metadata["choices"]) for key, _, f in choice_fields())["adapter_type"] == ("lora", "lokr", "loha")
+
+
+# Keys a choice needs set to load at all: the whole-model compile modes need no gradient checkpointing.
+CHOICE_NEEDS = {"compile_mode": ["gradient_checkpointing=false"]}
 
 
 @pytest.mark.parametrize("key", [key for key, _, _ in choice_fields()])
@@ -464,6 +468,7 @@ def test_choices_come_from_field_metadata(data_dir: Path, key: str) -> None:
     for value in f.metadata["choices"]:
         context = [f"{prefix}{by[0]}={b}" for b, formats in by[1].items() if value in formats] if by else []
         context += [f"{prefix}{g.name}={g.metadata['choices_by'][1][value][0]}" for g in dependents]
+        context += CHOICE_NEEDS.get(key, [])
         cfg = load_config(None, base(data_dir) + context + [f"{key}=[{value}]" if listy else f"{key}={value}"])
         assert OmegaConf.select(OmegaConf.structured(cfg), key) == ([value] if listy else value)
     with pytest.raises(ConfigError) as err:

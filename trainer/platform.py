@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from accelerate import Accelerator
@@ -318,3 +318,53 @@ def compile_blocks(blocks: Sequence[torch.nn.Module], fallback_to_eager: bool) -
         block.forward = torch.compile(block.forward)
     logger.info(f"compiling {len(blocks)} transformer blocks (torch.compile): the first step includes "
                 "the compilation")
+
+
+COMPILE_MODES = {"model": None, "model_cudagraphs": "reduce-overhead"}  # compile_mode -> torch.compile's mode
+
+
+def compile_for_training(cfg: TrainConfig, transformer: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> None:
+    """Compile as ``compile_mode`` says: each block (``blocks``), or the whole transformer once with its blocks
+    as one nested compile region (``model``; ``model_cudagraphs`` adds CUDA graphs). ``compile: null`` (auto)
+    lets a block the compiler fails on run eagerly."""
+    if cfg.compile_mode == "blocks":
+        compile_blocks(blocks, fallback_to_eager=cfg.compile is None)
+    else:
+        compile_whole_model(transformer, blocks, COMPILE_MODES[cfg.compile_mode])
+
+
+def _region_classes(blocks: Sequence[torch.nn.Module]) -> Dict[type, type]:
+    """For each block class (FLUX has two), a subclass whose ``forward`` is one nested compile region: the
+    compiler traces a block once and stamps it out for the others (their weights are its inputs).
+
+    The region must be the class's ``forward`` (torch's documented form): marked on an instance's ``forward``
+    instead, torch 2.13 reused the first block's graph with the first block's weights for every block (silently
+    wrong outputs, tests/test_whole_model_compile.py). dynamo keys reuse on the function's code object, so each
+    class's function gets one of its own."""
+    classes: Dict[type, type] = {}
+    for cls in dict.fromkeys(type(block) for block in blocks):
+        def forward(self: torch.nn.Module, *args: Any, _forward: Any = cls.forward, **kwargs: Any) -> Any:
+            return _forward(self, *args, **kwargs)
+
+        forward.__code__ = forward.__code__.replace(co_name=f"forward_{cls.__name__}")
+        classes[cls] = type(cls.__name__, (cls,), {"forward": torch.compiler.nested_compile_region(forward),
+                                                   "__module__": cls.__module__})
+    return classes
+
+
+def compile_whole_model(transformer: torch.nn.Module, blocks: Sequence[torch.nn.Module], mode: Optional[str]) -> None:
+    """``torch.compile`` the transformer's forward once, its blocks marked with
+    ``torch.compiler.nested_compile_region``: one forward and one backward graph per step instead of one per
+    block, so the host issues far less (and with ``mode="reduce-overhead"`` replays CUDA graphs). Only without
+    gradient checkpointing and block swap (the config's checks): the recompute and the swap hooks run per block.
+    Each block becomes an instance of its class's region subclass (same name, weights and state dict)."""
+    if getattr(torch.compiler, "nested_compile_region", None) is None:
+        raise ConfigError(f"key 'compile_mode': compiling the whole model needs torch.compiler.nested_compile_region "
+                          f"(torch >= 2.9; this is {torch.__version__}); set compile_mode: blocks")
+    classes = _region_classes(blocks)
+    for block in blocks:
+        block.__class__ = classes[type(block)]
+    transformer.forward = torch.compile(transformer.forward, mode=mode)
+    logger.info(f"compiling the whole transformer once ({len(blocks)} blocks as one nested region"
+                + (", CUDA graphs" if mode == "reduce-overhead" else "") + "): the first step includes the compilation")
+

@@ -35,6 +35,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
+from step_anatomy import Breakdown, StepAnatomy, Utilisation, breakdown_from_events, median_ms, name_category, \
+    recompute_fraction, steady_intervals
 from trainer.model.adapters import trained_weights
 from trainer.step.async_step import StepReadout, arm_device_skip, device_skip_supported, step_values
 from trainer.model.block_swap import BlockSwapper
@@ -512,16 +514,29 @@ class StepReport:
     peak_gib: Optional[float]  # torch.cuda.max_memory_allocated over the steps
     reserved_gib: Optional[float]  # torch.cuda.max_memory_reserved over the steps
     build_seconds: float = 0.0
+    readout_lag: int = 0  # StepReadout's lag: 1 makes the last interval the flush (the GPU's tail), not a step
+    host_times: List[float] = field(default_factory=list)  # per step: time to queue it, no synchronisation
 
     @property
     def steady_times(self) -> List[float]:
-        """Step times without the warm-up steps (the first two, or one when there are only two)."""
-        skip = min(2, len(self.step_times) - 1)
-        return self.step_times[skip:]
+        """Step times without the warm-up steps (the first two, or one when there are only two) and without
+        the read-out's final flush interval (``step_anatomy.steady_intervals``)."""
+        return steady_intervals(self.step_times, 2, self.readout_lag > 0)
 
     @property
     def median_step_s(self) -> float:
         return statistics.median(self.steady_times)
+
+    @property
+    def flush_tail_s(self) -> Optional[float]:
+        """The last interval when it is the flush: how far the GPU was behind when the host had issued the
+        last step (near a full step: the GPU limits; near zero: the host does)."""
+        return self.step_times[-1] if self.readout_lag > 0 and len(self.step_times) > 1 else None
+
+    @property
+    def host_ms(self) -> Optional[float]:
+        """Median time to issue one step of the steady state (the same steps as ``steady_times``), in ms."""
+        return median_ms(self.host_times[min(2, len(self.host_times) - 1):]) if self.host_times else None
 
     @property
     def finite(self) -> bool:
@@ -551,8 +566,12 @@ def run_steps(rig: Rig, steps: int, resolution: int, batch_size: int = 1, seed: 
     _reset_peak(rig.device)
     _sync(rig.device)
     reads = [(time.perf_counter(), math.nan)]  # (when a step's loss was read, the loss)
+    host_times = []
     for step in range(steps):
-        records = readout.push(queue_step(rig, batch, gen, noise, sigmas), step + 1, 0, 0.0)
+        start = time.perf_counter()
+        values = queue_step(rig, batch, gen, noise, sigmas)
+        host_times.append(time.perf_counter() - start)  # issued, not waited for
+        records = readout.push(values, step + 1, 0, 0.0)
         reads += [(time.perf_counter(), r.loss) for r in records]
     reads += [(time.perf_counter(), r.loss) for r in readout.flush()]
     times = [now - before for (before, _), (now, _) in zip(reads, reads[1:])]
@@ -561,7 +580,7 @@ def run_steps(rig: Rig, steps: int, resolution: int, batch_size: int = 1, seed: 
     return StepReport(rig.name, device_name(rig.device), str(rig.dtype).removeprefix("torch."), resolution,
                       batch_size, rig.cfg.gradient_checkpointing not in (False, 0), rig.attention.name,
                       batch.image_tokens, batch.text_tokens, rig.trainable, times, losses,
-                      _peak_gib(rig.device), reserved, rig.build_seconds)
+                      _peak_gib(rig.device), reserved, rig.build_seconds, readout.lag, host_times)
 
 
 def lora_steps(family: str, steps: int = 10, resolution: int = 1024, dtype: torch.dtype = torch.bfloat16,
@@ -794,6 +813,7 @@ class MemoryReport:
     planned_gib: Optional[float]  # utils.memory_planner's training peak, when the planner exists
     steps: Optional[StepReport] = None
     compiled: bool = False  # the blocks were compiled (the profile's own compile setting)
+    anatomy: Optional[StepAnatomy] = None  # the step explained, from one profiled step (memory_profile's anatomy)
 
     @property
     def measured_gib(self) -> Optional[float]:
@@ -861,11 +881,13 @@ def planned_training_gib(cfg: TrainConfig, text: int) -> Optional[float]:
 
 def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: Scale = FULL,
                    resolution: int = 1024, steps: int = 3, family: str = "qwen_image",
-                   overrides: Sequence[str] = (), inspect: Optional[Callable[[Rig], None]] = None) -> MemoryReport:
+                   overrides: Sequence[str] = (), inspect: Optional[Callable[[Rig], None]] = None,
+                   anatomy: bool = False) -> MemoryReport:
     """Train a few steps with a low-memory profile (quantized blocks, 8-bit AdamW, block swap) built
     as the engine builds it, and measure its peak against the budget and the planner. ``overrides``
     change the profile (another weight format, more or fewer swapped blocks); ``inspect`` is called
-    with the rig after the steps (tests look at what the engine built)."""
+    with the rig after the steps (tests look at what the engine built); ``anatomy``: one more step profiled,
+    and the step explained (``step_anatomy``)."""
     yaml, budget = PROFILES[profile]
     family = PROFILE_FAMILIES.get(profile, family)
     device = torch.device(device)
@@ -880,8 +902,9 @@ def memory_profile(profile: str, device: torch.device | str = "cuda", *, scale: 
         outside = _outside_allocator_gib(device)
         device_peak = None if outside is None else steps_report.reserved_gib + outside
         planned = planned_training_gib(rig.cfg, steps_report.text_tokens)
+        explained = step_anatomy(rig, steps_report, profile_step(rig, resolution, warmup=False)) if anatomy else None
         return MemoryReport(profile, budget, swap, rig.load_peak_gib, steps_report.peak_gib, device_peak,
-                            planned, steps_report, rig.compiled)
+                            planned, steps_report, rig.compiled, explained)
 
 
 # =========================================================================== FLOPs and MFU
@@ -1018,18 +1041,11 @@ class KernelRow:
     share: float  # of all self time
 
 
-# Kernel categories for the profile's advice, matched against kernel / op names (first match wins).
-KERNEL_CATEGORIES: Tuple[Tuple[str, str], ...] = (
-    ("attention", r"flash|fmha|attention|sdpa|attn"),
-    ("optimizer", r"adam|multi_tensor|foreach|optim"),
-    ("gemm", r"gemm|matmul|addmm|\bmm\b|aten::mm|cutlass|nvjet|xmma|sm90_|sm80_|cublas|linear"),
-)
-
-
 def kernel_category(name: str) -> str:
-    """``attention``, ``optimizer``, ``gemm`` or ``other`` (elementwise, norms, copies)."""
-    lowered = name.lower()
-    return next((cat for cat, pattern in KERNEL_CATEGORIES if re.search(pattern, lowered)), "other")
+    """``attention``, ``optimizer``, ``gemm`` or ``other`` (elementwise, norms, copies): the advice's coarse
+    view of ``step_anatomy.name_category``, the one classifier of kernel names."""
+    category = name_category(name)
+    return "other" if category in ("elementwise", "copy") else category
 
 
 @dataclass
@@ -1048,7 +1064,7 @@ class KernelProfile:
 
     def shares(self) -> Dict[str, float]:
         """Share of kernel time per ``kernel_category``."""
-        out = {cat: 0.0 for cat, _ in KERNEL_CATEGORIES} | {"other": 0.0}
+        out = {cat: 0.0 for cat in ("attention", "optimizer", "gemm", "other")}
         for row in self.rows:
             out[kernel_category(row.name)] += row.share
         return out
@@ -1080,6 +1096,36 @@ def profile_top_kernels(rig: Rig, resolution: int, steps: int = 2) -> KernelProf
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     rows = [KernelRow(e.key, e.count, getattr(e, attr) / 1000, getattr(e, attr) / total) for e in events]
     return KernelProfile(rows, steps, wall, "cuda" if cuda else "cpu")
+
+
+def profile_step(rig: Rig, resolution: int, warmup: bool = True) -> Breakdown:
+    """One training step under ``torch.profiler`` (after a warm-up step unless ``warmup`` is False), its
+    kernels classified by ``step_anatomy`` (GEMMs, attention, elementwise, LoRA by the rank, optimizer,
+    copies). On the CPU the CPU ops stand for the kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = random_batch(rig.family, rig.config, resolution, rig.device, rig.dtype)
+    gen = torch.Generator().manual_seed(0)
+    if warmup:
+        train_step(rig, batch, gen)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rig.device.type == "cuda" else [])
+    _sync(rig.device)
+    with profile(activities=activities, record_shapes=True) as prof:  # the shapes tell LoRA's GEMMs apart
+        train_step(rig, batch, gen)
+        _sync(rig.device)
+    return breakdown_from_events(prof.events(), rig.cfg.rank if rig.cfg.training_mode == "lora" else None)
+
+
+def step_anatomy(rig: Rig, report: StepReport, profile: Optional[Breakdown] = None) -> StepAnatomy:
+    """``report``'s step explained (``step_anatomy.StepAnatomy``): s/step without the flush, host ms, the
+    profile's GPU busy ms and breakdown, MFU and HFU (the checkpointed blocks' recompute counted)."""
+    flops = rig_flops(rig, report)
+    fraction = recompute_fraction(rig.cfg.gradient_checkpointing, len(rig.blocks))
+    utilisation = Utilisation(flops.training, flops.recompute, fraction, report.median_step_s,
+                              peak_bf16_tflops(device_name(rig.device)))
+    tail = report.flush_tail_s
+    return StepAnatomy(report.median_step_s, report.host_ms, None if tail is None else tail * 1000, utilisation,
+                       profile)
 
 
 def _on_device(event: Any) -> bool:
@@ -1124,8 +1170,8 @@ __all__ = [
     "FAMILIES", "FULL", "KLEIN_9B", "PROFILES", "QUICK", "PROFILE_FAMILIES", "SCALES", "TINY", "Batch", "KernelProfile",
     "Rig", "Scale",
     "StepFlops",
-    "StepReport", "build_meta_transformer", "build_rig", "build_transformer", "compare_attention_backends",
+    "StepReport", "build_meta_transformer", "step_anatomy", "build_rig", "build_transformer", "compare_attention_backends",
     "convergence", "family_flops", "fp8_smoke", "gradient_flow", "lora_steps", "machine_facts", "materialise",
-    "memory_profile", "mfu", "model_folder", "peak_bf16_tflops", "profile_top_kernels", "random_batch",
+    "memory_profile", "mfu", "model_folder", "peak_bf16_tflops", "profile_step", "profile_top_kernels", "random_batch",
     "rig_session", "run_steps", "step_flops", "train_config", "transformer_config", "write_model_folder",
 ]

@@ -288,7 +288,19 @@ def _readable_size(text: str) -> bool:
 
 
 def _platform_problems(cfg: TrainConfig) -> List[str]:
+    whole = cfg.compile_mode != "blocks"
     return failing(
+        # The recompute runs per block outside the graph (and CUDA graphs fail with it: pytorch#154306); the
+        # swap hooks move each block's weights between its calls.
+        (not (whole and cfg.gradient_checkpointing not in (False, 0)),
+         f"key 'compile_mode': value '{cfg.compile_mode}' compiles the whole transformer at once, which needs "
+         "gradient_checkpointing: false (checkpointed blocks are recomputed one by one); set "
+         "gradient_checkpointing: false or compile_mode: blocks"),
+        (not (whole and cfg.blocks_to_swap), f"key 'compile_mode': value '{cfg.compile_mode}' cannot swap blocks "
+                                             "(block swap moves each block's weights between its calls); set "
+                                             "blocks_to_swap: 0 or compile_mode: blocks"),
+        (not (whole and cfg.compile is False), f"key 'compile_mode': value '{cfg.compile_mode}' with compile: false "
+                                               "compiles nothing; set compile: true (or null) or remove compile_mode"),
         (0 < cfg.memory_fraction <= 1, f"key 'memory_fraction': value {cfg.memory_fraction} must be in (0, 1]"),
         (cfg.fastsafetensors_num_threads >= 1,
          f"key 'fastsafetensors_num_threads': value {cfg.fastsafetensors_num_threads} must be >= 1"),

@@ -433,6 +433,11 @@ class TrainConfig:
     # torch.compile of the transformer's repeated blocks. null (auto): on for CUDA with triton and runs
     # of 100+ steps, off on the CPU and for quanto-quantized blocks; the first step pays the compilation.
     compile: Optional[bool] = None
+    # What one compilation covers: each block (blocks, the default); the whole transformer once with its blocks as
+    # one nested region (model: one graph per pass, far less host work per step); model_cudagraphs adds CUDA
+    # graphs (the least host work, a few GiB more). Both model modes need gradient_checkpointing: false.
+    compile_mode: str = one_of("blocks", ("blocks", "model", "model_cudagraphs"),
+                               "blocks: each block compiled; model: the whole transformer at once")
     unified_memory: bool = False
     disable_cpu_offload: bool = False
     pin_memory: bool = True

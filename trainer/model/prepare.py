@@ -22,7 +22,7 @@ from trainer.model.adapters import TrainedWeights, skip_lora_input_upcast
 from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from utils.errors import ConfigError
-from trainer.platform import attention_shape, choose_attention, compile_blocks, compile_decision, maybe_fp8
+from trainer.platform import attention_shape, choose_attention, compile_decision, compile_for_training, maybe_fp8
 from trainer.model.quantization import place, quantization_spec, resolve_auto
 from utils.attention import AttentionChoice
 
@@ -71,7 +71,7 @@ def prepare_transformer(cfg: TrainConfig, family: ModelFamily, transformer: torc
     swapper = BlockSwapper(blocks, cfg.blocks_to_swap, device)
     logger.info(f"torch.compile of the blocks: {why}")
     if compiled:
-        compile_blocks(blocks, fallback_to_eager=cfg.compile is None)
+        compile_for_training(cfg, transformer, blocks)
     return TrainableTransformer(transformer, blocks, attention, swapper, compiled, fp8, trainable)
 
 
