@@ -185,3 +185,38 @@ def run_entry(script: str, config: str, overrides: List[str], launcher: bool = T
     cmd = prefix + [str(ROOT / script), "--config", str(ROOT / config), *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_cli_in_process(family: str, config: str | Path, overrides: List[str],
+                       capsys: pytest.CaptureFixture) -> subprocess.CompletedProcess:
+    """What an entry script does (``trainer.cli.main`` for ``family``), in this process, returned as
+    ``run_entry`` returns it: exit code, stdout and stderr (loguru's lines included).
+
+    For tests of what the CLI says and how it exits: a subprocess would add a Python start-up (the
+    torch/diffusers imports, seconds each) and test nothing more. Each entry script keeps a real
+    subprocess test elsewhere. An exception the CLI does not turn into an exit code fails the test
+    here, as its traceback would there."""
+    from accelerate.state import AcceleratorState
+
+    from trainer.cli import main
+
+    capsys.readouterr()  # only this run's output
+    _log_to_current_stderr()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        code = main(family, "in-process run", ["--config", str(ROOT / config), *overrides])
+    except SystemExit as exc:  # argparse's own exits
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        _log_to_current_stderr()  # the run bound its handlers to this test's captured stream
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["trainer.cli.main", family, *overrides], code, captured.out, captured.err)
+
+
+def _log_to_current_stderr() -> None:
+    """loguru to one handler that looks ``sys.stderr`` up per message, so each test's capture gets its lines
+    and none go to a capture stream an earlier test closed."""
+    logger.remove()
+    logger.add(lambda message: sys.stderr.write(message), level="INFO",
+               format="{time:HH:mm:ss} | {level: <8} | {message}")
