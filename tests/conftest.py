@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List
+from unittest import mock
 
 import pytest
 from loguru import logger
@@ -187,31 +189,35 @@ def run_entry(script: str, config: str, overrides: List[str], launcher: bool = T
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_cli_in_process(family: str, config: str | Path, overrides: List[str],
-                       capsys: pytest.CaptureFixture) -> subprocess.CompletedProcess:
-    """What an entry script does (``trainer.cli.main`` for ``family``), in this process, returned as
-    ``run_entry`` returns it: exit code, stdout and stderr (loguru's lines included).
+def run_script_in_process(script: str, config: str | Path, overrides: List[str],
+                          capsys: pytest.CaptureFixture) -> subprocess.CompletedProcess:
+    """The entry script ``script`` run as ``__main__`` in this process (``runpy``, its own ``sys.argv``),
+    returned as ``run_entry(..., launcher=False)`` returns it: exit code, stdout and stderr (loguru's lines
+    included).
 
-    For tests of what the CLI says and how it exits: a subprocess would add a Python start-up (the
+    For tests of what a script says and how it exits: a subprocess would add a Python start-up (the
     torch/diffusers imports, seconds each) and test nothing more. Each entry script keeps a real
-    subprocess test elsewhere. An exception the CLI does not turn into an exit code fails the test
+    subprocess test elsewhere. An exception the script does not turn into an exit code fails the test
     here, as its traceback would there."""
     from accelerate.state import AcceleratorState
-
-    from trainer.cli import main
 
     capsys.readouterr()  # only this run's output
     _log_to_current_stderr()
     AcceleratorState._reset_state(reset_partial_state=True)
+    argv = [str(ROOT / script), "--config", str(ROOT / config), *overrides]
     try:
-        code = main(family, "in-process run", ["--config", str(ROOT / config), *overrides])
-    except SystemExit as exc:  # argparse's own exits
-        code = exc.code if isinstance(exc.code, int) else 1
+        with mock.patch.object(sys, "argv", argv):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+        code = 0
+    except SystemExit as exc:  # sys.exit(main(...)), or argparse's own exit
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        if isinstance(exc.code, str):  # SystemExit("error: ..."): the interpreter prints it
+            print(exc.code, file=sys.stderr)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         _log_to_current_stderr()  # the run bound its handlers to this test's captured stream
     captured = capsys.readouterr()
-    return subprocess.CompletedProcess(["trainer.cli.main", family, *overrides], code, captured.out, captured.err)
+    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
 
 
 def _log_to_current_stderr() -> None:

@@ -9,7 +9,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import ROOT, run_cli_in_process, run_entry
+from conftest import ROOT, run_entry, run_script_in_process
 from trainer.config import load_config
 from trainer.run_folder.run_dir import RunFolder
 from utils.errors import ConfigError
@@ -20,10 +20,10 @@ QUICKSTART = "train_configs/quickstart_tiny.yaml"
 
 @pytest.fixture
 def run(capsys: pytest.CaptureFixture) -> Callable[..., subprocess.CompletedProcess]:
-    """``run(*overrides)``: train.py's CLI on the quickstart profile, in this process (what it says and its
-    exit code; the real ``train.py`` process is tested below, on the uncached hub id)."""
-    return lambda *overrides: run_cli_in_process("qwen_image", QUICKSTART,
-                                                 ["report_to=none", "max_train_steps=1", *overrides], capsys)
+    """``run(*overrides)``: train.py on the quickstart profile, in this process (what it says and its exit
+    code; train.py as its own process is tested below, on the uncached hub id)."""
+    return lambda *overrides: run_script_in_process("train.py", QUICKSTART,
+                                                    ["report_to=none", "max_train_steps=1", *overrides], capsys)
 
 
 def assert_clear_error(result, *needles: str) -> None:

@@ -15,7 +15,7 @@ import torch
 from diffusers import QwenImageEditPlusPipeline
 from PIL import Image
 
-from conftest import train_in_process, lora_keys_match, run_cli_in_process
+from conftest import train_in_process, lora_keys_match, run_script_in_process
 from trainer.engine import Trainer
 from utils.qwen_processor import load_qwen_vl_processor
 
@@ -44,8 +44,8 @@ def in_process(*args: str) -> Trainer:
 
 
 def refused(capsys: pytest.CaptureFixture, *args: str):
-    """train_qwen_edit_lora.py's CLI in this process (the script itself runs in test_family_e2e.py)."""
-    return run_cli_in_process("qwen_image_edit", CONFIG, list(args), capsys)
+    """train_qwen_edit_lora.py in this process (as its own process it trains in test_family_e2e.py)."""
+    return run_script_in_process("train_qwen_edit_lora.py", CONFIG, list(args), capsys)
 
 
 def test_edit_plus_two_references(tiny_qwen_image_edit_plus: Path, edit_data_two_refs: Path,
@@ -107,6 +107,6 @@ def test_no_reference_folder_and_too_many_references(tiny_qwen_image_edit: Path,
 
 def test_control_dir_is_refused_for_text_to_image(sample_data: Path, edit_data: Path, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture) -> None:
-    result = run_cli_in_process("qwen_image", "train_configs/quickstart_tiny.yaml", [
+    result = run_script_in_process("train.py", "train_configs/quickstart_tiny.yaml", [
         f"data_config.img_dir={sample_data}", f"data_config.control_dir={edit_data.parent / 'control'}"], capsys)
     assert result.returncode == 2 and "reference images are only used by the qwen_image_edit" in result.stderr
