@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,15 +25,41 @@ from utils.tiny_models import FAMILIES as TINY_BUILDERS, build_tiny_pipeline  # 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_model(name)``: the folder of the tiny random pipeline ``name`` (a family of the registry,
-    or ``qwen_image_edit_plus``), built offline with the real classes once per session."""
+    or ``qwen_image_edit_plus``), built offline with the real classes once per pytest run: under
+    pytest-xdist the workers share one build of each (read-only, like any session fixture)."""
     built: Dict[str, Path] = {}
+    root = shared_session_folder(tmp_path_factory, "tiny-models")
 
     def build(name: str) -> Path:
         if name not in built:
-            built[name] = build_tiny_pipeline(name, tmp_path_factory.mktemp("models") / f"tiny-{name}", seed=0)
+            built[name] = build_once(root / f"tiny-{name}", lambda out: build_tiny_pipeline(name, out, seed=0))
         return built[name]
 
     return build
+
+
+def shared_session_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder every pytest-xdist worker of this run sees (their temp folders share a parent; each run
+    gets a new one), or this session's own without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def build_once(folder: Path, make: Callable[[Path], Any]) -> Path:
+    """``folder``, made by ``make(folder)`` unless another worker has made it. A lock makes the others
+    wait for the one building (cheaper than building the same thing again on the same cores), and the
+    build goes to a side folder renamed into place, so no one sees half of it."""
+    from filelock import FileLock  # a dependency of huggingface_hub, so always installed
+
+    with FileLock(str(folder.with_name(folder.name + ".lock"))):
+        if not folder.is_dir():
+            partial = folder.with_name(folder.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            make(partial)
+            partial.rename(folder)
+    return folder
 
 
 def _tiny_fixture(name: str) -> Callable[..., Path]:
