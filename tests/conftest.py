@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List
+from unittest import mock
 
 import pytest
 from loguru import logger
@@ -22,15 +25,41 @@ from utils.tiny_models import FAMILIES as TINY_BUILDERS, build_tiny_pipeline  # 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_model(name)``: the folder of the tiny random pipeline ``name`` (a family of the registry,
-    or ``qwen_image_edit_plus``), built offline with the real classes once per session."""
+    or ``qwen_image_edit_plus``), built offline with the real classes once per pytest run: under
+    pytest-xdist the workers share one build of each (read-only, like any session fixture)."""
     built: Dict[str, Path] = {}
+    root = shared_session_folder(tmp_path_factory, "tiny-models")
 
     def build(name: str) -> Path:
         if name not in built:
-            built[name] = build_tiny_pipeline(name, tmp_path_factory.mktemp("models") / f"tiny-{name}", seed=0)
+            built[name] = build_once(root / f"tiny-{name}", lambda out: build_tiny_pipeline(name, out, seed=0))
         return built[name]
 
     return build
+
+
+def shared_session_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder every pytest-xdist worker of this run sees (their temp folders share a parent; each run
+    gets a new one), or this session's own without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def build_once(folder: Path, make: Callable[[Path], Any]) -> Path:
+    """``folder``, made by ``make(folder)`` unless another worker has made it. A lock makes the others
+    wait for the one building (cheaper than building the same thing again on the same cores), and the
+    build goes to a side folder renamed into place, so no one sees half of it."""
+    from filelock import FileLock  # a dependency of huggingface_hub, so always installed
+
+    with FileLock(str(folder.with_name(folder.name + ".lock"))):
+        if not folder.is_dir():
+            partial = folder.with_name(folder.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            make(partial)
+            partial.rename(folder)
+    return folder
 
 
 def _tiny_fixture(name: str) -> Callable[..., Path]:
@@ -193,3 +222,42 @@ def run_entry(script: str, config: str, overrides: List[str], launcher: bool = T
     cmd = prefix + [str(ROOT / script), "--config", str(ROOT / config), *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_script_in_process(script: str, config: str | Path, overrides: List[str],
+                          capsys: pytest.CaptureFixture) -> subprocess.CompletedProcess:
+    """The entry script ``script`` run as ``__main__`` in this process (``runpy``, its own ``sys.argv``),
+    returned as ``run_entry(..., launcher=False)`` returns it: exit code, stdout and stderr (loguru's lines
+    included).
+
+    For tests of what a script says and how it exits: a subprocess would add a Python start-up (the
+    torch/diffusers imports, seconds each) and test nothing more. Each entry script keeps a real
+    subprocess test elsewhere. An exception the script does not turn into an exit code fails the test
+    here, as its traceback would there."""
+    from accelerate.state import AcceleratorState
+
+    capsys.readouterr()  # only this run's output
+    _log_to_current_stderr()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    argv = [str(ROOT / script), "--config", str(ROOT / config), *overrides]
+    try:
+        with mock.patch.object(sys, "argv", argv):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+        code = 0
+    except SystemExit as exc:  # sys.exit(main(...)), or argparse's own exit
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        if isinstance(exc.code, str):  # SystemExit("error: ..."): the interpreter prints it
+            print(exc.code, file=sys.stderr)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        _log_to_current_stderr()  # the run bound its handlers to this test's captured stream
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+
+
+def _log_to_current_stderr() -> None:
+    """loguru to one handler that looks ``sys.stderr`` up per message, so each test's capture gets its lines
+    and none go to a capture stream an earlier test closed."""
+    logger.remove()
+    logger.add(lambda message: sys.stderr.write(message), level="INFO",
+               format="{time:HH:mm:ss} | {level: <8} | {message}")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from conftest import ROOT, run_entry
+from conftest import ROOT, run_entry, run_script_in_process
 from trainer.config import load_config
 from trainer.run_folder.run_dir import RunFolder
 from utils.errors import ConfigError
@@ -17,8 +18,12 @@ from utils.folders import writable_folder
 QUICKSTART = "train_configs/quickstart_tiny.yaml"
 
 
-def run(*overrides: str):
-    return run_entry("train.py", QUICKSTART, ["report_to=none", "max_train_steps=1", *overrides], launcher=False)
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture) -> Callable[..., subprocess.CompletedProcess]:
+    """``run(*overrides)``: train.py on the quickstart profile, in this process (what it says and its exit
+    code; train.py as its own process is tested below, on the uncached hub id)."""
+    return lambda *overrides: run_script_in_process("train.py", QUICKSTART,
+                                                    ["report_to=none", "max_train_steps=1", *overrides], capsys)
 
 
 def assert_clear_error(result, *needles: str) -> None:
@@ -30,19 +35,22 @@ def assert_clear_error(result, *needles: str) -> None:
         assert needle in result.stderr
 
 
-def test_missing_model_folder(sample_data: Path, tmp_path: Path) -> None:
+def test_missing_model_folder(run, sample_data: Path, tmp_path: Path) -> None:
     result = run(f"pretrained_model_name_or_path={tmp_path}/no-such-model", f"data_config.img_dir={sample_data}",
                  f"output_dir={tmp_path}/out")
     assert_clear_error(result, "pretrained_model_name_or_path", "no-such-model", "does not exist")
 
 
 def test_uncached_hub_id_says_how_to_download(sample_data: Path, tmp_path: Path) -> None:
-    result = run("pretrained_model_name_or_path=nobody/not-a-cached-model", f"data_config.img_dir={sample_data}",
-                 f"output_dir={tmp_path}/out")
+    """train.py started as a user starts it (offline, as run_entry sets it)."""
+    result = run_entry("train.py", QUICKSTART, ["report_to=none", "max_train_steps=1",
+                                                "pretrained_model_name_or_path=nobody/not-a-cached-model",
+                                                f"data_config.img_dir={sample_data}", f"output_dir={tmp_path}/out"],
+                       launcher=False)
     assert_clear_error(result, "nobody/not-a-cached-model", "Download it first")
 
 
-def test_missing_caption_and_unreadable_image(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+def test_missing_caption_and_unreadable_image(run, tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"
     shutil.copytree(sample_data, data)
     (data / "img2.txt").unlink()
@@ -58,14 +66,14 @@ def test_missing_caption_and_unreadable_image(tiny_qwen_image: Path, sample_data
     assert "skipping" in result.stderr and "4 samples from" in result.stderr
 
 
-def test_typo_in_config_key(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+def test_typo_in_config_key(run, tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
     result = run(f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
                  "learnig_rate=1e-4")
     assert_clear_error(result, "unknown key 'learnig_rate' (did you mean 'learning_rate'?)")
 
 
-def test_output_folder_of_another_run_is_not_overwritten(tiny_qwen_image: Path, sample_data: Path,
-                                                         tmp_path: Path) -> None:
+def test_output_folder_of_another_run_is_not_overwritten(run, tiny_qwen_image: Path, sample_data: Path,
+                                                              tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     previous = out / "pytorch_lora_weights.safetensors"
@@ -76,14 +84,15 @@ def test_output_folder_of_another_run_is_not_overwritten(tiny_qwen_image: Path, 
     assert previous.read_bytes() == b"the user's earlier LoRA"
 
 
-def test_resume_from_a_missing_checkpoint(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+def test_resume_from_a_missing_checkpoint(run, tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
     result = run(f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
                  f"output_dir={tmp_path}/out", f"resume_from_checkpoint={tmp_path}/checkpoint-9")
     assert_clear_error(result, "resume_from_checkpoint", "is not a complete checkpoint folder")
 
 
 # -- filesystem mistakes: one line naming the key, the path and what to do -----------------------------
-def test_an_output_dir_that_is_a_file_is_one_line(tiny_qwen_image: Path, sample_data: Path, tmp_path: Path) -> None:
+def test_an_output_dir_that_is_a_file_is_one_line(run, tiny_qwen_image: Path, sample_data: Path,
+                                                   tmp_path: Path) -> None:
     (tmp_path / "out").write_text("not a folder")
     result = run(f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={sample_data}",
                  f"output_dir={tmp_path}/out")

@@ -221,7 +221,7 @@ def named_files(words: List[str]) -> Iterator[str]:
             word = word.partition("=")[2]
         elif "=" in word:  # a key=value override
             continue
-        word = _clean(word.strip("[]()"))
+        word = _clean(word.strip("[]()")).partition("::")[0]  # a pytest node id names its file
         if any(ch in word for ch in "*$<>{}") or word.startswith("/"):
             continue
         if "/" in word and word.split("/")[0] in PROJECT_DIRS or word.startswith("../"):

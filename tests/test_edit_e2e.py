@@ -15,7 +15,7 @@ import torch
 from diffusers import QwenImageEditPlusPipeline
 from PIL import Image
 
-from conftest import train_in_process, lora_keys_match, run_entry
+from conftest import train_in_process, lora_keys_match, run_script_in_process
 from trainer.engine import Trainer
 from utils.qwen_processor import load_qwen_vl_processor
 
@@ -41,6 +41,11 @@ def render(pipe, references: list) -> np.ndarray:
 
 def in_process(*args: str) -> Trainer:
     return train_in_process(CONFIG, "qwen_image_edit", *args)
+
+
+def refused(capsys: pytest.CaptureFixture, *args: str):
+    """train_qwen_edit_lora.py in this process (as its own process it trains in test_family_e2e.py)."""
+    return run_script_in_process("train_qwen_edit_lora.py", CONFIG, list(args), capsys)
 
 
 def test_edit_plus_two_references(tiny_qwen_image_edit_plus: Path, edit_data_two_refs: Path,
@@ -80,29 +85,28 @@ def test_references_condition_the_prediction(tiny_qwen_image_edit: Path, edit_da
     assert not torch.allclose(with_ref, other_ref)
 
 
-def test_target_without_reference_is_named(tiny_qwen_image_edit: Path, edit_data: Path, tmp_path: Path) -> None:
+def test_target_without_reference_is_named(tiny_qwen_image_edit: Path, edit_data: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture) -> None:
     data = tmp_path / "d"
     shutil.copytree(edit_data.parent, data)
     (data / "control" / "pair3.png").unlink()
-    result = run_entry("train_qwen_edit_lora.py", CONFIG, overrides(
-        tiny_qwen_image_edit, data / "images", tmp_path / "out", "max_train_steps=1"), launcher=False)
+    result = refused(capsys, *overrides(tiny_qwen_image_edit, data / "images", tmp_path / "out", "max_train_steps=1"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "images/pair3.png: no reference image pair3.* in control/" in result.stderr
 
 
 def test_no_reference_folder_and_too_many_references(tiny_qwen_image_edit: Path, sample_data: Path,
-                                                     edit_data_two_refs: Path, tmp_path: Path) -> None:
-    result = run_entry("train_qwen_edit_lora.py", CONFIG, overrides(
-        tiny_qwen_image_edit, sample_data, tmp_path / "a", "max_train_steps=1"), launcher=False)
+                                                     edit_data_two_refs: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    result = refused(capsys, *overrides(tiny_qwen_image_edit, sample_data, tmp_path / "a", "max_train_steps=1"))
     assert result.returncode == 2 and "trains on reference images: set data_config.control_dir" in result.stderr
-    result = run_entry("train_qwen_edit_lora.py", CONFIG, overrides(
-        tiny_qwen_image_edit, edit_data_two_refs, tmp_path / "b", "max_train_steps=1"), launcher=False)
+    result = refused(capsys, *overrides(tiny_qwen_image_edit, edit_data_two_refs, tmp_path / "b", "max_train_steps=1"))
     assert result.returncode == 2
     assert "QwenImageEditPipeline takes at most 1 reference image(s) per sample, but 2" in result.stderr
 
 
-def test_control_dir_is_refused_for_text_to_image(sample_data: Path, edit_data: Path, tmp_path: Path) -> None:
-    result = run_entry("train.py", "train_configs/quickstart_tiny.yaml", [
-        f"data_config.img_dir={sample_data}", f"data_config.control_dir={edit_data.parent / 'control'}"],
-        launcher=False)
+def test_control_dir_is_refused_for_text_to_image(sample_data: Path, edit_data: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    result = run_script_in_process("train.py", "train_configs/quickstart_tiny.yaml", [
+        f"data_config.img_dir={sample_data}", f"data_config.control_dir={edit_data.parent / 'control'}"], capsys)
     assert result.returncode == 2 and "reference images are only used by the qwen_image_edit" in result.stderr

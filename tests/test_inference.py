@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -18,10 +19,29 @@ from conftest import ROOT, train_in_process
 pytestmark = pytest.mark.e2e
 
 
-def infer(*args: str) -> subprocess.CompletedProcess:
+def infer_process(*args: str) -> subprocess.CompletedProcess:
+    """inference.py as a user runs it (in the one-process/two-process comparison below)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, str(ROOT / "inference.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def infer(capsys: pytest.CaptureFixture) -> Callable[..., subprocess.CompletedProcess]:
+    """``infer(*args)``: ``inference.main`` in this process, returned as ``infer_process`` returns it (each
+    run loads its pipeline afresh, as a new process would; a subprocess would add only the imports)."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = inference.main(list(args))
+        except SystemExit as exc:  # "error: ..." exits, printed to stderr as the interpreter would
+            code = exc.code if isinstance(exc.code, int) else 1
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(["inference.py", *args], code, captured.out, captured.err)
+
+    return run
 
 
 def rendered(result: subprocess.CompletedProcess, out: Path, pipeline: str) -> np.ndarray:
@@ -41,7 +61,8 @@ def qwen_lora(tiny_qwen_image: Path, sample_data: Path, tmp_path_factory: pytest
     return out / "pytorch_lora_weights.safetensors"
 
 
-def test_qwen_image_with_and_without_lora(tiny_qwen_image: Path, qwen_lora: Path, tmp_path: Path) -> None:
+def test_qwen_image_with_and_without_lora(infer, tiny_qwen_image: Path, qwen_lora: Path,
+                                          tmp_path: Path) -> None:
     common = ["--model", str(tiny_qwen_image), "--prompt", "a red circle", "--width", "64", "--height", "64",
               "--steps", "4", "--seed", "1"]
     base = rendered(infer(*common, "--out", str(tmp_path / "base.png")), tmp_path / "base.png", "QwenImagePipeline")
@@ -53,20 +74,23 @@ def test_qwen_image_with_and_without_lora(tiny_qwen_image: Path, qwen_lora: Path
     assert np.abs(zero - base).mean() < 0.5, "scale 0 turns it off"
 
 
-def test_base_and_lora_in_one_process_match_two_processes(tiny_qwen_image: Path, qwen_lora: Path,
+def test_base_and_lora_in_one_process_match_two_processes(infer, tiny_qwen_image: Path, qwen_lora: Path,
                                                           tmp_path: Path) -> None:
     """--base-out renders the base model first, then the LoRA, in one process: the same two images as
-    two separate runs (the quick-start's two samples without a second start-up)."""
+    two separate runs (the quick-start's two samples without a second start-up). All three are real
+    processes: rendered in the test's own process, the LoRA image differs in its last bit (the
+    process's CPU thread settings differ)."""
     common = ["--model", str(tiny_qwen_image), "--prompt", "a red circle", "--width", "64", "--height", "64",
               "--steps", "4", "--seed", "1"]
-    both = infer(*common, "--lora", str(qwen_lora), "--base-out", str(tmp_path / "b.png"), "--out",
-                 str(tmp_path / "l.png"))
+    both = infer_process(*common, "--lora", str(qwen_lora), "--base-out", str(tmp_path / "b.png"), "--out",
+                         str(tmp_path / "l.png"))
     lines = [json.loads(line) for line in both.stdout.strip().splitlines()[-2:]]
     assert [(line["out"], line["lora"]) for line in lines] == [(str(tmp_path / "b.png"), False),
                                                                (str(tmp_path / "l.png"), True)]
     base, lora = rendered(both, tmp_path / "b.png", "QwenImagePipeline"), np.asarray(Image.open(tmp_path / "l.png"))
-    alone_base = rendered(infer(*common, "--out", str(tmp_path / "b1.png")), tmp_path / "b1.png", "QwenImagePipeline")
-    alone_lora = rendered(infer(*common, "--lora", str(qwen_lora), "--out", str(tmp_path / "l1.png")),
+    alone_base = rendered(infer_process(*common, "--out", str(tmp_path / "b1.png")), tmp_path / "b1.png",
+                          "QwenImagePipeline")
+    alone_lora = rendered(infer_process(*common, "--lora", str(qwen_lora), "--out", str(tmp_path / "l1.png")),
                           tmp_path / "l1.png", "QwenImagePipeline")
     assert np.array_equal(base, alone_base) and np.array_equal(lora, alone_lora)
     assert np.abs(lora.astype(np.float64) - base).mean() > 0.5
@@ -74,7 +98,7 @@ def test_base_and_lora_in_one_process_match_two_processes(tiny_qwen_image: Path,
     assert refused.returncode != 0 and "give --lora too" in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_edit_plus_with_two_references(tiny_qwen_image_edit_plus: Path, edit_data_two_refs: Path,
+def test_edit_plus_with_two_references(infer, tiny_qwen_image_edit_plus: Path, edit_data_two_refs: Path,
                                        tmp_path: Path) -> None:
     root = edit_data_two_refs.parent
     out = tmp_path / "edit.png"
@@ -84,14 +108,14 @@ def test_edit_plus_with_two_references(tiny_qwen_image_edit_plus: Path, edit_dat
     rendered(result, out, "QwenImageEditPlusPipeline")
 
 
-def test_flux_renders(tiny_flux: Path, tmp_path: Path) -> None:
+def test_flux_renders(infer, tiny_flux: Path, tmp_path: Path) -> None:
     out = tmp_path / "flux.png"
     result = infer("--model", str(tiny_flux), "--prompt", "a red circle", "--width", "64", "--height", "64",
                    "--steps", "2", "--guidance", "3.5", "--out", str(out))
     rendered(result, out, "FluxPipeline")
 
 
-def test_bad_inputs_are_one_line_errors(tiny_qwen_image: Path, tmp_path: Path) -> None:
+def test_bad_inputs_are_one_line_errors(infer, tiny_qwen_image: Path, tmp_path: Path) -> None:
     result = infer("--model", "no/such-model", "--prompt", "x", "--lora", str(tmp_path / "none.safetensors"),
                    "--out", str(tmp_path / "x.png"))  # named before the model is looked for (hub retries)
     assert result.returncode != 0 and "LoRA file" in result.stderr and "Traceback" not in result.stderr
@@ -109,7 +133,8 @@ def test_bad_inputs_are_one_line_errors(tiny_qwen_image: Path, tmp_path: Path) -
                                                ("tiny_flux2", "Flux2KleinPipeline"),
                                                ("tiny_krea2", "Krea2Pipeline"),
                                                ("tiny_qwen_image21", "QwenImage21Pipeline")])
-def test_newer_families_render(fixture: str, pipeline: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+def test_newer_families_render(infer, fixture: str, pipeline: str, request: pytest.FixtureRequest,
+                               tmp_path: Path) -> None:
     model = request.getfixturevalue(fixture)
     out = tmp_path / "x.png"
     result = infer("--model", str(model), "--prompt", "a red circle", "--width", "64", "--height", "64",

@@ -14,7 +14,7 @@ import torch
 from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
 
-from conftest import train_in_process, lora_keys_match, run_entry
+from conftest import train_in_process, lora_keys_match, run_entry, run_script_in_process
 from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from trainer.engine import Trainer
@@ -180,9 +180,10 @@ def test_place_moves_the_rest_before_the_blocks() -> None:
     ("train_4090.py", "train_lora_16gb.yaml", "16GiB"),
     ("train.py", "train_lora.yaml", "24GiB"),
 ])
-def test_plan_flag_says_whether_a_profile_fits(script: str, profile: str, budget: str) -> None:
+def test_plan_flag_says_whether_a_profile_fits(script: str, profile: str, budget: str,
+                                                capsys: pytest.CaptureFixture) -> None:
     """`--plan` on an entry script: no weights, no data needed, an itemised answer and an exit code."""
-    result = run_entry(script, f"train_configs/{profile}", ["--plan", "--gpu-memory", budget], launcher=False)
+    result = run_script_in_process(script, f"train_configs/{profile}", ["--plan", "--gpu-memory", budget], capsys)
     fits = profile != "train_lora.yaml"  # the bf16 80 GB profile must not claim to fit a 24 GB card
     assert result.returncode == (0 if fits else 1), result.stderr[-2000:] + result.stdout[-2000:]
     assert "training peak" in result.stdout and "GPU peak" in result.stdout

@@ -50,9 +50,10 @@ QWEN_FAMILIES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    return {family: build_tiny_pipeline(family, root / family) for family in FAMILIES}
+def built(tiny_model) -> dict[str, Path]:
+    """Every family's tiny pipeline: the session's (conftest's ``tiny_model``, seed 0), built once per run
+    and shared with the tests that train on them, which are then the very folders checked here."""
+    return {family: tiny_model(family) for family in FAMILIES}
 
 
 def load(family: str, folder: Path):

@@ -18,6 +18,7 @@ from loguru import logger
 from PIL import Image
 
 import image_datasets.checks as checks
+import image_datasets.image_files as image_files
 import validate_dataset as validate_cli
 from image_datasets.sample_data import make_edit_dataset, make_sample_dataset
 from image_datasets.checks import ERROR, WARNING, DatasetReport, check_before_training, check_dataset
@@ -178,7 +179,7 @@ def test_fast_check_refuses_bad_data_unless_allowed(broken: Path) -> None:
 
 
 def test_fast_check_finds_truncation_without_decoding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checks, "FAST_DECODE_MAX_PIXELS", 0)  # as if every image were big
+    monkeypatch.setattr(image_files, "FAST_DECODE_MAX_PIXELS", 0)  # as if every image were big
     make_sample_dataset(tmp_path, size=64, count=3)
     for ext, fmt in (("png", "PNG"), ("jpg", "JPEG"), ("webp", "WEBP")):
         buf = io.BytesIO()
