@@ -273,8 +273,9 @@ MEMORY_ROWS: Tuple[Tuple[str, Tuple[str, ...], str], ...] = (
     ("24gb", ("quantization.weights=qint8",), "quanto qint8"),
     ("24gb", ("quantization.weights=qint4",), "quanto qint4"),
     ("24gb", ("quantization.backend=torchao", "quantization.weights=int8_weight_only"), "torchao int8 weight-only"),
-    ("24gb", ("quantize=false", "blocks_to_swap=30"), "bf16 blocks, 30 swapped"),
-    ("24gb", ("quantize=false",), "bf16 blocks, none swapped"),
+    # bf16 blocks do not fit 24 GiB (that is the row's point): auto_fit, which would refuse them, is off
+    ("24gb", ("auto_fit=false", "quantize=false", "blocks_to_swap=30"), "bf16 blocks, 30 swapped"),
+    ("24gb", ("auto_fit=false", "quantize=false"), "bf16 blocks, none swapped"),
     ("flux2_klein", (), "FLUX.2 [klein] base 4B profile, as shipped (bf16)"),
     ("krea2_24gb", (), "Krea 2 Raw 24 GB profile, as shipped (qfloat8 blocks)"),
     ("qwen21_24gb", (), "Qwen-Image-2.1 24 GB profile, as shipped (qfloat8 blocks)"),

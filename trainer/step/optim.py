@@ -15,6 +15,7 @@ package. Two kinds need more than ``step()``:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence
 
 import torch
@@ -37,7 +38,7 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter],
         logger.warning(warning)
     hidden = _hidden(blocks)
     if cfg.fused_backward:
-        single = TrainConfig(**{**cfg.__dict__, "fused_backward": False})
+        single = dataclasses.replace(cfg, fused_backward=False)  # the fields only (not explicit_keys)
         return FusedBackwardOptimizer(params, lambda group: _build(single, group, hidden))
     return _build(cfg, params, hidden)
 
