@@ -50,3 +50,15 @@ def cuda() -> torch.device:
     if reason is not None:
         pytest.skip(reason)
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture
+def quiet_logs():
+    """The engine's INFO lines (attention choice, LoRA size) would flood the CPU tests' output."""
+    from loguru import logger
+
+    logger.disable("trainer")
+    logger.disable("utils")
+    yield
+    logger.enable("trainer")
+    logger.enable("utils")

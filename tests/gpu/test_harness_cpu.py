@@ -18,16 +18,7 @@ TINY = harness.TINY
 RES = 64  # 64 px -> 8 x 8 latents -> 16 image tokens
 
 
-@pytest.fixture(autouse=True)
-def quiet_logs():
-    """The engine's INFO lines (attention choice, LoRA size) would flood the test output."""
-    from loguru import logger
-
-    logger.disable("trainer")
-    logger.disable("utils")
-    yield
-    logger.enable("trainer")
-    logger.enable("utils")
+pytestmark = pytest.mark.usefixtures("quiet_logs")  # tests/gpu/conftest.py
 
 
 # --------------------------------------------------------------------------- full size, meta device

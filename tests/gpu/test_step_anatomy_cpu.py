@@ -14,15 +14,7 @@ CPU = torch.device("cpu")
 RANK = 4  # not 16: the tiny model's image tokens (16 at 64^2) would look like LoRA's rank
 
 
-@pytest.fixture(autouse=True)
-def quiet_logs():
-    from loguru import logger
-
-    logger.disable("trainer")
-    logger.disable("utils")
-    yield
-    logger.enable("trainer")
-    logger.enable("utils")
+pytestmark = pytest.mark.usefixtures("quiet_logs")  # tests/gpu/conftest.py
 
 
 # Kernel names as an H100/H200 profile of the Qwen-Image step shows them (cuBLAS, cuDNN, FlashAttention,
