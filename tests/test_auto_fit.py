@@ -187,7 +187,7 @@ def test_plan_json_has_the_text_tables_numbers(profile: str, overrides: list, bu
     numbers = table_numbers(text)
     assert (plan["gpu_peak_gib"], plan["host_peak_gib"]) == (numbers["gpu"], numbers["host"])
     assert (plan["training_gib"], plan["cache_pass_gib"]) == (numbers["training peak"], numbers["cache pass peak"])
-    assert plan["fits"] is (code == 0) and isinstance(plan["settings"]["checkpointed_blocks"], int)
+    assert plan["fits"] is (code == 0)
     assert "quantization" in plan["settings"]
     if cfg.auto_fit:
         assert text.startswith("auto_fit for ") and plan["auto_fit"]["summary"] in text.splitlines()[0]
@@ -197,6 +197,7 @@ def test_plan_json_has_the_text_tables_numbers(profile: str, overrides: list, bu
             assert f"  {line}\n" in text, "each changed key above the table"
     else:
         assert plan["auto_fit"] is None and text.startswith("Memory plan:")
+        assert plan["settings"]["checkpointed_blocks"] == 60, "train_lora.yaml checkpoints every block"
 
 
 def test_plan_says_when_auto_fit_has_nothing_to_fit_or_nothing_fits(capsys) -> None:

@@ -11,7 +11,10 @@ from typing import Any, Dict, Optional, Tuple
 
 from trainer.config import QUANTO_WEIGHTS, TrainConfig
 from trainer.planner.auto_fit import NothingFits, fitted
+from trainer.planner.model import model_sizes
 from trainer.planner.plan import plan_memory
+from trainer.planner.settings import planned_family, resolve_settings
+from trainer.planner.stages import format_stages, stage_plans, stages_json, traffic
 from utils.errors import UserError
 from utils.sizes import parse_size
 
@@ -47,10 +50,6 @@ def _print_stages(cfg: TrainConfig, budget: Optional[float], stages: int, as_jso
                   options: Dict[str, Any]) -> int:
     """Each card's plan of a pipeline split over ``stages`` cards and the traffic per step (the config as
     written: auto_fit chooses for one card)."""
-    from trainer.planner.model import model_sizes
-    from trainer.planner.settings import planned_family, resolve_settings
-    from trainer.planner.stages import format_stages, stage_plans, stages_json, traffic
-
     spec = model_sizes(cfg.pretrained_model_name_or_path, cfg.revision, planned_family(cfg).name)
     s = resolve_settings(cfg, spec, **options)
     micro = cfg.gradient_accumulation_steps
