@@ -61,15 +61,22 @@ def split_blocks(t: TransformerSizes, stages: int) -> List[Tuple[int, int]]:
     """Contiguous ``[lo, hi)`` block ranges, one per stage, with about equal parameters in each."""
     if not 1 <= stages <= t.num_blocks:
         raise ValueError(f"pipeline stages: {stages} must be between 1 and the {t.num_blocks} blocks")
-    sizes = [t.block_at(i).params for i in range(t.num_blocks)]
+    return split_by_sizes([t.block_at(i).params for i in range(t.num_blocks)], stages)
+
+
+def split_by_sizes(sizes: Sequence[int], stages: int) -> List[Tuple[int, int]]:
+    """Contiguous ``[lo, hi)`` ranges of ``sizes`` (the blocks' parameters, in execution order), one per
+    stage, with about equal sums: the split the planner prints and the training stages use."""
+    if not 1 <= stages <= len(sizes):
+        raise ValueError(f"pipeline stages: {stages} must be between 1 and the {len(sizes)} blocks")
     total, bounds, running = sum(sizes), [0], 0
     for i, size in enumerate(sizes):
         running += size
         # close a stage where the running total is nearest its share, leaving a block for each stage after it
         if len(bounds) < stages and running >= total * len(bounds) / stages - size / 2 \
-                and t.num_blocks - (i + 1) >= stages - len(bounds):
+                and len(sizes) - (i + 1) >= stages - len(bounds):
             bounds.append(i + 1)
-    bounds.append(t.num_blocks)
+    bounds.append(len(sizes))
     return list(zip(bounds[:-1], bounds[1:]))
 
 

@@ -1,0 +1,217 @@
+"""Pipeline stages: the transformer's blocks split across processes (one per card), trained with
+``torch.distributed.pipelining`` (``PipelineStage`` and a GPipe or 1F1B schedule over gradient accumulation's
+micro-batches).
+
+Each process builds only its own stage: the transformer is made with empty weights, the blocks and outer layers
+another stage owns are dropped (the blocks' places kept by empty modules, so every kept module's name, and so
+every LoRA key, is the whole model's), and only the owned tensors are read from the safetensors files. The split is the planner's
+(``trainer/planner/stages.py``: contiguous blocks, balanced by parameters). The family's ``stages.py`` says how
+to run its prologue, one block and its epilogue, and which modules the first and last stage own; nothing here
+knows a family.
+
+A step: the first stage takes the micro-batches' noisy latents, noise levels and text; the last stage takes the
+velocity targets and returns each micro-batch's loss; the schedule runs forward and backward, scaling the
+gradients by the micro-batch count (the mean, as accumulation does). Clipping uses the global norm (each stage's
+squared norm all-reduced); each stage's optimizer steps its own adapter weights. ``gather_adapter`` collects
+the stages' LoRA tensors on rank 0 for the one exported file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from trainer.planner.stages import split_by_sizes
+from trainer.step.flow_matching import flow_matching_loss
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def family_stages(family_class: type) -> Any:
+    """The family's pipeline pieces: ``STAGES`` in the ``stages.py`` beside the family's class (one line
+    naming the family when it has none)."""
+    package = family_class.__module__.rsplit(".", 1)[0]
+    try:
+        return importlib.import_module(f"{package}.stages").STAGES
+    except ModuleNotFoundError:
+        raise ValueError(f"pipeline_stages: family {getattr(family_class.spec, 'name', family_class.__name__)} "
+                         f"cannot be split into stages yet ({package}/stages.py does not exist; covered: "
+                         "qwen_image)") from None
+
+
+def owned_prefixes(hooks: Any, blocks: Tuple[int, int], first: bool, last: bool) -> List[str]:
+    """The state-dict prefixes a stage owns: its blocks, and the outer layers of the first or last stage."""
+    owned = [f"{hooks.block_list}.{i}." for i in range(*blocks)]
+    owned += [f"{name}." for name in hooks.first_modules] if first else []
+    owned += [f"{name}." for name in hooks.last_modules] if last else []
+    return owned
+
+
+def stage_split(model: torch.nn.Module, hooks: Any, stages: int) -> List[Tuple[int, int]]:
+    """The planner's contiguous split of ``model``'s blocks (counted on empty weights)."""
+    sizes = [sum(p.numel() for p in block.parameters()) for block in getattr(model, hooks.block_list)]
+    return split_by_sizes(sizes, stages)
+
+
+def build_stage_model(transformer_class: type, transformer_dir: Path, hooks: Any, stage: int, stages: int,
+                      dtype: torch.dtype = torch.float32,
+                      device: torch.device = torch.device("cpu")) -> Tuple[torch.nn.Module, Tuple[int, int]]:
+    """Stage ``stage`` of ``stages``: the transformer with only its own blocks and outer layers, their weights
+    read from ``transformer_dir``'s safetensors; returns it with its ``[lo, hi)`` blocks."""
+    with init_empty_weights():  # parameters on the meta device; buffers (rotary tables) real
+        model = transformer_class.from_config(transformer_class.load_config(str(transformer_dir)))
+    hooks.check(model)
+    blocks = stage_split(model, hooks, stages)[stage]
+    first, last = stage == 0, stage == stages - 1
+    block_list = getattr(model, hooks.block_list)
+    for i in range(len(block_list)):
+        if not blocks[0] <= i < blocks[1]:
+            block_list[i] = torch.nn.Identity()  # keeps the indices: the names stay the whole model's
+    for name in (() if first else hooks.first_modules) + (() if last else hooks.last_modules):
+        delattr(model, name)  # gone, not emptied: a LoRA target naming it must not match an empty module
+    state = read_owned(transformer_dir, owned_prefixes(hooks, blocks, first, last))
+    model.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=False, assign=True)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{transformer_dir}: stage {stage} found no weight for {missing[0]} "
+                         f"({len(missing)} missing) in its safetensors files")
+    return model.to(device).requires_grad_(False), blocks
+
+
+def read_owned(transformer_dir: Path, prefixes: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """The tensors whose names start with one of ``prefixes``, read from the folder's safetensors files
+    (sharded with an index or one file); the files holding none of them are not opened."""
+    index = transformer_dir / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        weight_map: Dict[str, str] = json.loads(index.read_text())["weight_map"]
+    else:
+        single = transformer_dir / "diffusion_pytorch_model.safetensors"
+        with safe_open(str(single), "pt") as fh:
+            weight_map = {key: single.name for key in fh.keys()}
+    wanted: Dict[str, List[str]] = {}
+    for key, file in weight_map.items():
+        if key.startswith(tuple(prefixes)):
+            wanted.setdefault(file, []).append(key)
+    state: Dict[str, torch.Tensor] = {}
+    for file, keys in wanted.items():
+        with safe_open(str(transformer_dir / file), "pt") as fh:
+            state.update({key: fh.get_tensor(key) for key in keys})
+    return state
+
+
+def init_adapter_by_name(model: torch.nn.Module, seed: int) -> int:
+    """Initialise every LoRA pair from ``seed`` and the layer's name (A as peft does, kaiming-uniform; B zero):
+    the same adapter whichever stage holds the layer, and in one process. Returns how many layers."""
+    count = 0
+    for name, module in model.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, torch.nn.ModuleDict):
+            continue
+        for adapter, layer in lora_a.items():
+            digest = hashlib.sha256(f"{seed}/{name}/{adapter}".encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            with torch.no_grad():
+                weight = torch.empty(layer.weight.shape, dtype=torch.float32)
+                torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=gen)
+                layer.weight.copy_(weight)
+                module.lora_B[adapter].weight.zero_()
+            count += 1
+    return count
+
+
+class StagePart(torch.nn.Module):
+    """The module a ``PipelineStage`` wraps: the prologue on the first stage, the stage's blocks, the
+    epilogue on the last. ``shapes`` (the step's latent shape) is set on every stage before a step."""
+
+    def __init__(self, model: torch.nn.Module, hooks: Any, blocks: Tuple[int, int], first: bool, last: bool):
+        super().__init__()
+        self.model, self.hooks, self.blocks, self.first, self.last = model, hooks, blocks, first, last
+        self.shapes: Any = None
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        carry = self.hooks.prologue(self.model, *inputs) if self.first else inputs
+        for index in range(*self.blocks):
+            carry = self.hooks.block(self.model, index, carry, self.shapes)
+        return self.hooks.epilogue(self.model, carry, self.shapes) if self.last else carry
+
+
+class PipelineStep:
+    """One training step of one stage: forward and backward of a step's micro-batches under a
+    ``torch.distributed.pipelining`` schedule, then the global-norm clip. The stage and schedule are made
+    again when the step's shapes change (their receive buffers are sized from the first micro-batch)."""
+
+    def __init__(self, part: StagePart, stage: int, stages: int, micro_batches: int, device: torch.device,
+                 schedule: str = "1f1b", loss_weighting: str = "none"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if loss_weighting != "none":
+            raise ValueError(f"pipeline_stages: loss_weighting {loss_weighting!r} is not supported across stages "
+                             "yet (the last stage sees no noise levels); use none")
+        self.part, self.stage, self.stages, self.micro_batches, self.device = part, stage, stages, micro_batches, device
+        self.schedule_class = SCHEDULES[schedule]
+        self._built: Optional[Tuple[Any, Any]] = None  # (shapes, schedule)
+
+    def _schedule(self, key: Any) -> Any:
+        if self._built is None or self._built[0] != key:
+            stage = PipelineStage(self.part, self.stage, self.stages, self.device)
+            schedule = self.schedule_class(stage, self.micro_batches, loss_fn=_velocity_loss, scale_grads=True)
+            self._built = (key, schedule)
+        return self._built[1]
+
+    def run(self, shapes: Any, inputs: Sequence[torch.Tensor], targets: torch.Tensor) -> Optional[torch.Tensor]:
+        """Forward and backward of the step's micro-batches (``inputs`` and ``targets`` concatenated along
+        the batch, micro-batch after micro-batch; every stage passes them, the first reads ``inputs`` and the
+        last ``targets``). ``shapes``: what the family's pieces need to know of the step (``hooks.shapes``).
+        Returns the mean loss on the last stage, None elsewhere."""
+        self.part.shapes = shapes
+        # What sizes the stage's buffers: the step's shapes and the inputs' (a caption mask or not, lengths).
+        schedule = self._schedule((shapes, tuple((tuple(t.shape), t.dtype) for t in inputs)))
+        losses: List[torch.Tensor] = []
+        args = tuple(inputs) if self.part.first else ()
+        schedule.step(*args, target=targets if self.part.last else None, losses=losses)
+        return torch.stack([l.detach() for l in losses]).mean() if self.part.last else None
+
+
+def _velocity_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return flow_matching_loss(prediction, target, torch.empty(0), "none")
+
+
+def clip_global_norm(params: Sequence[torch.nn.Parameter], max_norm: float,
+                     group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """``clip_grad_norm_`` over the parameters of every stage: the squared norms all-reduced, each stage's
+    gradients scaled by the same factor. Returns the global norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    dist.all_reduce(local, group=group)
+    total = local.sqrt()
+    if max_norm > 0:
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(factor.to(g.dtype))
+    return total
+
+
+def gather_adapter(state: Dict[str, torch.Tensor], group: Optional[dist.ProcessGroup] = None,
+                   ) -> Optional[Dict[str, torch.Tensor]]:
+    """Every stage's adapter tensors (the whole model's names) merged on rank 0; None on the others."""
+    pieces: Optional[List[Any]] = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object({k: v.detach().cpu() for k, v in state.items()}, pieces, dst=0, group=group)
+    if pieces is None:
+        return None
+    merged: Dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        clash = merged.keys() & piece.keys()
+        if clash:
+            raise ValueError(f"pipeline stages: two stages hold adapter weight {sorted(clash)[0]}")
+        merged.update(piece)
+    return merged
