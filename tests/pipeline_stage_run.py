@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import List, Tuple
 
@@ -81,7 +83,19 @@ def single(model_dir: Path, out: Path) -> None:
 
 
 def stages(model_dir: Path, out: Path, schedule: str) -> None:
-    torch.distributed.init_process_group("gloo")
+    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+    processes = ps.stage_processes()
+    try:
+        train_stage(model_dir, out, schedule)
+    except Exception as exc:
+        line = ps.lost_stage(exc, processes, torch.distributed.get_rank(), 60)
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def train_stage(model_dir: Path, out: Path, schedule: str) -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     hooks = ps.family_stages(QwenImageFamily)
     model, blocks = ps.build_stage_model(QwenImageTransformer2DModel, model_dir / "transformer", hooks, rank, world)
@@ -94,6 +108,8 @@ def stages(model_dir: Path, out: Path, schedule: str) -> None:
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     losses = []
     for step in range(STEPS):
+        if rank == int(os.environ.get("PIPE_DIE_RANK", -1)) and step == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # a stage lost mid-run (the test of the survivors' line)
         batches = [micro_batch(step, m, model.config.joint_attention_dim) for m in range(MICRO)]
         noisy, sigmas, text, target, *mask = (torch.cat(parts) if parts[0] is not None else None
                                               for parts in zip(*batches))

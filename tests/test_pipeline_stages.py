@@ -111,3 +111,18 @@ def test_two_stages_train_the_one_process_lora(one_process: Path, tiny_qwen_imag
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [], "written atomically, no temp left"
     lora_keys_match(QwenImagePipeline.from_pretrained(tiny_qwen_image), out, "staged")
+
+
+@pytest.mark.e2e
+def test_a_dead_stage_ends_the_run_with_one_line_naming_it(tiny_qwen_image: Path, tmp_path: Path) -> None:
+    """Stage 1 is killed (SIGKILL) at its second step; stage 0's receive fails and it says who in one line.
+    Started without torchrun, whose agent would stop the survivor before it speaks."""
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29623", "WORLD_SIZE": "2", "PIPE_DIE_RANK": "1"}
+    procs = [subprocess.Popen([sys.executable, str(DRIVER), "stages", str(tiny_qwen_image), str(tmp_path / "o")],
+                              cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    (_, err0), _ = (p.communicate(timeout=600) for p in procs)
+    assert procs[1].returncode == -9 and procs[0].returncode == 1, err0[-2000:]
+    last = err0.strip().splitlines()[-1]
+    assert last == f"stage 1 (rank 1, pid {procs[1].pid}) died: the run stops here (said by stage 0)", err0[-2000:]
+    assert not (tmp_path / "o" / "pytorch_lora_weights.safetensors").exists()

@@ -22,6 +22,9 @@ import hashlib
 import importlib
 import json
 import math
+import os
+import re
+import socket
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -31,6 +34,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from trainer import distributed
 from trainer.planner.stages import split_by_sizes
 from trainer.step.flow_matching import flow_matching_loss
 
@@ -215,3 +219,23 @@ def gather_adapter(state: Dict[str, torch.Tensor], group: Optional[dist.ProcessG
             raise ValueError(f"pipeline stages: two stages hold adapter weight {sorted(clash)[0]}")
         merged.update(piece)
     return merged
+
+
+def stage_processes(group: Optional[dist.ProcessGroup] = None) -> List[Tuple[str, int]]:
+    """(host, pid) of every stage's process, by rank (one collective at set-up): whom to name when one is lost."""
+    found: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, (socket.gethostname(), os.getpid()), group=group)
+    return [tuple(p) for p in found]
+
+
+def lost_stage(exc: BaseException, processes: List[Tuple[str, int]], rank: int, timeout_s: int) -> Optional[str]:
+    """The one line a surviving stage ends with when a send, receive or collective failed because another
+    stage died, was stopped or stalled (the engine's dead-rank handling, ``trainer/distributed.py``, with
+    stages named); None when ``exc`` is no such failure."""
+    failure = distributed.collective_failure(exc)
+    if failure is None:
+        return None
+    line = distributed.lost_process(failure, processes, rank, timeout_s).line
+    line = re.sub(r"\brank (\d+) \(pid", r"stage \1 (rank \1, pid", line)
+    line = re.sub(r"\brank (\d+) on ", r"stage \1 on ", line)
+    return re.sub(r"said by rank (\d+)", r"said by stage \1", line)
