@@ -10,6 +10,7 @@ Both draw the same data and noise from the same seeds and initialise the adapter
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -128,11 +129,21 @@ def train_stage(model_dir: Path, out: Path, schedule: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-if __name__ == "__main__":
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=["single", "stages"], help="one process on the whole model, or one stage "
+                        "per process (torchrun)")
+    parser.add_argument("model_dir", type=Path, help="a Qwen-Image pipeline folder (its transformer/ is read)")
+    parser.add_argument("out", type=Path, help="where the LoRA file and losses.json go")
+    parser.add_argument("schedule", nargs="?", default="1f1b", choices=sorted(ps.SCHEDULES))
+    args = parser.parse_args()
     torch.manual_seed(0)
-    mode, model_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    if mode == "single":
-        single(model_dir, out)
+    if args.mode == "single":
+        single(args.model_dir, args.out)
     else:
-        stages(model_dir, out, sys.argv[4] if len(sys.argv) > 4 else "1f1b")
-    print(f"done {mode} {os.getpid()}", flush=True)
+        stages(args.model_dir, args.out, args.schedule)
+    print(f"done {args.mode} {os.getpid()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
