@@ -84,7 +84,8 @@ def build_stage_model(transformer_class: type, transformer_dir: Path, hooks: Any
     for name in (() if first else hooks.first_modules) + (() if last else hooks.last_modules):
         delattr(model, name)  # gone, not emptied: a LoRA target naming it must not match an empty module
     state = read_owned(transformer_dir, owned_prefixes(hooks, blocks, first, last))
-    model.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=False, assign=True)
+    model.load_state_dict({k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in state.items()},
+                          strict=False, assign=True)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"{transformer_dir}: stage {stage} found no weight for {missing[0]} "
