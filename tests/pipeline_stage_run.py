@@ -107,9 +107,14 @@ def train_stage(model_dir: Path, out: Path, schedule: str) -> None:
     part = ps.StagePart(model, hooks, blocks, rank == 0, rank == world - 1)
     step_fn = ps.PipelineStep(part, rank, world, MICRO, torch.device("cpu"), schedule)
     optimizer = torch.optim.AdamW(params, lr=1e-2)
+    checkpoints = Path(os.environ["PIPE_CHECKPOINTS"]) if "PIPE_CHECKPOINTS" in os.environ else None
+    adapter = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    first_step = ps.load_stage_state(checkpoints, adapter, optimizer) if checkpoints else 0
+    if first_step:
+        print(f"[stage {rank}] resumed at step {first_step}", flush=True)
     losses = []
-    for step in range(STEPS):
-        if rank == int(os.environ.get("PIPE_DIE_RANK", -1)) and step == 1:
+    for step in range(first_step, STEPS):
+        if rank == int(os.environ.get("PIPE_DIE_RANK", -1)) and step == int(os.environ.get("PIPE_DIE_STEP", 1)):
             os.kill(os.getpid(), signal.SIGKILL)  # a stage lost mid-run (the test of the survivors' line)
         batches = [micro_batch(step, m, model.config.joint_attention_dim) for m in range(MICRO)]
         noisy, sigmas, text, target, *mask = (torch.cat(parts) if parts[0] is not None else None
@@ -120,6 +125,8 @@ def train_stage(model_dir: Path, out: Path, schedule: str) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(None if loss is None else loss.item())
+        if checkpoints:
+            ps.save_stage_state(checkpoints, step + 1, adapter, optimizer)
     merged = ps.gather_adapter(lora_state_dict(model, adapter_parameters(model)))
     last_losses = [None] * world
     torch.distributed.all_gather_object(last_losses, losses)

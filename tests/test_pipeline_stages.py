@@ -126,3 +126,28 @@ def test_a_dead_stage_ends_the_run_with_one_line_naming_it(tiny_qwen_image: Path
     last = err0.strip().splitlines()[-1]
     assert last == f"stage 1 (rank 1, pid {procs[1].pid}) died: the run stops here (said by stage 0)", err0[-2000:]
     assert not (tmp_path / "o" / "pytorch_lora_weights.safetensors").exists()
+
+
+def _torchrun(model: Path, out: Path, port: int, **env: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(DRIVER), "stages", str(model), str(out)]
+    return subprocess.run(cmd, cwd=ROOT, env={**_env(), **env}, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.e2e
+def test_a_staged_run_killed_mid_run_resumes_to_the_same_lora(tiny_qwen_image: Path, tmp_path: Path) -> None:
+    """Stage 1 is killed (SIGKILL) as step 3 of 3 begins, after two checkpoints; the run started again resumes
+    from the last complete one and ends with the LoRA of a run never interrupted, bit for bit."""
+    checkpoints = tmp_path / "checkpoints"
+    killed = _torchrun(tiny_qwen_image, tmp_path / "k", 29624, PIPE_CHECKPOINTS=str(checkpoints),
+                       PIPE_DIE_RANK="1", PIPE_DIE_STEP="2")
+    assert killed.returncode != 0 and (checkpoints / "latest").read_text() == "2", killed.stderr[-2000:]
+    assert not (tmp_path / "k" / "pytorch_lora_weights.safetensors").exists()
+    resumed = _torchrun(tiny_qwen_image, tmp_path / "k", 29625, PIPE_CHECKPOINTS=str(checkpoints))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "[stage 0] resumed at step 2" in resumed.stdout and "[stage 1] resumed at step 2" in resumed.stdout
+    whole = _torchrun(tiny_qwen_image, tmp_path / "w", 29626)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    a, b = (load_file(str(tmp_path / d / "pytorch_lora_weights.safetensors")) for d in ("k", "w"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert not list(checkpoints.rglob(".*")), "no temp file left"

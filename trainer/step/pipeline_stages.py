@@ -240,3 +240,46 @@ def lost_stage(exc: BaseException, processes: List[Tuple[str, int]], rank: int, 
     line = re.sub(r"\brank (\d+) \(pid", r"stage \1 (rank \1, pid", line)
     line = re.sub(r"\brank (\d+) on ", r"stage \1 on ", line)
     return re.sub(r"said by rank (\d+)", r"said by stage \1", line)
+
+
+def save_stage_state(folder: Path, step: int, adapter: Dict[str, torch.nn.Parameter],
+                     optimizer: torch.optim.Optimizer, group: Optional[dist.ProcessGroup] = None) -> Path:
+    """Each stage's adapter and optimizer state into ``folder/checkpoint-<step>/stage-<rank>.pt`` (each file
+    written aside and renamed), then, once every stage has written, ``folder/latest`` names the step: a kill
+    at any point leaves the previous complete checkpoint as the latest."""
+    rank = dist.get_rank(group)
+    target = folder / f"checkpoint-{step}"
+    target.mkdir(parents=True, exist_ok=True)
+    _atomic_save({"step": step, "adapter": {n: p.detach().cpu().clone() for n, p in adapter.items()},
+                  "optimizer": optimizer.state_dict()}, target / f"stage-{rank}.pt")
+    dist.barrier(group=group)
+    if rank == 0:
+        tmp = folder / ".latest.tmp"
+        tmp.write_text(str(step))
+        os.replace(tmp, folder / "latest")
+    dist.barrier(group=group)
+    return target
+
+
+def load_stage_state(folder: Path, adapter: Dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                     group: Optional[dist.ProcessGroup] = None) -> int:
+    """Restore this stage from the latest complete checkpoint in ``folder``; returns its step (0: none)."""
+    latest = folder / "latest"
+    if not latest.is_file():
+        return 0
+    step = int(latest.read_text())
+    path = folder / f"checkpoint-{step}" / f"stage-{dist.get_rank(group)}.pt"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if set(state["adapter"]) != set(adapter):
+        raise ValueError(f"{path}: its adapter weights are not this stage's (was the run split differently?)")
+    with torch.no_grad():
+        for name, param in adapter.items():
+            param.copy_(state["adapter"][name])
+    optimizer.load_state_dict(state["optimizer"])
+    return step
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
