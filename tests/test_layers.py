@@ -8,13 +8,19 @@ layer, and nothing may import it. So do the tiny models' registry and command (`
 its ``__main__``, ``python -m utils.tiny_models --family X``): each tiny model is its family's
 (``trainer/families/<name>/tiny.py``), so the registry reads the family registry; the helpers beside it
 (``derive``, ``text_encoders``, ``tokenizers``) know no family and stay in ``utils/``.
+
+Inside ``trainer/`` the sub-packages are floors too (``TRAINER_FLOORS``, lowest first, the torch-free facts at
+the bottom): no import runs back up the order, so no two of them import each other.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY_LAYER = 3
@@ -134,6 +140,165 @@ def test_the_walk_sees_every_kind_of_import() -> None:
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
     assert upward({"utils.cuda_utils": {"trainer.config": 7}, "trainer.cli": {"utils.quiet": 3}}) == \
         ["utils/cuda_utils.py:7 imports trainer.config"]
+
+
+
+# Inside trainer/: its sub-packages and top-level modules ("rooms"), lowest floor first. A room imports only
+# rooms before it in this order, so no import runs back up and no two rooms import each other. The ground
+# floor, ``facts``, holds what needs neither torch nor a config: trainer/facts/ (the optimizer table, the
+# quantization formats) and the light half of trainer/families/ (FAMILY_FACTS: the registry, each family's
+# spec, the published components), whose facts stay in their own family packages by design.
+TRAINER_FLOORS = (
+    "facts",
+    "precision", "signals",  # what applies to the whole process, read from the environment
+    "config",  # the typed config: its schema checks values against the facts
+    "quantization",  # frozen weights in fewer bits: the families quantize text encoders with it
+    "families",  # the families' runtimes (base.py, each <name>/model.py): they load, encode, predict
+    "platform",  # attention, compile, fp8: decisions about the device, per family
+    "step",  # one optimizer step
+    "data",  # the engine's side of data: the mix, the feature cache
+    "run_folder",  # what a run keeps on disk
+    "model",  # the loaded transformer made trainable (adapters, block swap, prepare)
+    "evaluation",
+    "planner",
+    "reporting",
+    "distributed",
+    "judge", "engine",
+    "cli", "launch",
+)
+FAMILY_FACTS = ("spec", "components", "model_index")  # modules of trainer/families/ on the facts floor, besides
+# every package's __init__ (the registry, trainer.families, and each family's, which its spec imports)
+
+
+def trainer_room(module: str, path: Path) -> str:
+    """The room of a trainer/ module: its sub-package or top-level module, or ``facts`` for a family's light half
+    ("" for trainer/__init__.py, which imports nothing)."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return ""
+    if parts[1] == "families" and (parts[-1] in FAMILY_FACTS or path.name == "__init__.py"):
+        return "facts"
+    return parts[1]
+
+
+def room_imports(edges: Edges) -> Dict[Tuple[str, str], List[str]]:
+    """(importing room, imported room) -> the imports behind that arrow, as "file:line imports module"."""
+    modules = project_modules()
+    arrows: Dict[Tuple[str, str], List[str]] = {}
+    for name, targets in edges.items():
+        if not name.startswith("trainer.") or name not in modules:
+            continue
+        source = trainer_room(name, modules[name])
+        for target, line in sorted(targets.items()):
+            if not target.startswith("trainer.") or target not in modules:
+                continue
+            dest = trainer_room(target, modules[target])
+            if source and dest and dest != source:
+                where = f"{modules[name].relative_to(ROOT).as_posix()}:{line} imports {target}"
+                arrows.setdefault((source, dest), []).append(where)
+    return arrows
+
+
+def back_up(arrows: Dict[Tuple[str, str], List[str]], order: Sequence[str] = TRAINER_FLOORS) -> List[str]:
+    """The imports whose target sits on the same floor as, or above, the importing room in ``order``."""
+    rank = {name: i for i, name in enumerate(order)}
+    return [f"{where} ({source} -> {dest})" for (source, dest), found in sorted(arrows.items())
+            if rank[dest] >= rank[source] for where in found]
+
+
+def mutual_pairs(arrows: Dict[Tuple[str, str], List[str]]) -> List[Tuple[str, str]]:
+    return sorted((a, b) for a, b in arrows if a < b and (b, a) in arrows)
+
+
+def test_every_trainer_room_has_a_floor() -> None:
+    modules = project_modules()
+    rooms = {trainer_room(m, p) for m, p in modules.items() if m.startswith("trainer.")} - {""}
+    assert rooms - set(TRAINER_FLOORS) == set(), f"rooms of trainer/ with no place in TRAINER_FLOORS: " \
+        f"{sorted(rooms - set(TRAINER_FLOORS))} (put each where its imports allow)"
+    gone = sorted(set(TRAINER_FLOORS) - rooms)
+    assert not gone, f"TRAINER_FLOORS names rooms that are gone: {gone}"
+
+
+def test_no_import_runs_back_up_the_trainer_floors() -> None:
+    found = back_up(room_imports(import_graph()))
+    assert not found, f"imports back up trainer/'s floors ({' < '.join(TRAINER_FLOORS)}):\n" + "\n".join(found)
+
+
+def test_no_two_trainer_rooms_import_each_other() -> None:
+    arrows = room_imports(import_graph())
+    found = mutual_pairs(arrows)
+    assert not found, "trainer/ rooms that import each other:\n" + "\n".join(
+        f"{a} <-> {b}: {arrows[a, b][0]}; {arrows[b, a][0]}" for a, b in found)
+
+
+def test_the_facts_floor_needs_no_torch() -> None:
+    """The ground floor imports no torch, diffusers or transformers, so the config checks, the planner's tables
+    and the web page read it without loading them (function-local imports count: the walk sees them too)."""
+    modules = project_modules()
+    heavy = ("torch", "diffusers", "transformers", "accelerate", "peft")
+    found = []
+    for name, path in modules.items():
+        if name.startswith("trainer.") and trainer_room(name, path) == "facts":
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}"
+                          for n in names if n.split(".")[0] in heavy]
+    facts = [m for m, p in modules.items() if m.startswith("trainer.") and trainer_room(m, p) == "facts"]
+    assert "trainer.facts.optimizer_choices" in facts and "trainer.families.wan.spec" in facts and len(facts) > 15
+    assert not found, "the facts floor imports a heavy library:\n" + "\n".join(found)
+    # and none through utils/: import the whole floor in a fresh interpreter and look
+    script = (f"import importlib, sys\nfor m in {facts!r}: importlib.import_module(m)\n"
+              f"print(sorted({{k.split('.')[0] for k in sys.modules}} & {set(heavy)!r}))")
+    loaded = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    assert loaded == "[]", f"importing the facts floor loads {loaded}"
+
+
+def test_the_floor_checks_can_fail() -> None:
+    """A made-up import back up, and a made-up pair, are both found (the checks above are not vacuous)."""
+    arrows = room_imports({"trainer.config.schema": {"trainer.step.optim": 26},
+                           "trainer.step.optim": {"trainer.config": 24},
+                           "trainer.families.wan.spec": {"trainer.families.base": 3},
+                           "trainer.families.wan.model": {"trainer.families.wan.spec": 9}})
+    assert mutual_pairs(arrows) == [("config", "step"), ("facts", "families")]  # a spec is facts, its model is not
+    assert back_up(arrows) == ["trainer/config/schema.py:26 imports trainer.step.optim (config -> step)",
+                               "trainer/families/wan/spec.py:3 imports trainer.families.base (facts -> families)"]
+
+
+
+# Modules left at an old import path, each the same module object as its new home's (``sys.modules``), so
+# that users' imports keep working; they hold nothing of their own.
+OLD_PATHS = {"trainer/step/optimizer_specs.py": "trainer.facts.optimizer_choices",
+             "trainer/model/quantization.py": "trainer.quantization.frozen_weights",
+             "trainer/model/quantized_linear.py": "trainer.quantization.w8a8_linear",
+             "trainer/planner/model.py": "trainer.planner.model_sizes",
+             "trainer/families/spec.py": "trainer.facts.family_spec"}
+
+
+def test_old_import_paths_are_their_new_modules() -> None:
+    """Each old path is the moved module itself, so a name set through either path (a test's monkeypatch,
+    a user's override) is seen through both."""
+    script = "import importlib\n" + "".join(
+        f"assert importlib.import_module({old.removesuffix('.py').replace('/', '.')!r}) is "
+        f"importlib.import_module({new!r}), {old!r}\n" for old, new in OLD_PATHS.items())
+    subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True)
+
+
+def test_file_names_say_one_thing_across_trainer() -> None:
+    """A file name names one kind of thing: two files of trainer/ share a name only as the same part of two
+    families (``families/<name>/spec.py``, ``model.py``, ``tiny.py``, ``attention.py``) or as an old import path."""
+    files = [path.relative_to(ROOT).as_posix() for path in (ROOT / "trainer").rglob("*.py")
+             if path.name not in ("__init__.py", "__main__.py")]
+    by_name: Dict[str, List[str]] = {}
+    for name in files:
+        if name not in OLD_PATHS:
+            by_name.setdefault(name.rsplit("/", 1)[-1], []).append(name)
+    one_family_part = re.compile(r"trainer/families/[a-z0-9_]+/[a-z0-9_]+\.py")
+    shared = {base: names for base, names in by_name.items()
+              if len(names) > 1 and not all(one_family_part.fullmatch(n) for n in names)}
+    assert "model.py" in by_name and len(by_name["model.py"]) >= 8, "the walk must see the families' files"
+    assert not shared, f"file names shared by different things in trainer/: {shared}"
 
 
 MAX_LINES = 500

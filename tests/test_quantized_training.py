@@ -160,7 +160,7 @@ def test_block_swap_gives_the_resident_losses(weights: str, tiny_qwen_image: Pat
 SYNCING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
            torch.ops.aten.equal.default, torch.ops.aten.nonzero.default, torch.ops.aten.lift_fresh.default,
            torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default}
-LAYER_FILE = "trainer/model/quantized_linear.py"
+LAYER_FILE = "trainer/quantization/w8a8_linear.py"
 
 
 def test_a_24gb_like_run_on_auto_makes_no_host_sync_in_the_quantized_layer(

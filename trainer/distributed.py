@@ -37,7 +37,7 @@ from loguru import logger
 from trainer.families.base import ModelFamily
 from trainer.model.adapters import adapter_parameters
 from trainer.config import TrainConfig
-from trainer.step.optimizer_specs import OPTIMIZERS
+from trainer.facts.optimizer_choices import OPTIMIZERS
 from utils.errors import ConfigError, LaunchError
 
 SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED)

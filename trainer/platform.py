@@ -18,10 +18,10 @@ from loguru import logger
 
 from trainer.config import TrainConfig
 from trainer.families.model_index import read_checkpoint_json
-from trainer.families.spec import FamilySpec
+from trainer.facts.family_spec import FamilySpec
 from trainer.precision import PrecisionChoice, find_accelerate_launcher
 from utils.errors import ConfigError
-from trainer.model.quantization import QuantizationChoice
+from trainer.facts.quantization_formats import QuantizationChoice
 from utils.attention import AttentionChoice, apply_attention_backend, measured_choice, select_attention_backend
 from utils.compat import show_compatibility_warnings
 from utils.device_facts import enable_tf32, supports_feature
@@ -232,7 +232,7 @@ def maybe_fp8(cfg: TrainConfig, transformer: torch.nn.Module, family: FamilySpec
 
         convert_to_float8_training(transformer, module_filter_fn=lambda module, name: name in names)
     else:
-        from trainer.model.quantized_linear import quantize_float8_w8a8
+        from trainer.quantization.w8a8_linear import quantize_float8_w8a8
 
         for name in sorted(names):
             quantize_float8_w8a8(transformer.get_submodule(name))

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from utils.folders import system_folder
 from utils.sizes import parse_size
 from trainer.families import SPECS
-from trainer.step.optimizer_specs import OPTIMIZERS
+from trainer.facts.optimizer_choices import OPTIMIZERS
 from trainer.config.schema import (EVAL_ROLE, FOLDER_KEYS, DatasetEntry, EvaluationConfig, FolderKeys, Section,
                                    TrainConfig, choice_problems, dataset_name, failing)
 

@@ -22,15 +22,10 @@ from typing import Any, ClassVar, FrozenSet, List, Optional, Sequence, Tuple, Un
 
 
 from trainer.families import SPECS
-from trainer.families.spec import LORA_PRESET_NAMES
-from trainer.step.optimizer_specs import OPTIMIZERS
-
-# Weight formats of each quantization backend (their implementations: trainer/model/quantization.py).
-QUANTO_WEIGHTS = ("qfloat8", "qint8", "qint4")
-# int8_w8a8 and float8_w8a8 quantize the activations too and multiply in 8 bits; auto is the fastest of
-# them the device's one-time check finds right (trainer/model/quantized_linear.py: fastest_w8a8).
-TORCHAO_WEIGHTS = ("int8_weight_only", "int4_weight_only", "float8_weight_only", "int8_w8a8", "float8_w8a8", "auto")
-WEIGHT_FORMATS = {"quanto": QUANTO_WEIGHTS, "torchao": TORCHAO_WEIGHTS}
+from trainer.facts.family_spec import LORA_PRESET_NAMES
+from trainer.facts.optimizer_choices import OPTIMIZERS
+# Weight formats of each quantization backend: torch-free facts, named here too for existing imports.
+from trainer.facts.quantization_formats import QUANTO_WEIGHTS, TORCHAO_WEIGHTS, WEIGHT_FORMATS  # noqa: F401
 
 
 def one_of(default: Any, choices: Sequence[str], help: str = "", **metadata: Any) -> Any:

@@ -20,7 +20,7 @@ from trainer.families.qwen_image.spec import SPEC as QWEN_IMAGE
 from trainer.families.qwen_image_edit.spec import SPEC as QWEN_IMAGE_EDIT
 from trainer.families.qwen_image21.spec import SPEC as QWEN_IMAGE21
 from trainer.families.wan.spec import SPEC as WAN
-from trainer.families.spec import FamilySpec
+from trainer.facts.family_spec import FamilySpec
 from trainer.families.z_image.spec import SPEC as Z_IMAGE
 
 SPECS: Dict[str, FamilySpec] = {spec.name: spec for spec in (QWEN_IMAGE, QWEN_IMAGE_EDIT, FLUX, FLUX2, KANDINSKY5,

@@ -20,8 +20,8 @@ from utils.errors import ModelNotFoundError
 from trainer.families import check_pipeline, family_spec
 from trainer.families.model_index import read_model_index
 from trainer.families.real_rope import RealRope, install
-from trainer.families.spec import FamilySpec, TargetSpec, vae_scale_factor
-from trainer.model.quantization import QuantizationChoice, place, text_encoder_spec
+from trainer.facts.family_spec import FamilySpec, TargetSpec, vae_scale_factor
+from trainer.quantization.frozen_weights import QuantizationChoice, place, text_encoder_choice
 
 Tensors = Dict[str, torch.Tensor]
 
@@ -141,7 +141,7 @@ class FamilyBase:
         self.vae_scale_factor: int = vae_scale_factor(self.vae_config)
         self.pixel_multiple: int = 2 * self.vae_scale_factor
         self.max_sequence_length: int = self.spec.text.max_length  # the pipeline's default at render time
-        self.encoder_quantization: Optional[QuantizationChoice] = text_encoder_spec(cfg)
+        self.encoder_quantization: Optional[QuantizationChoice] = text_encoder_choice(cfg)
 
     @cached_property
     def model_index(self) -> Mapping[str, Any]:

@@ -3,9 +3,8 @@
 - ``prepare.py``: ``prepare_transformer``, the one order of the steps below (shared with the GPU harness);
 - ``adapters.py``: what trains: LoRA through peft or every weight (full); save, load, export;
 - ``lora_formats.py``: LoRA files in formats other than diffusers' (ComfyUI's);
-- ``quantization.py``: frozen weights quantized block by block (optimum-quanto, torchao);
-- ``quantized_linear.py``: 8-bit W8A8 linear layers, int8 and fp8 (``quantization.weights: int8_w8a8``,
-  ``float8_w8a8``, ``auto``; ``int8_linear.py`` is its old import path);
+- ``quantization.py``, ``quantized_linear.py``, ``int8_linear.py``: old import paths of
+  ``trainer/quantization/`` (frozen weights in fewer bits sit a floor below the families, which use them too);
 - ``block_swap.py``: frozen blocks kept in host memory, brought to the GPU just in time;
 - ``activation_offload.py``: gradient checkpointing whose kept block inputs live in host memory.
 

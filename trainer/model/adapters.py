@@ -19,7 +19,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from trainer.run_folder.checkpoint import LORA_WEIGHTS_NAME, load_sharded_state_dict, replace_folder, save_lora_file
 from trainer.config import TrainConfig
 from utils.errors import ConfigError, UserError
-from trainer.families.spec import TargetSpec
+from trainer.facts.family_spec import TargetSpec
 
 Tensors = Dict[str, torch.Tensor]
 

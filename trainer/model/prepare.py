@@ -23,7 +23,7 @@ from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig
 from utils.errors import ConfigError
 from trainer.platform import attention_shape, choose_attention, compile_decision, compile_for_training, maybe_fp8
-from trainer.model.quantization import place, quantization_spec, resolve_auto
+from trainer.quantization.frozen_weights import place, quantization_choice, resolve_auto
 from utils.attention import AttentionChoice
 
 
@@ -48,7 +48,7 @@ def prepare_transformer(cfg: TrainConfig, family: ModelFamily, transformer: torc
     ``weights`` is the run's ``trained_weights`` strategy (LoRA or full); ``attention_tokens`` the
     joint sequence length the attention kernels are timed at (None: no timing).
     """
-    spec = resolve_auto(quantization_spec(cfg), device)
+    spec = resolve_auto(quantization_choice(cfg), device)
     blocks = family.blocks(transformer)
     if cfg.blocks_to_swap > len(blocks):
         raise ConfigError(f"key 'blocks_to_swap': value {cfg.blocks_to_swap} is more than the "
@@ -102,5 +102,5 @@ def transformer_load_device(cfg: TrainConfig, device: torch.device) -> torch.dev
     """Where the transformer's weights are read to: straight onto ``device`` when nothing happens
     block by block on the way (fastsafetensors' fast path to a GPU), else the host, from which
     ``place`` quantizes block by block or leaves the swapped blocks."""
-    direct = quantization_spec(cfg) is None and cfg.blocks_to_swap == 0
+    direct = quantization_choice(cfg) is None and cfg.blocks_to_swap == 0
     return device if direct else torch.device("cpu")

@@ -21,7 +21,7 @@ settings from the trainer's own rules), ``activations`` (LoRA layout, per-block 
 """
 
 from trainer.planner.activations import estimate_activations, lora_layout
-from trainer.planner.model import ModelSizes, model_sizes, read_model_configs
+from trainer.planner.model_sizes import ModelSizes, model_sizes, read_model_configs
 from trainer.planner.entry import print_plan
 from trainer.planner.plan import build_plan, plan_memory
 from trainer.planner.report import MemoryItem, MemoryPlan

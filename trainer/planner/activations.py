@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
-from trainer.families.spec import BlockLayout
-from trainer.step.optimizer_specs import Matrix, TrainedShapes
-from trainer.planner.model import BlockKind, LinearInfo, TransformerSizes
+from trainer.facts.family_spec import BlockLayout
+from trainer.facts.optimizer_choices import Matrix, TrainedShapes
+from trainer.planner.model_sizes import BlockKind, LinearInfo, TransformerSizes
 from trainer.planner.settings import INT8_SCRATCH_IN, INT8_SCRATCH_OUT, Settings
 
 

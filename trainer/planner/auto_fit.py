@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from loguru import logger
 
 from trainer.config import TrainConfig
-from trainer.planner.model import ModelSizes, model_sizes
+from trainer.planner.model_sizes import ModelSizes, model_sizes
 from trainer.planner.plan import build_plan, plan_memory
 from trainer.planner.report import MemoryPlan
 from trainer.planner.settings import planned_family, resolve_settings

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from trainer.config import QUANTO_WEIGHTS, TrainConfig
 from trainer.planner.auto_fit import NothingFits, fitted
-from trainer.planner.model import model_sizes
+from trainer.planner.model_sizes import model_sizes
 from trainer.planner.plan import plan_memory
 from trainer.planner.settings import planned_family, resolve_settings
 from trainer.planner.stages import format_stages, stage_plans, stages_json, traffic

@@ -9,10 +9,10 @@ from typing import List, Optional, Sequence, Tuple
 
 from trainer.families import SPECS
 from trainer.families.components import VAE_ACTIVATION_FACTORS
-from trainer.step.optimizer_specs import OPTIMIZERS
+from trainer.facts.optimizer_choices import OPTIMIZERS
 from trainer.planner.activations import (LoraLayout, Tokens, block_input_bytes, estimate_activations, int8_scratch_bytes,
                                          lora_layout)
-from trainer.planner.model import EncoderSizes, ModelSizes, TransformerSizes, model_sizes
+from trainer.planner.model_sizes import EncoderSizes, ModelSizes, TransformerSizes, model_sizes
 from trainer.planner.report import MemoryItem, MemoryPlan
 from trainer.planner.settings import (
     CLIP_TOKENS,
@@ -152,7 +152,7 @@ def _training_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[Mem
 
 
 def _optimizer_item(t: TransformerSizes, lora: LoraLayout, s: Settings) -> MemoryItem:
-    """The optimizer's state for the LoRA weights, by its own formula (``trainer/step/optimizer_specs.py``):
+    """The optimizer's state for the LoRA weights, by its own formula (``trainer/facts/optimizer_choices.py``):
     AdamW two fp32 moments (8 B/param), 8-bit AdamW 2 B/param, Adafactor a factored second moment,
     Prodigy 16 B/param, schedule-free AdamW 8, Prodigy + schedule-free about 4, Muon 4 in the blocks."""
     spec = OPTIMIZERS[s.optimizer]

@@ -1,7 +1,7 @@
 """The plan's inputs: the assumptions it rests on, and the run's settings resolved from the config.
 
 Every decision the run makes is asked of the trainer's own rule, not worked out again here: the
-quantization (``trainer.model.quantization``), the LoRA targets (``trainer.model.adapters``), the reference
+quantization (``trainer.quantization.frozen_weights``), the LoRA targets (``trainer.model.adapters``), the reference
 folders (``image_datasets.dataset``), whether the encoders stay loaded (``trainer.platform``), how many
 blocks are checkpointed and whether their inputs go to host memory (``trainer.model.activation_offload``). The family's
 facts (text tokens, references, presets) come from its spec.
@@ -23,11 +23,11 @@ from trainer.model.adapters import resolve_lora_targets
 from trainer.config import TORCHAO_WEIGHTS, TrainConfig, dataset_entries, load_config
 from utils.errors import ConfigError
 from trainer.families import family_spec
-from trainer.families.spec import IMAGE_PIXELS_PER_TOKEN, FamilySpec, ReferenceTokens
+from trainer.facts.family_spec import IMAGE_PIXELS_PER_TOKEN, FamilySpec, ReferenceTokens
 from trainer.data.features import ENCODE_BATCH  # the cache pass's prompts per encoder call
-from trainer.planner.model import ModelSizes
+from trainer.planner.model_sizes import ModelSizes
 from trainer.platform import keeps_encoders
-from trainer.model.quantization import QuantizationChoice, quantization_spec, text_encoder_spec
+from trainer.quantization.frozen_weights import QuantizationChoice, quantization_choice, text_encoder_choice
 from utils.sizes import GIB, parse_size  # noqa: F401  (parse_size: the planner's, re-exported)
 
 # --------------------------------------------------------------------------- assumptions
@@ -44,7 +44,7 @@ DEFAULT_SHARD_GIB = 5.0  # a safetensors shard, when the checkpoint's index is n
 QUANT_BYTES: Dict[str, float] = {
     "qfloat8": 1.0, "qint8": 1.0, "qint4": 0.5 + 4 / 128,  # quanto: int4 in groups of 128, bf16 scale+shift
     "float8_weight_only": 1.0, "int8_weight_only": 1.0, "int4_weight_only": 0.5 + 4 / 128,  # torchao
-    # torchao Int8Tensor / Float8Tensor, multiplied in 8 bits (trainer/model/quantized_linear.py); auto is
+    # torchao Int8Tensor / Float8Tensor, multiplied in 8 bits (trainer/quantization/w8a8_linear.py); auto is
     # one of the two (or int8 multiplied dequantized): 1 byte per weight whichever the device gets.
     "int8_w8a8": 1.0, "float8_w8a8": 1.0, "auto": 1.0,
 }
@@ -53,7 +53,7 @@ W8A8_WEIGHTS = ("int8_w8a8", "float8_w8a8", "auto")
 # Bytes of each output channel's scale of an 8-bit weight: bf16, but fp32 in torchao's Int8Tensor and
 # Float8Tensor.
 SCALE_BYTES: Dict[str, int] = {name: 4 for name in W8A8_WEIGHTS}
-# The 8-bit matmul's scratch per token (trainer/model/quantized_linear.py): the input quantized (an fp32 copy
+# The 8-bit matmul's scratch per token (trainer/quantization/w8a8_linear.py): the input quantized (an fp32 copy
 # and its 8-bit values, 5 B per input feature) and the product (int32, then fp32: 8 B per output feature;
 # fp8 writes bf16, so this bounds it too).
 INT8_SCRATCH_IN, INT8_SCRATCH_OUT = 5, 8
@@ -78,7 +78,7 @@ class Settings:
     checkpointed: int  # blocks recomputed in backward (gradient checkpointing): the last ones, 0 to num_blocks
     quantization: Optional[str]  # None, or a QUANT_BYTES key
     text_encoder_quantization: Optional[str]
-    optimizer: str  # a key of trainer.step.optimizer_specs.OPTIMIZERS
+    optimizer: str  # a key of trainer.facts.optimizer_choices.OPTIMIZERS
     blocks_to_swap: int
     precompute_text: bool
     precompute_image: bool
@@ -130,9 +130,9 @@ def resolve_settings(cfg: TrainConfig, spec: ModelSizes, *, blocks_to_swap: Opti
     dataset's images when already counted (auto_fit plans hundreds of variants of one config)."""
     family = planned_family(cfg)
     precision = cfg.mixed_precision or "no"
-    quant = _check_quantization(quantization) if quantization is not None else _weights(quantization_spec(cfg))
+    quant = _check_quantization(quantization) if quantization is not None else _weights(quantization_choice(cfg))
     te_quant = _check_quantization(text_encoder_quantization) if text_encoder_quantization is not None \
-        else _weights(text_encoder_spec(cfg))
+        else _weights(text_encoder_choice(cfg))
     if cfg.training_mode != "lora":
         raise ValueError(f"training_mode '{cfg.training_mode}': the planner covers LoRA training only")
     side = _plan_side(cfg)

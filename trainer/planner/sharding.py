@@ -23,8 +23,8 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from trainer.step.optimizer_specs import OPTIMIZERS, Matrix, TrainedShapes
-from trainer.planner.model import TransformerSizes, model_sizes
+from trainer.facts.optimizer_choices import OPTIMIZERS, Matrix, TrainedShapes
+from trainer.planner.model_sizes import TransformerSizes, model_sizes
 
 GIB = 1024 ** 3
 MODES = ("ddp", "zero2", "zero3", "fsdp")
@@ -61,7 +61,7 @@ def full_shapes(spec: TransformerSizes) -> TrainedShapes:
 
 def optimizer_bytes(spec: TransformerSizes, optimizer: str) -> float:
     """Optimizer state of every transformer weight, by the optimizer's own formula
-    (``trainer/step/optimizer_specs.py``): AdamW two fp32 moments, 8-bit AdamW two 8-bit moments,
+    (``trainer/facts/optimizer_choices.py``): AdamW two fp32 moments, 8-bit AdamW two 8-bit moments,
     Adafactor a factored fp32 second moment (rows + columns of each matrix, whole vectors), ..."""
     return OPTIMIZERS[optimizer].state_bytes(full_shapes(spec))
 

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from trainer.planner.model import BlockKind, ModelSizes, TransformerSizes
+from trainer.planner.model_sizes import BlockKind, ModelSizes, TransformerSizes
 from trainer.planner.plan import transformer_weight_bytes, build_plan
 from trainer.planner.report import MemoryPlan
 from trainer.planner.settings import GIB, Settings

@@ -4,7 +4,8 @@
 - ``flow_matching.py``: rectified-flow maths: timestep sampling and shifts, noising, target, loss weights;
 - ``async_step.py``: non-blocking input copies, the NaN guard on the device, numbers read a step late;
 - ``optim.py``: the optimizers, schedule-free evaluation weights, learning-rate schedules;
-- ``optimizer_specs.py``: each ``optimizer:`` choice's facts (package, pip line, kind, state bytes).
+- ``optimizer_specs.py``: the old import path of each ``optimizer:`` choice's facts, now on the ground floor
+  (``trainer/facts/optimizer_choices.py``).
 
 Nothing is imported here: import the module you need (``from trainer.step.optim import ...``).
 """

@@ -23,18 +23,9 @@ from typing import Deque, List, Optional, Tuple
 
 import torch
 
+from utils.device_copy import to_device  # noqa: F401  (its home is utils/: the families use it too)
+
 Known = Tuple[int, int, float]  # what the host knows of a step when it is queued: step, epoch, lr
-
-
-def to_device(tensor: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``tensor.to(device, dtype)`` without a host sync: a host tensor bound for a CUDA device is cast
-    on the host (a smaller copy), pinned, and copied non-blocking."""
-    device = torch.device(device)
-    if tensor.device.type != "cpu" or device.type != "cuda":
-        return tensor.to(device, dtype)
-    if dtype is not None:
-        tensor = tensor.to(dtype)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def device_skip_supported(optimizer: torch.optim.Optimizer) -> bool:

@@ -1,6 +1,6 @@
 """Optimizers and learning-rate schedules.
 
-Each ``optimizer:`` value (their facts: ``trainer/step/optimizer_specs.py``) is built here from its own
+Each ``optimizer:`` value (their facts: ``trainer/facts/optimizer_choices.py``) is built here from its own
 package. Two kinds need more than ``step()``:
 
 - **Schedule-free** optimizers (``adamw_schedulefree``, ``prodigy_schedulefree``) take their steps at

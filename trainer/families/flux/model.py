@@ -11,7 +11,7 @@ from accelerate.utils import extract_model_from_parallel
 from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-from trainer.step.async_step import to_device
+from utils.device_copy import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import (
     FamilyBase,

@@ -26,7 +26,7 @@ from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Pipeline, Flu
 from loguru import logger
 from transformers import AutoModel, AutoTokenizer
 
-from trainer.step.async_step import to_device
+from utils.device_copy import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, Tensors
 from trainer.families.flux2.spec import DEV_TEXT_LAYERS, KLEIN_TEXT_LAYERS, MAX_SEQUENCE_LENGTH, SPEC

@@ -14,7 +14,7 @@ from diffusers import (
 )
 from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
 
-from trainer.step.async_step import to_device
+from utils.device_copy import to_device
 from trainer.families.base import FamilyBase, FamilySpec, Tensors, pad_sequences
 from trainer.families.kandinsky5.spec import SPEC
 from utils.qwen_processor import load_qwen_vl_processor

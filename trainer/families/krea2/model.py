@@ -26,7 +26,7 @@ from diffusers import AutoencoderKLQwenImage, Krea2Pipeline, Krea2Transformer2DM
 from loguru import logger
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-from trainer.step.async_step import to_device
+from utils.device_copy import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, Tensors, from_pretrained
 from trainer.families.krea2.spec import DISTILLED_MU, PUBLISHED_TEXT_TAPS, SHIFT_DEFAULTS, SPEC

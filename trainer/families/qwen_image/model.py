@@ -12,7 +12,7 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from trainer.step.async_step import to_device
+from utils.device_copy import to_device
 from trainer.families.base import (
     FamilyBase,
     FamilySpec,

@@ -31,7 +31,7 @@ from PIL import Image
 from transformers import Qwen3VLForConditionalGeneration
 from transformers.utils import cached_file
 
-from trainer.step.async_step import to_device
+from utils.device_copy import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, RealRope, Tensors, from_pretrained
 from trainer.families.spec import vae_scale_factor

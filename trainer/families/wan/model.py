@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 from trainer.families.base import FamilyBase, FamilySpec, Tensors
 from trainer.families.spec import vae_scale_factor
 from trainer.families.wan.spec import SPEC
-from trainer.step.async_step import to_device
+from utils.device_copy import to_device
 
 
 class WanStillRenders(WanPipeline):

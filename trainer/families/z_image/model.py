@@ -11,7 +11,7 @@ import torch
 from diffusers import AutoencoderKL, ZImagePipeline, ZImageTransformer2DModel
 from transformers import AutoModel, AutoTokenizer
 
-from trainer.step.async_step import to_device
+from utils.device_copy import to_device
 from trainer.families.base import FamilyBase, FamilySpec, RealRope, ShiftScaleLatents, Tensors, pad_sequences
 from trainer.families.z_image.attention import Z_IMAGE_ROPE
 from trainer.families.z_image.spec import SPEC
