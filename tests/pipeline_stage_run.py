@@ -29,7 +29,7 @@ from peft import LoraConfig  # noqa: E402
 from trainer.families.qwen_image.model import QwenImageFamily  # noqa: E402
 from trainer.model.adapters import adapter_parameters, lora_metadata, lora_state_dict  # noqa: E402
 from trainer.run_folder.checkpoint import save_lora_file  # noqa: E402
-from trainer.step import pipeline_stages as ps  # noqa: E402
+from trainer import pipeline_stages as ps  # noqa: E402
 from trainer.step.flow_matching import add_noise, flow_matching_loss, velocity_target  # noqa: E402
 
 STEPS, MICRO, BATCH, TEXT_LEN, SEED = 3, 4, 2, 7, 11

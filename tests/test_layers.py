@@ -163,6 +163,7 @@ TRAINER_FLOORS = (
     "planner",
     "reporting",
     "distributed",
+    "pipeline_stages",  # training across cards, one stage per process (uses the planner's split)
     "judge", "engine",
     "cli", "launch",
 )

@@ -1,4 +1,4 @@
-"""Pipeline stages (trainer/step/pipeline_stages.py, trainer/families/qwen_image/stages.py): each stage loads only
+"""Pipeline stages (trainer/pipeline_stages.py, trainer/families/qwen_image/stage_parts.py): each stage loads only
 its own weights, and two CPU processes (gloo) under torch.distributed.pipelining's schedules train the same LoRA
 as one process on the whole model, exported as one file that loads in diffusers."""
 
@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, lora_keys_match
 from trainer.families.flux.model import FluxFamily
 from trainer.families.qwen_image.model import QwenImageFamily
-from trainer.step import pipeline_stages as ps
+from trainer import pipeline_stages as ps
 
 DRIVER = ROOT / "tests" / "pipeline_stage_run.py"
 

@@ -46,7 +46,7 @@ def family_stages(family_class: type) -> Any:
     naming the family when it has none)."""
     package = family_class.__module__.rsplit(".", 1)[0]
     try:
-        return importlib.import_module(f"{package}.stages").STAGES
+        return importlib.import_module(f"{package}.stage_parts").STAGES
     except ModuleNotFoundError:
         raise ValueError(f"pipeline_stages: family {getattr(family_class.spec, 'name', family_class.__name__)} "
                          f"cannot be split into stages yet ({package}/stages.py does not exist; covered: "

@@ -1,6 +1,6 @@
 """Qwen-Image's transformer in pipeline pieces: the prologue (first stage), one block, the epilogue (last
 stage), step for step as ``QwenImageTransformer2DModel.forward`` in diffusers 0.42.1 (no ControlNet residuals,
-no ``zero_cond_t``). ``trainer/step/pipeline_stages.py`` runs them under ``torch.distributed.pipelining``.
+no ``zero_cond_t``). ``trainer/pipeline_stages.py`` runs them under ``torch.distributed.pipelining``.
 
 What crosses between stages (every tensor a block needs): the image stream, the text stream (the blocks are
 dual-stream and update both), the timestep embedding and, when captions differ in length, the text mask as
