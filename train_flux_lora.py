@@ -6,8 +6,9 @@
 import sys
 
 from trainer.cli import main
+from trainer.families import family_of_entry_script
 
-FAMILY = "flux"  # the family it trains unless the YAML says otherwise
+FAMILY = family_of_entry_script(__file__)  # the family whose spec names this script; the YAML may say another
 PROFILE_DEFAULTS: dict = {}  # nothing beneath the YAML
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def run_variant(name: str, dry_run: bool) -> Dict[str, Any]:
 
 def run_all(out: Path, budget_s: float, dry_run: bool) -> List[Dict[str, Any]]:
     """Every variant in its own process, in order, while the budget lasts; each result appended as it comes."""
-    from benchmarks.gpu_pass import RESULTS, append_record
+    from benchmarks.gpu_pass_stages import RESULTS, append_record
 
     start, results = time.time(), []
     env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1", "PYTHONUNBUFFERED": "1"}

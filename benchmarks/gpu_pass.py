@@ -18,10 +18,12 @@ Files in ``--out`` (at most 8, no folders: what the device tool brings back): ``
 JSON record per measurement, test and stage, with each stage's exact command and wall time),
 ``pass.log`` (every stage's output, capped), ``tests.txt`` and ``junit.xml`` (stage 1),
 ``machine.txt`` (nvidia-smi, versions), ``GPU_RESULTS.pass.md`` and ``LOW_MEMORY.pass.md`` (the rows
-for the docs; ``benchmarks/gpu_pass_docs.py --apply`` puts them in docs/). The last lines printed
-are a summary table.
+for the docs; ``benchmarks/gpu_pass_docs.py --apply``, the one writer of docs/GPU_RESULTS.md, puts
+them in docs/). Every raw file is written with repository-relative paths (``utils/relative_paths.py``):
+they can be committed as they are. The last lines printed are a summary table.
 
-This file imports no torch: the measurements run in ``benchmarks/gpu_pass_measure.py`` processes.
+This file imports no torch: the measurements run in ``benchmarks/gpu_pass_measure.py`` processes; the
+stage table and the results file are ``benchmarks/gpu_pass_stages.py``'s (imported, never importing back).
 """
 
 from __future__ import annotations
@@ -44,8 +46,13 @@ from pathlib import Path
 from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS, LOG, TESTS, JUNIT, MACHINE = "results.jsonl", "pass.log", "tests.txt", "junit.xml", "machine.txt"
-DOCS_OUT = {"GPU_RESULTS": "GPU_RESULTS.pass.md", "LOW_MEMORY": "LOW_MEMORY.pass.md"}
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is on the path, the repository root is not
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import gpu_pass_docs  # noqa: E402  (the one writer of the docs' rows)
+from benchmarks.gpu_pass_stages import (DOCS_OUT, JUNIT, LOG, MACHINE, PRESETS, RESULTS, STAGE_NAMES,  # noqa: E402,F401
+                                        STAGES, TESTS, Stage, append_record, read_records)
+from utils.relative_paths import relative, rewrite, rewrite_folder  # noqa: E402
 DEFAULT_BUDGET_S = 460.0  # of the 8 minutes one call may take; the machine's start-up is outside it
 END_RESERVE_S = 8.0  # kept back for the docs, the summary and stopping the background build
 STAGE_LOG_CAP = 3 * 2**20  # bytes of one stage's output kept in pass.log (then its last lines)
@@ -68,109 +75,7 @@ FAMILY_TESTS = ("tests/gpu/test_gpu_quick.py", "tests/gpu/test_gpu_suite.py",
 INT8_SCRIPT = "benchmarks/quantized_step.py"  # side by side: bf16 / qfloat8 / int8_w8a8 (old, fused) / float8_w8a8
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One process of the pass. ``estimate_s`` (on an H100, process start included) decides whether
-    it still fits; ``cap_s`` is its hard limit. The ``dry_`` figures are for the CPU dry run."""
-
-    name: str
-    group: int  # the issue's item: 1 tests, 2 Qwen-Image step, 3 profiles, 4 FLUX.2, 5 what fits
-    title: str
-    estimate_s: float
-    cap_s: float
-    dry_estimate_s: float
-    dry_cap_s: float
-    kind: str = "measure"  # measure (gpu_pass_measure.py NAME) | tests | int8 | repro (flux_compile_repro.py)
-    needs_quanto: bool = False
-
-
-# Estimates from what an H100 showed at f24b9c6 (../shared/gpu-runs) and the 16-core machine:
-# - a process importing torch + diffusers and making its CUDA context: ~10 s;
-# - a full-size random-weight model built on the GPU: Qwen-Image 20B ~5 s (gradient-flow tests: 3 builds
-#   and steps in ~33 s), FLUX.2 klein 4B ~2 s; on the host (quantized profiles) ~15 s more (40 GB copied
-#   off the GPU into pageable memory), then `place` quantizes 60 blocks (~15 s);
-# - the first compiled step: 26.6 s (the peer's Qwen-Image step with compiled blocks), then ~0.6 s/step;
-#   FLUX has two block types (double and single stream), so two graphs to compile;
-# - the 24 GB profile's eager quanto step ~2 s; the 16 GB profile adds 24 swapped blocks per pass;
-# - torch.profiler over 3 Qwen-Image steps ~3 s each plus its tables: ~25 s;
-# - quanto's CUDA extension: ~100 s to compile (qint4 tiny run 148 s against 44 s for qfloat8), in the
-#   background from the start, so stage 1's quanto tests wait for it and stage 3 finds it built;
-# - stage 1 runs its tests in 4 xdist workers side by side: the FSDP test's two accelerate launches
-#   and the compile test (~30 s of compilation) dominate; the issue caps it at 2 minutes.
-STAGES: Sequence[Stage] = (
-    Stage("machine", 0, "machine, versions, commit", 10, 30, 10, 60),
-    Stage("tests", 1, "quick tests of every CUDA-only path", 110, 120, 40, 150, kind="tests"),
-    # Each step stage profiles one step after its timed ones (~10 s at full size): a8112a6's qwen_step took 41 s.
-    Stage("qwen_step", 2, "Qwen-Image LoRA 1024^2, checkpointing + compile (today)", 55, 160, 25, 150),
-    # Issue 45's levers, in order of value: no recompute (fits 80 GB), the whole model compiled once with CUDA
-    # graphs (one graph per pass: less host work), fp8 W8A8 for the frozen linears.
-    Stage("qwen_no_recompute", 2, "Qwen-Image LoRA 1024^2, no checkpointing, compiled blocks", 55, 150, 25, 150),
-    Stage("qwen_whole_model", 2, "Qwen-Image LoRA 1024^2, no checkpointing, whole model compiled + CUDA graphs",
-          90, 200, 60, 240),
-    Stage("qwen_fp8", 2, "Qwen-Image LoRA 1024^2, no checkpointing, fp8 W8A8 frozen linears", 65, 150, 30, 150),
-    # One layer's int8 vs bf16 matmul time is cheap and decides issue 35's profile choice: before item 3.
-    Stage("int8_layer", 2, "int8 and fp8 W8A8 vs bf16: one layer at Qwen-Image widths", 35, 70, 20, 90, kind="int8"),
-    # auto_fit chooses torchao's W8A8 for both profiles now (a6c9b66): quanto's kernels are not needed.
-    Stage("mem_24gb", 3, "24 GB profile: device peak and s/step", 65, 140, 25, 120),
-    Stage("mem_16gb", 3, "16 GB profile: device peak and s/step", 75, 150, 25, 120),
-    # FLUX.1-dev's compiled backward hit an illegal memory access on an H200 (a8112a6, c7bf323): whether it works
-    # now, then the smallest reproduction (benchmarks/flux_compile_repro.py, one process per variant).
-    Stage("flux_compiled", 3, "FLUX.1-dev LoRA 1024^2, checkpointing, compile: true", 55, 110, 25, 120),
-    Stage("flux_repro", 3, "FLUX.1-dev compiled backward: the smallest failing variant", 100, 150, 150, 320,
-          kind="repro"),
-    Stage("flux2_klein", 4, "FLUX.2 [klein] 4B profile: step, peak, MFU", 65, 120, 20, 120),
-    # Before the quanto stages of its group: quanto's extension builds meanwhile. Measured on an H100:
-    # 73 s for Krea 2's three tests (aa54b89), 30 s for Qwen-Image-2.1's (75294e7).
-    Stage("families", 4, "new families' GPU tests: real-width gradients, 1024^2 steps, gradient flow", 80, 240,
-          40, 150, kind="tests"),
-    # Measured on an H100: 47 s (aa54b89) and 35 s (75294e7).
-    Stage("krea2_24gb", 4, "Krea 2 24 GB profile (qfloat8 blocks): step, peak", 55, 140, 20, 120, needs_quanto=True),
-    Stage("qwen21_24gb", 4, "Qwen-Image-2.1 24 GB profile (qfloat8 blocks): step, peak", 45, 130, 20, 120,
-          needs_quanto=True),
-    Stage("int8", 5, "int8 and fp8 W8A8 vs bf16 vs qfloat8 LoRA steps (quantized_step.py)", 90, 150, 30, 120,
-          kind="int8"),
-    Stage("attention", 5, "attention backends (Qwen-Image, FLUX.1-dev)", 25, 60, 15, 60),
-    Stage("flux_step", 5, "FLUX.1-dev LoRA 1024^2, checkpointing + compile", 55, 110, 20, 120),
-    Stage("flux_step_flash", 5, "FLUX.1-dev LoRA 1024^2, checkpointing + compile, flash attention", 50, 80, 20, 120),
-    Stage("flux_eager", 5, "FLUX.1-dev LoRA 1024^2, checkpointing, eager", 40, 70, 20, 120),
-    Stage("qwen_eager", 5, "Qwen-Image LoRA 1024^2, checkpointing, eager", 35, 80, 20, 120),
-    Stage("edit_step", 5, "Qwen-Image-Edit LoRA 1024^2, checkpointing + compile", 65, 120, 20, 120),
-    Stage("startup", 5, "start-up of a tiny train.py run", 45, 90, 30, 120),
-    Stage("loading", 5, "load time per loader (12 full-width Qwen-Image blocks)", 75, 120, 20, 120),
-    Stage("fp8", 5, "torchao float8 vs bf16, both compiled", 110, 150, 15, 60),
-)
-STAGE_NAMES = [s.name for s in STAGES]
 REPRO_SCRIPT = "benchmarks/flux_compile_repro.py"
-# Named selections of stages (--preset): issue 45's pass, the measurements that explain the step and its levers.
-PRESETS: Dict[str, Sequence[str]] = {
-    "levers": ("machine", "qwen_step", "qwen_no_recompute", "qwen_whole_model", "qwen_fp8", "mem_24gb", "mem_16gb",
-               "flux_compiled", "flux_repro"),
-}
-
-
-# =========================================================================== records
-
-
-def append_record(path: Path, record: Dict[str, Any]) -> None:
-    """One JSON line, appended and flushed at once (a killed stage keeps every earlier line)."""
-    line = json.dumps(record, default=str, allow_nan=True)
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(line + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def read_records(path: Path) -> List[Dict[str, Any]]:
-    """Every complete record of a results file (a torn last line is ignored)."""
-    out = []
-    if not Path(path).is_file():
-        return out
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 # =========================================================================== the pass
@@ -211,7 +116,7 @@ class Pass:
         """A line on stdout (the device tool returns its last 12,000 characters) and in pass.log."""
         print(text, flush=True)
         if self.log is not None:
-            self.log.write(text + "\n")
+            self.log.write(relative(text) + "\n")
             self.log.flush()
 
     def child_env(self) -> Dict[str, str]:
@@ -289,6 +194,7 @@ class Pump(threading.Thread):
         for line in self.stream:
             if line.startswith("RESULT "):
                 print(f"[{self.prefix}] {line.rstrip()[7:]}", flush=True)
+            line = relative(line)  # the raw logs get committed: no path of this machine in them
             if self.also is not None:
                 self.also.write(line)
                 self.also.flush()
@@ -327,7 +233,7 @@ def run_process(p: Pass, prefix: str, cmd: List[str], timeout: float, env: Dict[
                 also: Optional[TextIO] = None) -> Dict[str, Any]:
     """Run ``cmd`` in its own process group; kill the group at ``timeout``. Returns rc, wall, status."""
     start = time.time()
-    p.log.write(f"\n===== [{prefix}] {shlex.join(cmd)} (timeout {timeout:.0f} s, at {p.elapsed():.0f} s)\n")
+    p.log.write(f"\n===== [{prefix}] {relative(shlex.join(cmd))} (timeout {timeout:.0f} s, at {p.elapsed():.0f} s)\n")
     p.log.flush()
     try:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -384,7 +290,7 @@ def finish_quanto_build(p: Pass, final: bool) -> None:
                                    "(its output is in pass.log)\n")
     wall = round(time.time() - p.build_started, 1)
     text = p.build_log.read_text(errors="replace") if p.build_log and p.build_log.is_file() else ""
-    p.log.write(f"\n===== [quanto_build] exit {p.build.returncode}, {wall} s\n{text[-200_000:]}\n")
+    p.log.write(relative(f"\n===== [quanto_build] exit {p.build.returncode}, {wall} s\n{text[-200_000:]}\n"))
     p.log.flush()
     p.record("stage", stage="quanto_build", group=0, title="quanto CUDA extension build (background)",
              wall_s=wall, rc=p.build.returncode, status=quanto_state(p))
@@ -462,6 +368,8 @@ def run_stage(p: Pass, stage: Stage) -> None:
 def record_tests(p: Pass, stage_name: str, status: str) -> None:
     """One record per test: from junit.xml when pytest finished, else from its -v lines in tests.txt
     (a stage that timed out); tests never reported are recorded as not finished."""
+    if (p.out / JUNIT).is_file():
+        rewrite(p.out / JUNIT)  # pytest wrote it with this machine's paths
     tests = parse_junit(p.out / JUNIT) if (p.out / JUNIT).is_file() else None
     source = "junit.xml"
     if tests is None:
@@ -600,11 +508,6 @@ def main(argv: Optional[List[str]] = None) -> Path:
 def finish(p: Pass) -> None:
     """The docs' rows and the summary table, from results.jsonl (a failure here loses nothing)."""
     try:
-        from benchmarks import gpu_pass_docs
-    except ImportError:
-        sys.path.insert(0, str(ROOT))
-        from benchmarks import gpu_pass_docs
-    try:
         records = read_records(p.results)
         for doc, name in DOCS_OUT.items():
             (p.out / name).write_text(gpu_pass_docs.render(records, doc), encoding="utf-8")
@@ -613,6 +516,7 @@ def finish(p: Pass) -> None:
         summary = f"(summary failed: {type(exc).__name__}: {exc}; see {RESULTS})"
     p.say("\n" + summary)
     p.log.close()
+    rewrite_folder(p.out)  # what a process wrote past the pumps (machine.txt, a stage's own files): relative too
 
 
 if __name__ == "__main__":

@@ -10,11 +10,15 @@ Every row carries the commit and the device it was measured on. A missed target 
 with its figure; every step row says where its time goes (host ms, GPU busy ms and its breakdown, MFU, HFU)
 and is followed by its one profiled step (top kernels). The targets are stated for an H100: on another card the text
 says which card it was.
+
+This module is the one writer of ``docs/GPU_RESULTS.md`` (``benchmarks/gpu_report.py`` writes its own
+file); it imports the pass's stage table (``benchmarks/gpu_pass_stages.py``), never the pass itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
@@ -23,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_pass import STAGES, read_records  # noqa: E402
+from benchmarks.gpu_pass_stages import STAGES, read_records  # noqa: E402
 
 BEGIN, END = "<!-- gpu-pass:begin -->", "<!-- gpu-pass:end -->"
 DOCS = {"GPU_RESULTS": ROOT / "docs" / "GPU_RESULTS.md", "LOW_MEMORY": ROOT / "docs" / "LOW_MEMORY.md"}
@@ -410,7 +414,9 @@ def apply(doc_path: Path, block: str) -> None:
     else:
         title, _, rest = text.partition("\n")
         text = f"{title}\n\n{wrapped}\n{rest}"
-    doc_path.write_text(text, encoding="utf-8")
+    tmp = doc_path.with_name(doc_path.name + ".tmp")  # then a rename: a crash mid-write keeps the old doc whole
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, doc_path)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -1,4 +1,4 @@
-"""Measure the GPU claims and write them to ``docs/GPU_RESULTS.md``.
+"""Measure chosen GPU claims in one process and write them to a markdown file of their own.
 
     python benchmarks/gpu_report.py                      # all sections, on the GPU, full-size models
     python benchmarks/gpu_report.py --sections steps     # one section (each section names its command)
@@ -12,6 +12,10 @@ block swap), attention backends, fp8 training against bf16, load time per loader
 a tiny run of train.py.
 The models are full-size random-weight transformers built on the meta device and materialised on the
 GPU block by block (``tests/gpu/harness.py``); nothing is downloaded.
+
+The report goes to ``--out`` (default ``output/gpu_report/GPU_REPORT-<time>.md``), never into docs/:
+``docs/GPU_RESULTS.md`` has one writer, ``benchmarks/gpu_pass_docs.py --apply``, fed by the GPU pass
+(``benchmarks/gpu_pass.sh``), whose stages reuse these sections (``benchmarks/gpu_pass_measure.py``).
 
 ``--dry-run`` runs every section on tiny models on the CPU and writes a temporary file (its path is
 printed), so the script itself is testable without a GPU.
@@ -42,13 +46,13 @@ for _path in (ROOT, ROOT / "tests" / "gpu"):
 import torch  # noqa: E402
 
 import harness  # noqa: E402
+from benchmarks.gpu_pass_stages import TARGET_S_PER_STEP  # noqa: E402,F401  (re-exported: gpu_report.TARGET_S_PER_STEP)
 from trainer.families import SPECS  # noqa: E402
 from utils import page_cache  # noqa: E402
 
-TARGET_S_PER_STEP = 0.45  # issue 10: H100, 1024^2, batch 1, checkpointing on
 TARGET_FAMILIES = ("qwen_image", "flux")  # the families issue 10's speed target names
 SECTIONS = ("machine", "steps", "memory", "attention", "fp8", "loading", "startup")
-DEFAULT_OUT = ROOT / "docs" / "GPU_RESULTS.md"
+DEFAULT_OUT_DIR = ROOT / "output" / "gpu_report"  # not docs/: docs/GPU_RESULTS.md is gpu_pass_docs.py's alone
 FULL_QWEN_BYTES = 20.43e9 * 2  # the bf16 Qwen-Image transformer, for load-time extrapolation
 FAMILY_NAMES = {name: spec.title for name, spec in SPECS.items()}
 
@@ -530,7 +534,8 @@ def header(run: Run) -> str:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, written to a temp file")
-    parser.add_argument("--out", type=Path, default=None, help=f"markdown file (default {DEFAULT_OUT.relative_to(ROOT)})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"markdown file (default {DEFAULT_OUT_DIR.relative_to(ROOT)}/GPU_REPORT-<time>.md)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--families", nargs="+", choices=harness.FAMILIES, default=list(harness.FAMILIES))
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 10; dry run 3)")
@@ -568,7 +573,7 @@ def output_path(args: argparse.Namespace) -> Path:
         fd, name = tempfile.mkstemp(prefix="GPU_RESULTS-dry-run-", suffix=".md")
         os.close(fd)
         return Path(name)
-    return DEFAULT_OUT
+    return DEFAULT_OUT_DIR / datetime.datetime.now().strftime("GPU_REPORT-%Y%m%d-%H%M%S.md")
 
 
 def main(argv: Optional[List[str]] = None) -> Path:

@@ -140,8 +140,10 @@ def header_commands(profile: Path) -> List[List[str]]:
 
 
 def _entry_family(script: str) -> str:
-    """The family an entry script trains: its ``FAMILY = "..."`` line (webui/runner.py reads the same)."""
-    return re.search(r'^FAMILY = "(\w+)"', (ROOT / script).read_text(), re.MULTILINE).group(1)
+    """The family an entry script trains: its ``FAMILY``, read as the web page reads it (webui/runner.py)."""
+    from webui.runner import read_entry
+
+    return read_entry(ROOT / script).family
 
 
 def all_blocks() -> List[Block]:

@@ -12,9 +12,10 @@ from diffusers import Kandinsky5T2IPipeline
 
 from conftest import family_pipeline
 from trainer.config import TrainConfig
+from trainer.families import SPECS
 from trainer.families.kandinsky5.model import Kandinsky5Family
 from trainer.step.flow_matching import apply_shift
-from trainer.families.kandinsky5.tiny import KANDINSKY5_TEMPLATES
+from trainer.families.kandinsky5.tiny import KANDINSKY5_TEMPLATE
 
 PROMPT = "a red circle on a yellow background"
 
@@ -34,7 +35,8 @@ def record_transformer_calls(pipe: Kandinsky5T2IPipeline, **call: Any) -> List[D
 def test_shift_and_timestep_scale_give_the_pipelines_timesteps(tiny_kandinsky5: Path) -> None:
     steps = 4
     pipe = family_pipeline("kandinsky5", tiny_kandinsky5)
-    assert (pipe.prompt_template, pipe.prompt_template_encode_start_idx) == KANDINSKY5_TEMPLATES["kandinsky5"]
+    assert (pipe.prompt_template, pipe.prompt_template_encode_start_idx) == (KANDINSKY5_TEMPLATE,
+                                                                             SPECS["kandinsky5"].text.template)
     calls = record_transformer_calls(pipe, num_inference_steps=steps, guidance_scale=1.0)
     family = Kandinsky5Family(TrainConfig(family="kandinsky5", pretrained_model_name_or_path=str(tiny_kandinsky5)))
     # The pipeline's unshifted grid runs from 1 to the scheduler's sigma_min; the shift is fixed (3.0).

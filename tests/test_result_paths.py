@@ -1,19 +1,21 @@
 """Committed results and docs name no machine's absolute paths (``/root/out``, ``/work/main/...``,
-``/home/<user>/...``, a virtualenv's interpreter): ``scripts/relative_paths.py`` rewrites them."""
+``/home/<user>/...``, a virtualenv's interpreter): ``utils/relative_paths.py`` rewrites them, and the GPU
+pass writes its raw files through it (``python scripts/relative_paths.py FILE...`` for older files)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from benchmarks import gpu_pass
+from utils.relative_paths import ABSOLUTE, relative
 
-from relative_paths import ABSOLUTE, relative  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CHECKED = ("benchmarks/results", "docs")
 
@@ -59,3 +61,36 @@ def test_absolute_paths_are_found_and_rewritten(text: str, want: str) -> None:
                                   ". .venv/bin/activate", "/data/qwen-full", "benchmarks/results/x.json"])
 def test_relative_and_temporary_paths_are_left_alone(text: str) -> None:
     assert not ABSOLUTE.search(text) and relative(text) == text
+
+
+def test_the_gpu_pass_writes_its_raw_files_with_relative_paths(tmp_path: Path) -> None:
+    """A stage's output, the pass's records, pytest's junit.xml and a file a measurement wrote itself
+    (machine.txt) come out of the pass with no /work/<checkout>/ or home path: nothing to rewrite by hand."""
+    out = tmp_path / "out"
+    out.mkdir()
+    p = gpu_pass.Pass(out, tmp_path / "work", budget_s=60.0, dry_run=True, t0=time.time())
+    p.log = open(out / gpu_pass.LOG, "a", encoding="utf-8")
+    raw = ('File "/work/h-x/tests/gpu/harness.py", line 3\nrootdir: /work/h-x\n'
+           "/opt/t/.venv/bin/python3 run --out /root/out\n")
+    with open(out / gpu_pass.TESTS, "a", encoding="utf-8") as also:
+        done = gpu_pass.run_process(p, "stage", [sys.executable, "-c", f"print({raw!r}, end='')"], 30,
+                                    p.child_env(), also)
+    p.record("stage", stage="x", command="/work/h-x/.venv/bin/python benchmarks/gpu_pass_measure.py x",
+             out="/work/h-x/output/run")
+    (out / gpu_pass.JUNIT).write_text('<testsuite><testcase file="/work/h-x/tests/gpu/test_a.py" name="t" '
+                                      'time="1"/></testsuite>')
+    gpu_pass.record_tests(p, "tests", "ok")
+    (out / gpu_pass.MACHINE).write_text("python: /home/alice/.venv/bin/python3.12\n")
+    gpu_pass.finish(p)
+    assert done["status"] == "ok"
+    log = (out / gpu_pass.LOG).read_text()
+    assert 'File "tests/gpu/harness.py", line 3' in log and "rootdir: ." in log and "python3 run --out ~/out" in log
+    assert (out / gpu_pass.TESTS).read_text() == relative(raw)
+    records = gpu_pass.read_records(p.results)
+    stage = next(r for r in records if r.get("stage") == "x")
+    assert stage["command"] == "python benchmarks/gpu_pass_measure.py x" and stage["out"] == "output/run"
+    assert next(r for r in records if r["kind"] == "test")["id"] == "tests/gpu/test_a.py::t"
+    assert (out / gpu_pass.MACHINE).read_text() == "python: python3.12\n"
+    for path in out.iterdir():
+        found = [line for line in path.read_text().splitlines() if ABSOLUTE.search(line)]
+        assert not found, (path.name, found)

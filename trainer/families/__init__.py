@@ -72,3 +72,15 @@ def check_pipeline(family: str, name_or_path: str, revision: Optional[str] = Non
     raise ConfigError(
         f"key 'pretrained_model_name_or_path': '{name_or_path}' is a {pipeline} checkpoint (model_index.json), "
         f"but family '{spec.name}' ({spec.title}) trains {' / '.join(spec.pipelines)}; {use}")
+
+
+def family_of_entry_script(path: str) -> str:
+    """The family whose spec names the file ``path`` as its entry script (``FamilySpec.entry_script``): a
+    family's own script states its ``FAMILY`` through this, so the pairing is written once, in the spec.
+    ``ConfigError`` where no spec, or more than one (``train.py``), names the file."""
+    name = path.replace("\\", "/").rsplit("/", 1)[-1]
+    owners = [spec.name for spec in SPECS.values() if spec.entry_script == name]
+    if len(owners) != 1:
+        raise ConfigError(f"entry script '{name}': {len(owners)} family specs name it as theirs "
+                          f"({', '.join(owners) or 'none'}); write its FAMILY out")
+    return owners[0]

@@ -105,8 +105,8 @@ class FamilyBase:
     text length, text encoders made ready for the cache pass (``_frozen_encoder``, which applies
     ``quantize_text_encoder``), loading and freeing the VAE and transformer by class, freeing the text pipeline,
     the repeated blocks and the 2x2 patch packing's token count. A family sets ``spec``, ``pipeline_class``,
-    ``vae_class`` and ``transformer_class`` and writes the rest (text encoding, normalisation, ``predict``):
-    ``docs/ADDING_A_FAMILY.md``."""
+    ``vae_class`` and ``transformer_class`` and writes the rest (text encoding, normalisation, ``velocity``,
+    ``render_kwargs``): ``docs/ADDING_A_FAMILY.md``."""
 
     spec: ClassVar[FamilySpec]
     vae_class: ClassVar[type]
@@ -234,6 +234,11 @@ class FamilyBase:
                  references: Sequence[torch.Tensor]) -> torch.Tensor:
         """The transformer's velocity prediction in the latents' ``(B, C, H, W)`` layout (each family's own)."""
         raise NotImplementedError
+
+    def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
+        """The pipeline's keyword arguments for one cached condition (validation renders without encoders)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how its pipeline takes cached conditions: "
+                                  "write render_kwargs (docs/ADDING_A_FAMILY.md, step 2)")
 
     def refuse_references(self, references: Sequence[torch.Tensor]) -> None:
         """``predict``'s guard: reference latents reach only a family that takes them."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Mapping, Sequence
 
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 from transformers import CLIPTokenizer, Qwen2Tokenizer, T5Tokenizer
@@ -15,26 +16,23 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 # The Qwen pipelines wrap every prompt in these templates and then drop a fixed number of tokens from the
 # front (`prompt_template_encode_start_idx`): the system turn plus "<|im_start|>user\n". Copied from
-# diffusers 0.42 (pipeline_qwenimage*.py); the tests compare them with the loaded pipelines.
+# diffusers 0.42 (pipeline_qwenimage*.py); the tests compare them with the loaded pipelines. How many
+# tokens each drops is its family's fact (`TextTokens.template` in its spec): a family's tiny builder
+# passes it to `build_qwen_tokenizer(drops=...)`, which checks the tiny vocabulary keeps it.
 _EDIT_SYSTEM = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
     "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
     "image that meets the user's requirements while maintaining consistency with the original input where "
     "appropriate.<|im_end|>\n<|im_start|>user\n"
 )
-QWEN_TEMPLATES: dict[str, tuple[str, int]] = {
-    "qwen_image": (
-        "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
-        "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-        "<|im_start|>assistant\n",
-        34,
-    ),
-    "qwen_image_edit": (
-        _EDIT_SYSTEM + "<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n",
-        64,
-    ),
-    "qwen_image_edit_plus": (_EDIT_SYSTEM + "{}<|im_end|>\n<|im_start|>assistant\n", 64),
-}
+QWEN_IMAGE_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n")
+QWEN_EDIT_TEMPLATE = _EDIT_SYSTEM + "<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n"
+QWEN_EDIT_PLUS_TEMPLATE = _EDIT_SYSTEM + "{}<|im_end|>\n<|im_start|>assistant\n"
+# The tiny Qwen vocabulary is trained on these (in this order: the vocabulary, so every tiny model, depends on it).
+QWEN_PROMPT_TEMPLATES: tuple[str, ...] = (QWEN_IMAGE_TEMPLATE, QWEN_EDIT_TEMPLATE, QWEN_EDIT_PLUS_TEMPLATE)
 # Edit-Plus puts this before the prompt once per reference image.
 QWEN_EDIT_PLUS_IMAGE_TEMPLATE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 
@@ -135,11 +133,11 @@ def train_byte_level_bpe(corpus: list[str]) -> tuple[dict[str, int], list[tuple[
     return vocab, [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
 
 
-def build_qwen_tokenizer(templates: dict[str, tuple[str, int]] | None = None) -> Qwen2Tokenizer:
-    """A Qwen2Tokenizer whose template prefixes encode to exactly the pipelines' drop lengths
-    (`templates`: name -> (template, drop); default the Qwen-Image pipelines' `QWEN_TEMPLATES`)."""
-    templates = templates or QWEN_TEMPLATES
-    corpus = [template for template, _ in templates.values()] + [QWEN_EDIT_PLUS_IMAGE_TEMPLATE, *_EXTRA_CORPUS]
+def build_qwen_tokenizer(templates: Sequence[str] = QWEN_PROMPT_TEMPLATES,
+                         drops: Mapping[str, int] | None = None) -> Qwen2Tokenizer:
+    """A Qwen2Tokenizer trained on ``templates`` (the pipelines' prompt templates); where ``drops`` gives a
+    template's drop length (its family's spec), its prefix is checked to encode to exactly that."""
+    corpus = [*templates, QWEN_EDIT_PLUS_IMAGE_TEMPLATE, *_EXTRA_CORPUS]
     vocab, merges = train_byte_level_bpe(corpus)
     # Specials go at the end of the vocabulary in the real order, then get registered as special below.
     vocab.update({token: len(vocab) + i for i, token in enumerate(QWEN_SPECIAL_TOKENS)})
@@ -152,23 +150,25 @@ def build_qwen_tokenizer(templates: dict[str, tuple[str, int]] | None = None) ->
         chat_template=QWEN_VL_CHAT_TEMPLATE,
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS)})
-    check_qwen_template_drops(tokenizer, templates)
+    check_qwen_template_drops(tokenizer, drops or {})
     return tokenizer
 
 
-def check_qwen_template_drops(tokenizer, templates: dict[str, tuple[str, int]] | None = None) -> None:
+def check_qwen_template_drops(tokenizer, drops: Mapping[str, int]) -> None:
     """Raise unless each template's prefix encodes to exactly its drop length, whatever the prompt.
 
     The pipelines drop the first `drop` tokens of `template.format(prompt)`; with a wrong count they would
     drop part of the prompt or keep part of the system text.
     """
-    for name, (template, drop) in (templates or QWEN_TEMPLATES).items():
+    for template, drop in drops.items():
+        name = template_prefix(template)[:60].replace("\n", " ")
         prefix_ids = tokenizer(template_prefix(template))["input_ids"]
         if len(prefix_ids) != drop:
-            raise AssertionError(f"{name}: template prefix encodes to {len(prefix_ids)} tokens, pipeline drops {drop}")
+            raise AssertionError(f"{name!r}: template prefix encodes to {len(prefix_ids)} tokens, "
+                                 f"pipeline drops {drop}")
         full_ids = tokenizer(template.format("A cat, 2 dogs."))["input_ids"]
         if full_ids[:drop] != prefix_ids:
-            raise AssertionError(f"{name}: the prompt changes how the template prefix tokenizes")
+            raise AssertionError(f"{name!r}: the prompt changes how the template prefix tokenizes")
 
 
 def build_clip_tokenizer(model_max_length: int = 77) -> CLIPTokenizer:

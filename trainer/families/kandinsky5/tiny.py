@@ -18,16 +18,12 @@ from utils.tiny_models.derive import pipeline_class, published, published_schedu
 from utils.tiny_models.text_encoders import CLIP_WIDTH, QWEN_WIDTH, tiny_text_encoder
 from utils.tiny_models.tokenizers import build_clip_tokenizer, build_qwen_tokenizer
 
-# Kandinsky5T2IPipeline's Qwen template and the number of tokens it drops (copied from diffusers 0.42;
-# the tests compare them with the loaded pipeline).
-KANDINSKY5_TEMPLATES: dict[str, tuple[str, int]] = {
-    "kandinsky5": (
-        "<|im_start|>system\nYou are a prompt engineer. Describe the image by detailing the color, shape, size, "
-        "texture, quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
-        "<|im_start|>user\n{}<|im_end|>",
-        40,
-    )
-}
+# Kandinsky5T2IPipeline's Qwen template (copied from diffusers 0.42; the tests compare it with the loaded
+# pipeline). The tokens it drops are the spec's (`TextTokens.template`).
+KANDINSKY5_TEMPLATE = (
+    "<|im_start|>system\nYou are a prompt engineer. Describe the image by detailing the color, shape, size, "
+    "texture, quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>")
 # The spec holds no published scheduler config for this checkpoint: T2I samples with scheduler_scale 3.0
 # and no resolution-dependent shift.
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
@@ -49,7 +45,7 @@ def _seed_modulation(model: Any) -> None:
 def build(out_dir: str | Path, seed: int = 0, checkpoint: Optional[str] = None) -> Path:
     """Build the tiny Kandinsky 5 T2I pipeline into ``out_dir``."""
     configs = published(SPEC, checkpoint)
-    tokenizer = build_qwen_tokenizer(KANDINSKY5_TEMPLATES)
+    tokenizer = build_qwen_tokenizer((KANDINSKY5_TEMPLATE,), drops={KANDINSKY5_TEMPLATE: SPEC.text.template})
     processor = Qwen2VLImageTextProcessor(
         Qwen2VLImageProcessorPil(patch_size=14, temporal_patch_size=2, merge_size=2), tokenizer,
         chat_template=tokenizer.chat_template)

@@ -133,15 +133,8 @@ class Krea2Family(FamilyBase):
         """Image tokens after ``patch_size`` packing (the pipeline's ``latents.shape[1]`` for mu)."""
         return (latent_shape[-2] // self.patch_size) * (latent_shape[-1] // self.patch_size)
 
-    def predict(
-        self,
-        transformer: torch.nn.Module,
-        noisy_latents: torch.Tensor,
-        sigmas: torch.Tensor,
-        text: Tensors,
-        references: Sequence[torch.Tensor] = (),
-    ) -> torch.Tensor:
-        self.refuse_references(references)
+    def velocity(self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
+                 references: Sequence[torch.Tensor]) -> torch.Tensor:
         b, c, h, w = noisy_latents.shape
         p = self.patch_size
         rows, cols = h // p, w // p

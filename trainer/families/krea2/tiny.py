@@ -14,7 +14,7 @@ from typing import Any, Optional
 from trainer.families.krea2.spec import SPEC
 from utils.tiny_models.derive import pipeline_class, published, published_scheduler, save_pipeline, shrunk_model
 from utils.tiny_models.text_encoders import QWEN_WIDTH, tiny_text_encoder
-from utils.tiny_models.tokenizers import build_qwen_tokenizer
+from utils.tiny_models.tokenizers import QWEN_IMAGE_TEMPLATE, build_qwen_tokenizer
 
 VARIANTS = {"krea2_turbo": "krea/Krea-2-Turbo"}  # is_distilled: true
 TEXT_TAPS = (1, 2, 3)  # hidden states stacked per token (0 is the embedding output)
@@ -40,7 +40,8 @@ def _randomise_modulation(model: Any) -> None:
 def build(out_dir: str | Path, seed: int = 0, checkpoint: Optional[str] = None) -> Path:
     """Build the tiny Krea 2 pipeline into ``out_dir``; loads with ``Krea2Pipeline.from_pretrained``."""
     configs = published(SPEC, checkpoint)
-    tokenizer = build_qwen_tokenizer()  # its Qwen-Image template is Krea 2's 34-token system prefix
+    # Krea 2's system prefix is Qwen-Image's template's (its spec's drop length).
+    tokenizer = build_qwen_tokenizer(drops={QWEN_IMAGE_TEMPLATE: SPEC.text.template})
     index = configs["model_index.json"]
     pipe = pipeline_class(configs)(
         scheduler=published_scheduler(configs), vae=shrunk_model(configs, "vae", seed, **VAE),

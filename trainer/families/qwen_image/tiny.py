@@ -9,12 +9,12 @@ from other published checkpoints of the same family).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from trainer.families.qwen_image.spec import SPEC
 from utils.tiny_models.derive import pipeline_class, published, published_scheduler, save_pipeline, shrunk_model
 from utils.tiny_models.text_encoders import QWEN_WIDTH, tiny_text_encoder
-from utils.tiny_models.tokenizers import build_qwen_tokenizer
+from utils.tiny_models.tokenizers import QWEN_IMAGE_TEMPLATE, build_qwen_tokenizer
 
 Z_DIM = 4  # VAE latent channels; the transformer packs 2x2 of them: in_channels 16
 TRANSFORMER = dict(in_channels=4 * Z_DIM, out_channels=Z_DIM, num_layers=2, attention_head_dim=16,
@@ -27,9 +27,10 @@ VAE = dict(base_dim=8, z_dim=Z_DIM,
            latents_mean=[0.1, -0.2, 0.3, -0.4], latents_std=[1.5, 0.8, 1.2, 2.0])
 
 
-def qwen_components(configs: Any, seed: int) -> dict[str, Any]:
-    """The five components every Qwen-Image(-Edit) checkpoint shares, shrunk from ``configs``."""
-    tokenizer = build_qwen_tokenizer()
+def qwen_components(configs: Any, seed: int, drops: Optional[Mapping[str, int]] = None) -> dict[str, Any]:
+    """The five components every Qwen-Image(-Edit) checkpoint shares, shrunk from ``configs``; ``drops``: the
+    prompt templates' drop lengths the tokenizer must keep (default Qwen-Image's, from its spec)."""
+    tokenizer = build_qwen_tokenizer(drops={QWEN_IMAGE_TEMPLATE: SPEC.text.template} if drops is None else drops)
     return {"transformer": shrunk_model(configs, "transformer", seed, **TRANSFORMER),
             "vae": shrunk_model(configs, "vae", seed, **VAE),
             "text_encoder": tiny_text_encoder(configs, "text_encoder", tokenizer, seed),

@@ -14,6 +14,7 @@ from trainer.families.qwen_image.tiny import qwen_components
 from trainer.families.qwen_image_edit.spec import SPEC
 from utils.qwen_processor import Qwen2VLImageTextProcessor, record_standard_processor, save_qwen_vl_processor
 from utils.tiny_models.derive import pipeline_class, published, save_pipeline
+from utils.tiny_models.tokenizers import QWEN_EDIT_PLUS_TEMPLATE, QWEN_EDIT_TEMPLATE
 
 VARIANTS = {"qwen_image_edit_plus": "Qwen/Qwen-Image-Edit-2509"}  # tiny model name -> published checkpoint
 # Factor 28 = patch 14 * merge 2 (must match the vision config). The real checkpoint allows up to 12.8 Mpx;
@@ -25,7 +26,8 @@ MAX_PIXELS = 112 * 112
 def build(out_dir: str | Path, seed: int = 0, checkpoint: Optional[str] = None) -> Path:
     """Build the tiny Edit pipeline of ``checkpoint`` (default ``Qwen/Qwen-Image-Edit``) into ``out_dir``."""
     configs = published(SPEC, checkpoint)
-    components = qwen_components(configs, seed)
+    components = qwen_components(configs, seed, drops={QWEN_EDIT_TEMPLATE: SPEC.text.template,
+                                                       QWEN_EDIT_PLUS_TEMPLATE: SPEC.text.template})
     image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14,
                                                temporal_patch_size=2, merge_size=2)
     tokenizer = components["tokenizer"]
