@@ -24,7 +24,7 @@ from PIL import Image
 
 from conftest import family_pipeline
 from test_family_e2e import E2E_CASES
-from trainer.model.adapters import add_lora
+from trainer.model.adapters import add_lora, lora_files
 from trainer.model.quantization import quantized_linears
 from trainer.config import TrainConfig
 from trainer.families import SPECS
@@ -459,7 +459,9 @@ def test_runtime_classes_are_the_ones_the_spec_names(tiny: str, tiny_model: Call
     spec, family = SPECS[name], family_for(name, folder)
     assert family.pipeline_class.__name__ == index["_class_name"]
     assert family.transformer_class.__name__ == spec.transformer == index["transformer"][1]
-    assert type(family.load_transformer(torch.float32)).__name__ == spec.transformer
+    # A checkpoint of several trained transformers (Wan 2.2 A14B's experts) loads them as one module: each is it.
+    loaded = [part for _, _, part in lora_files(family.load_transformer(torch.float32))]
+    assert loaded and all(type(part).__name__ == spec.transformer for part in loaded)
 
 
 @pytest.mark.parametrize("preset", ["attention", "attention_mlp", "all_linear"])

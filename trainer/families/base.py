@@ -37,6 +37,7 @@ class ModelFamily(Protocol):
 
     model_path: str
     pixel_multiple: int  # image sides must be multiples of this
+    sigma_range: Tuple[float, float]  # training's noise levels are drawn in [low, high] (default all)
     scheduler_config: Mapping[str, Any]
 
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None: ...
@@ -118,6 +119,9 @@ class FamilyBase:
     real_rope: ClassVar[Optional[RealRope]] = None
 
     max_references: int = 0
+    # The noise levels training draws from (sigma_min, sigma_max): all of them, unless the family trains a
+    # transformer that the pipeline runs on part of the schedule only (an expert of a two-expert checkpoint).
+    sigma_range: Tuple[float, float] = (0.0, 1.0)
 
     cfg_argument: ClassVar[str] = "true_cfg_scale"
     cfg_off_value: ClassVar[float] = 1.0
@@ -183,13 +187,15 @@ class FamilyBase:
         self.vae = None
         release()
 
-    def load_transformer(self, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
+    def load_transformer(self, dtype: torch.dtype, device: torch.device = torch.device("cpu"),
+                         subfolder: str = "transformer") -> torch.nn.Module:
         """Streamed shard by shard onto ``device`` (fastsafetensors on a GPU, a memory map on the
-        CPU; diffusers' from_pretrained as the fallback), with the family's ``real_rope`` processors."""
+        CPU; diffusers' from_pretrained as the fallback), with the family's ``real_rope`` processors.
+        ``subfolder``: another transformer of the checkpoint (a second expert's ``transformer_2``)."""
         from utils.fast_loading import load_transformer
 
         transformer = from_pretrained(partial(load_transformer, self.transformer_class), self.model_path,
-                                      "transformer", revision=self.revision, dtype=dtype, device=device,
+                                      subfolder, revision=self.revision, dtype=dtype, device=device,
                                       loader=self.loader, num_threads=self.loader_threads)
         if self.real_rope is not None:
             install(transformer, self.real_rope)

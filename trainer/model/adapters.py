@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Protocol
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 from loguru import logger
@@ -123,6 +123,21 @@ def final_weights_name(cfg: TrainConfig) -> str:
     return PEFT_WEIGHTS_NAME if cfg.adapter_type != "lora" else LORA_WEIGHTS_NAME
 
 
+def lora_files(transformer: torch.nn.Module) -> List[Tuple[str, str, torch.nn.Module]]:
+    """``(file name, parameter prefix, module)`` for each LoRA file of ``transformer``: one, unless the trained
+    module holds several transformers that each load on their own (a family's ``lora_files``: Wan 2.2's two
+    experts, each loading into its own pipeline component)."""
+    several = getattr(transformer, "lora_files", None)
+    return several() if callable(several) else [(LORA_WEIGHTS_NAME, "", transformer)]
+
+
+def _under(trained: Optional[Tensors], prefix: str) -> Optional[Tensors]:
+    """The gathered tensors of the part under ``prefix``, named as in that part (all of them for no prefix)."""
+    if trained is None or not prefix:
+        return trained
+    return {k[len(prefix):]: v for k, v in trained.items() if k.startswith(prefix)}
+
+
 class TrainedWeights(Protocol):
     """What trains, and how it is saved into a checkpoint, restored from one and exported at the end."""
 
@@ -154,8 +169,9 @@ class LoraWeights:
     def save(self, transformer: torch.nn.Module, folder: Path, trained: Optional[Tensors] = None) -> Path:
         if self.peft_format:
             return self._save_peft(transformer, folder, trained)
-        return save_lora_file(folder, self.pipeline_class, lora_state_dict(transformer, trained),
-                              lora_metadata(transformer))
+        paths = [save_lora_file(folder, self.pipeline_class, lora_state_dict(part, _under(trained, prefix)),
+                                lora_metadata(part), name=name) for name, prefix, part in lora_files(transformer)]
+        return paths[0]
 
     def _save_peft(self, transformer: torch.nn.Module, folder: Path, trained: Optional[Tensors] = None) -> Path:
         import json
@@ -170,11 +186,13 @@ class LoraWeights:
     def load(self, transformer: torch.nn.Module, folder: Path) -> None:
         from safetensors.torch import load_file
 
-        state = load_file(str(folder / self.final_name))
-        result = set_peft_model_state_dict(transformer, {k.removeprefix("transformer."): v for k, v in state.items()})
-        if result.unexpected_keys:
-            raise UserError(f"{folder}: the checkpoint's LoRA does not fit this model "
-                            f"(unexpected {result.unexpected_keys[:3]})")
+        files = lora_files(transformer) if not self.peft_format else [(self.final_name, "", transformer)]
+        for name, _, part in files:
+            state = load_file(str(folder / name))
+            result = set_peft_model_state_dict(part, {k.removeprefix("transformer."): v for k, v in state.items()})
+            if result.unexpected_keys:
+                raise UserError(f"{folder / name}: the checkpoint's LoRA does not fit this model "
+                                f"(unexpected {result.unexpected_keys[:3]})")
 
     def export(self, transformer: torch.nn.Module, output_dir: Path, base_model: str,
                trained: Optional[Tensors] = None) -> Path:

@@ -28,9 +28,10 @@ LORA_TEMP_PREFIX = ".lora-"  # save_lora_file's folder beside the file; a crash 
 
 
 def save_lora_file(
-    directory: Path, pipeline_class: type, state_dict: Dict[str, torch.Tensor], metadata: Dict[str, Any]
+    directory: Path, pipeline_class: type, state_dict: Dict[str, torch.Tensor], metadata: Dict[str, Any],
+    name: str = LORA_WEIGHTS_NAME,
 ) -> Path:
-    """Write ``pytorch_lora_weights.safetensors`` in diffusers' format, with the adapter metadata.
+    """Write ``pytorch_lora_weights.safetensors`` (or ``name``) in diffusers' format, with the adapter metadata.
 
     Written in a temporary folder and renamed over the old file, so a crash leaves the old one intact.
     """
@@ -40,8 +41,8 @@ def save_lora_file(
             tmp, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata)
         written = Path(tmp) / LORA_WEIGHTS_NAME
         os.chmod(written, 0o666 & ~_umask())  # temp files are private; the result is a normal file
-        os.replace(written, directory / LORA_WEIGHTS_NAME)
-    return directory / LORA_WEIGHTS_NAME
+        os.replace(written, directory / name)
+    return directory / name
 
 
 def _umask() -> int:

@@ -37,11 +37,15 @@ def seed_global_rngs(seed: int, device: torch.device) -> None:
 
 
 def draw_sigmas(cfg: TrainConfig, family: ModelFamily, latent_shape: Sequence[int], gen: torch.Generator) -> torch.Tensor:
-    """The run's noise levels for a batch (on the host): the configured sampler, then the shift."""
+    """The run's noise levels for a batch (on the host): the configured sampler, then the shift, then the
+    family's ``sigma_range`` (an expert trained alone sees only its part of the schedule: the distribution is
+    squeezed into it, keeping its shape)."""
     sigmas = sample_sigmas(latent_shape[0], cfg.timestep_sampling, gen, cfg.logit_mean, cfg.logit_std,
                            cfg.mode_scale, cfg.sigmoid_scale)
-    return apply_shift(sigmas, cfg.timestep_shift, family.image_seq_len(latent_shape), family.scheduler_config,
-                       cfg.shift)
+    sigmas = apply_shift(sigmas, cfg.timestep_shift, family.image_seq_len(latent_shape), family.scheduler_config,
+                         cfg.shift)
+    low, high = getattr(family, "sigma_range", (0.0, 1.0))
+    return sigmas if (low, high) == (0.0, 1.0) else low + (high - low) * sigmas
 
 
 def flow_matching_step(

@@ -15,8 +15,10 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 
 from trainer.families.base import FamilyBase, FamilySpec, Tensors
 from trainer.families.spec import vae_scale_factor
+from trainer.families.wan.experts import WanExperts, boundary_of, experts_to_train, sigma_range
 from trainer.families.wan.spec import SPEC
 from utils.device_copy import to_device
+from utils.errors import ConfigError
 
 
 class WanStillRenders(WanPipeline):
@@ -29,7 +31,8 @@ class WanStillRenders(WanPipeline):
 
 class WanFamily(FamilyBase):
     """Wan 2.1 text-to-video and Wan 2.2 TI2V-5B (``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` or a folder of the same
-    layout): one transformer, text-to-video. Still images train as one-frame clips."""
+    layout): one transformer, text-to-video; Wan 2.2 T2V-A14B: two experts, one or both trained (``experts.py``).
+    Still images train as one-frame clips."""
 
     spec: ClassVar[FamilySpec] = SPEC
     pipeline_class: ClassVar[type] = WanPipeline
@@ -47,6 +50,12 @@ class WanFamily(FamilyBase):
         self.temporal_compression = int(self.vae_config.get("scale_factor_temporal", self.spec.temporal_compression))
         # UniPC names its fixed shift flow_shift; the engine's timestep shift reads "shift".
         self.scheduler_config = {**self.scheduler_config, "shift": float(self.scheduler_config.get("flow_shift", 1.0))}
+        # Two experts (Wan 2.2 A14B): which train, and the noise levels they see.
+        self.boundary = boundary_of(self.model_index)
+        self.experts = experts_to_train(getattr(cfg, "train_expert", None), self.boundary, self.model_path)
+        self.sigma_range = sigma_range(self.experts, self.boundary)
+        if self.boundary is not None:
+            refuse_for_experts(cfg)
 
     # -- text -------------------------------------------------------------------------------------
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -82,9 +91,15 @@ class WanFamily(FamilyBase):
         """``WanStillRenders`` around the live transformer and VAE (the encoders left out: renders read cached
         conditions), with the checkpoint's scheduler and its per-token timesteps where it has them (TI2V-5B)."""
         scheduler = self._load(UniPCMultistepScheduler.from_pretrained, "scheduler")
+        experts: Dict[str, Any] = {"transformer": transformer}
+        if isinstance(transformer, WanExperts):
+            # Both experts: switched at the boundary as the pipeline does. One expert trained alone renders the
+            # whole schedule by itself (the other is not loaded: a 14B model's memory).
+            both = len(transformer.experts()) == 2
+            experts = dict(transformer=transformer.experts()[0], transformer_2=transformer.transformer_2 if both
+                           else None, boundary_ratio=transformer.boundary if both else None)
         return WanStillRenders(tokenizer=None, text_encoder=None, vae=self.vae, scheduler=scheduler,
-                               transformer=transformer,
-                               expand_timesteps=bool(self.model_index.get("expand_timesteps", False)))
+                               expand_timesteps=bool(self.model_index.get("expand_timesteps", False)), **experts)
 
     # -- latents ----------------------------------------------------------------------------------
     def _statistics(self, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +134,20 @@ class WanFamily(FamilyBase):
         return (clip_frames - 1) // self.temporal_compression + 1
 
     # -- transformer ------------------------------------------------------------------------------
+    def load_transformer(self, dtype: torch.dtype, device: torch.device = torch.device("cpu"),
+                         subfolder: str = "transformer") -> torch.nn.Module:
+        """The transformer; for a two-expert checkpoint the trained expert(s) as one ``WanExperts`` module."""
+        if self.boundary is None:
+            return super().load_transformer(dtype, device, subfolder)
+        loaded = {name: FamilyBase.load_transformer(self, dtype, device, name) for name in self.experts}
+        return WanExperts(self.boundary, **loaded)
+
+    def blocks(self, transformer: torch.nn.Module) -> List[torch.nn.Module]:
+        """The blocks of each trained expert, high noise first."""
+        if isinstance(transformer, WanExperts):
+            return [block for expert in transformer.experts() for block in FamilyBase.blocks(self, expert)]
+        return super().blocks(transformer)
+
     def image_seq_len(self, latent_shape: Sequence[int]) -> int:
         """Video tokens: latent frames x (1, 2, 2) patches (a 4-D image shape is one frame)."""
         frames = latent_shape[-3] if len(latent_shape) == 5 else 1
@@ -130,6 +159,16 @@ class WanFamily(FamilyBase):
         # value everywhere for text-to-video, so the same prediction.
         return transformer(hidden_states=noisy_latents, timestep=sigmas.to(noisy_latents.device) * 1000,
                            encoder_hidden_states=text["prompt_embeds"], return_dict=False)[0]
+
+
+def refuse_for_experts(cfg: Any) -> None:
+    """What two-expert training does not do yet, refused in one line before anything loads."""
+    if getattr(cfg, "training_mode", "lora") == "full":
+        raise ConfigError("key 'training_mode': value 'full' is not supported for a two-expert Wan 2.2 checkpoint "
+                          "yet (its experts' pipeline folder is not written); use training_mode: lora")
+    if getattr(cfg, "adapter_type", "lora") != "lora":
+        raise ConfigError(f"key 'adapter_type': value '{cfg.adapter_type}' is not supported for a two-expert Wan 2.2 "
+                          "checkpoint yet (one peft file per expert is not written); use adapter_type: lora")
 
 
 def nonzero_rows(embeds: torch.Tensor) -> int:

@@ -4,7 +4,7 @@ A14B checkpoints (``transformer_2``) and I2V are not trained here yet."""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from trainer.families.components import WAN21_VAE, WAN22_VAE, model_index
 from trainer.families.spec import BlockGroup, FamilySpec, TargetSpec, TextTokens, lora_presets
@@ -37,21 +37,25 @@ def _transformer(heads: int, ffn: int, layers: int, channels: int) -> Dict[str, 
 
 
 def _checkpoint(transformer: Dict[str, Any], vae: Dict[str, Any], flow_shift: float, shards: int,
-                expand_timesteps: bool) -> Dict[str, Any]:
+                expand_timesteps: bool, boundary_ratio: Optional[float] = None) -> Dict[str, Any]:
     """One Wan checkpoint in diffusers layout: UniPC with flow sigmas (the pipeline's sampler), UMT5. The values
-    are those diffusers' ``scripts/convert_wan_to_diffusers.py`` writes for these checkpoints."""
+    are those diffusers' ``scripts/convert_wan_to_diffusers.py`` writes for these checkpoints. With
+    ``boundary_ratio``: two experts of the same config (``transformer`` high noise, ``transformer_2`` low)."""
     index = model_index("WanPipeline", scheduler="diffusers.UniPCMultistepScheduler",
                         text_encoder="transformers.UMT5EncoderModel", tokenizer="transformers.T5TokenizerFast",
                         transformer="diffusers.WanTransformer3DModel", vae="diffusers.AutoencoderKLWan")
-    index.update(transformer_2=[None, None], boundary_ratio=None, expand_timesteps=expand_timesteps)
+    two = boundary_ratio is not None
+    index.update(transformer_2=["diffusers", "WanTransformer3DModel"] if two else [None, None],
+                 boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps)
     return {
         "model_index.json": index,
         "transformer/config.json": transformer,
+        **({"transformer_2/config.json": transformer} if two else {}),
         "text_encoder/config.json": UMT5_XXL_ENCODER,
         "vae/config.json": vae,
         "scheduler/scheduler_config.json": {"num_train_timesteps": 1000, "prediction_type": "flow_prediction",
                                             "use_flow_sigmas": True, "flow_shift": flow_shift},
-        "_shards": {"transformer": shards},
+        "_shards": {"transformer": shards, **({"transformer_2": shards} if two else {})},
     }
 
 
@@ -70,6 +74,10 @@ SPEC = FamilySpec(
         # Wan-AI/Wan2.2-TI2V-5B-Diffusers: 24 heads x 128, 30 blocks, the 48-channel 16x Wan 2.2 VAE; its pipeline
         # gives each token its own timestep (expand_timesteps), the same value everywhere for text-to-video.
         "Wan-AI/Wan2.2-TI2V-5B-Diffusers": _checkpoint(_transformer(24, 14336, 30, 48), WAN22_VAE, 5.0, 3, True),
+        # Wan-AI/Wan2.2-T2V-A14B-Diffusers: two 14B experts (40 heads x 128, 40 blocks) on the Wan 2.1 VAE; the
+        # pipeline runs `transformer` while t >= 0.875 * 1000, then `transformer_2`.
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers": _checkpoint(_transformer(40, 13824, 40, 16), WAN21_VAE, 3.0, 12, False,
+                                                        boundary_ratio=0.875),
     },
     temporal_compression=4,
     comfyui_unsupported="ComfyUI's Wan LoRA names are not mapped here yet",

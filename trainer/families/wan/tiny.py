@@ -24,7 +24,8 @@ VAE = dict(base_dim=8, z_dim=Z_DIM,
 VAE22 = dict(base_dim=8, decoder_base_dim=8, z_dim=Z_DIM, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
              latents_mean=VAE["latents_mean"], latents_std=VAE["latents_std"])
 # tiny name -> the published checkpoint it shrinks (``utils.tiny_models``): TI2V-5B's VAE and per-token timesteps.
-VARIANTS = {"wan22_ti2v": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}
+# Wan 2.2 T2V-A14B: two experts (``transformer`` high noise, ``transformer_2`` low) switched at its boundary_ratio.
+VARIANTS = {"wan22_ti2v": "Wan-AI/Wan2.2-TI2V-5B-Diffusers", "wan22_a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers"}
 
 
 def build(out_dir: str | Path, seed: int = 0, checkpoint: Optional[str] = None) -> Path:
@@ -37,5 +38,8 @@ def build(out_dir: str | Path, seed: int = 0, checkpoint: Optional[str] = None) 
         scheduler=published_scheduler(configs), vae=shrunk_model(configs, "vae", seed, **vae),
         text_encoder=tiny_text_encoder(configs, "text_encoder", tokenizer, seed), tokenizer=tokenizer,
         transformer=shrunk_model(configs, "transformer", seed, **TRANSFORMER),
+        # The second expert from another seed: the two predict differently, as the published ones do.
+        **({"transformer_2": shrunk_model(configs, "transformer_2", seed + 1, **TRANSFORMER),
+            "boundary_ratio": index["boundary_ratio"]} if "transformer_2/config.json" in configs else {}),
         expand_timesteps=index["expand_timesteps"])
     return save_pipeline(pipe, out_dir)
