@@ -5,6 +5,8 @@
     python inference.py --model Qwen/Qwen-Image-Edit-2509 --image ref1.png --image ref2.png \
         --prompt "put the cat on the sofa" --out edit.png
     python inference.py --model DIR --lora LORA --base-out base.png --out lora.png --prompt "..."  # both, one load
+    python inference.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --lora LORA --prompt "..." --out clip.mp4 \
+        --width 832 --height 480 --num-frames 33     # a video model: .mp4 or an animated .webp (.png: frame 1)
 
 The pipeline class is read from the model's ``model_index.json``; ``--family`` makes it one of that
 family's pipelines.
@@ -41,11 +43,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--negative-prompt", default=None,
                    help="default: '' where the pipeline's true CFG is on by default (Qwen-Image, Edit), "
                         "so it guides as validation samples do; the pipeline's own default elsewhere")
-    p.add_argument("--out", required=True, type=Path, help="PNG file to write")
+    p.add_argument("--out", required=True, type=Path,
+                   help="PNG file to write; for a video model a clip: .mp4 or animated .webp (.png: its first frame)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--num-frames", type=int, default=None,
+                   help="video models: frames of the clip (4k+1 for Wan; default: the pipeline's)")
+    p.add_argument("--fps", type=float, default=None,
+                   help="video models: frame rate of the written clip (default: the model's, 16 for Wan 2.1)")
     p.add_argument("--guidance", type=float, default=None, help="distilled guidance (FLUX)")
     p.add_argument("--true-cfg", type=float, default=None, help="true classifier-free guidance (Qwen)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
@@ -108,6 +115,7 @@ def call_kwargs(pipe, args: argparse.Namespace) -> Dict[str, Any]:
         "prompt": args.prompt, "negative_prompt": args.negative_prompt, "num_inference_steps": args.steps,
         "width": args.width, "height": args.height, "guidance_scale": args.guidance,
         "true_cfg_scale": args.true_cfg, "generator": torch.Generator("cpu").manual_seed(args.seed),
+        "num_frames": args.num_frames, "output_type": "pil" if renders_video(pipe) else None,
     }
     accepted = inspect.signature(pipe.__call__).parameters
     # Qwen pipelines default to true_cfg_scale 4 but skip CFG without a negative prompt.
@@ -115,6 +123,30 @@ def call_kwargs(pipe, args: argparse.Namespace) -> Dict[str, Any]:
     if wanted["negative_prompt"] is None and true_cfg is not None and (args.true_cfg or true_cfg.default) > 1:
         wanted["negative_prompt"] = ""
     return {k: v for k, v in wanted.items() if k in accepted and v is not None}
+
+
+def renders_video(pipe) -> bool:
+    """Whether the pipeline belongs to a family that renders clips (``FamilySpec.trains_video``)."""
+    spec = spec_for_pipeline(type(pipe).__name__)
+    return spec is not None and spec.trains_video
+
+
+def save_output(pipe, output: Any, out: Path, fps: Optional[float] = None) -> int:
+    """Write the pipeline's first output to ``out``: an image, or a video model's clip as .mp4 / animated .webp
+    at the model's frame rate (or --fps); a clip written to .png keeps its first frame. Returns its frames."""
+    frames = output if isinstance(output, list) else [output]
+    suffix = out.suffix.lower()
+    if suffix in (".mp4", ".webp") and isinstance(output, list):
+        from image_datasets.video import write_mp4, write_webp
+
+        spec = spec_for_pipeline(type(pipe).__name__)
+        fps = fps or (spec.frame_rate(pipe.vae.config) if spec is not None else 0) or 16.0
+        (write_mp4 if suffix == ".mp4" else write_webp)(out, frames, fps)
+        return len(frames)
+    if suffix == ".mp4":
+        raise SystemExit(f"error: {type(pipe).__name__} renders an image; write it as .png, not '{out}'")
+    frames[0].save(out)
+    return 1
 
 
 def reference_images(pipe, paths: List[Path]):
@@ -156,10 +188,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 def render(pipe, args: argparse.Namespace, out: Path, device: str) -> None:
     """One image with the pipeline as it stands, saved to ``out``; prints a JSON line about it."""
     start = time.perf_counter()
-    image = pipe(**call_kwargs(pipe, args), return_dict=False)[0][0]  # every pipeline: first output, first image
+    # Every pipeline: first output, first image (a video pipeline's: the first clip's frames).
+    image = pipe(**call_kwargs(pipe, args), return_dict=False)[0][0]
     out.parent.mkdir(parents=True, exist_ok=True)
-    image.save(out)
-    print(json.dumps({"out": str(out), "pipeline": type(pipe).__name__, "device": device,
+    frames = save_output(pipe, image, out, args.fps)
+    print(json.dumps({"out": str(out), "pipeline": type(pipe).__name__, "device": device, "frames": frames,
                       "lora": bool(args.lora) and out == args.out, "seconds": round(time.perf_counter() - start, 2)}))
 
 

@@ -63,6 +63,7 @@ class Check:
     settings: Settings
     label: str = ""  # "datasets[1] (style)" when the config lists several
     num_frames: int = 0  # a clip folder (video_dir): the frames each clip trains on; 0: images
+    drawing: Any = None  # a clip folder's ClipDrawing (frames, frame rate, clip mode), as training draws clips
 
 
 def resolve_checks(args: argparse.Namespace) -> List[Check]:
@@ -82,7 +83,8 @@ def resolve_checks(args: argparse.Namespace) -> List[Check]:
             if entry.img_dir:
                 checks.append(_finish(args, entry.img_dir, settings(), label))
             if entry.video_dir:  # its clips, as training reads them
-                checks.append(Check(entry.video_dir, settings(), label, num_frames=entry.num_frames or 1))
+                checks.append(Check(entry.video_dir, settings(), label, num_frames=entry.num_frames or 1,
+                                    drawing=_clip_drawing(entry, cfg, family)))
         return checks
     s = Settings(family=args.family)
     if args.config:
@@ -91,6 +93,16 @@ def resolve_checks(args: argparse.Namespace) -> List[Check]:
         cfg = load_config(args.config, overrides)
         s = Settings(cfg.data_config.caption_type, cfg.data_config.img_size, _controls(cfg.data_config), _family(cfg))
     return [_finish(args, args.path, s)]
+
+
+def _clip_drawing(entry: Any, cfg: Any, family: Optional[str]) -> Any:
+    """How training draws the entry's clips: at its frame rate, else the model's (its VAE config where the model
+    is a local folder, else the family's default)."""
+    from trainer.data.data_mix import clip_drawing
+
+    vae_config = Path(cfg.pretrained_model_name_or_path) / "vae" / "config.json"
+    facts = json.loads(vae_config.read_text()) if vae_config.is_file() else {}
+    return clip_drawing(entry, SPECS[family].frame_rate(facts) if family in SPECS else 0.0)
 
 
 def _family(cfg: Any) -> Optional[str]:
@@ -169,7 +181,7 @@ def check_one(check: Check, args: argparse.Namespace) -> Any:
     if check.num_frames:
         from image_datasets.clips import check_clips
 
-        return check_clips(path, s.caption_ext, s.img_size, check.num_frames)
+        return check_clips(path, s.caption_ext, s.img_size, check.drawing or check.num_frames)
     if s.family is None and not s.control_dirs and find_control_dirs(path, None, None):
         users = " or ".join(name for name, spec in SPECS.items() if spec.uses_references)
         print(f"note: reference folders found beside {path}; pass --family {users} to check "

@@ -18,7 +18,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import Dataset, Sampler
 
-from image_datasets.video import DECODE_ERRORS, first_frames
+from image_datasets.video import DECODE_ERRORS, first_frames, frames_at
 from utils.errors import DataError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
@@ -38,6 +38,8 @@ class Sample:
     reference_sizes: Tuple[Tuple[int, int], ...] = ()
     original_size: Tuple[int, int] = (0, 0)  # (width, height) of the file, EXIF rotation applied
     frames: int = 0  # a clip's frames (image_path is then a video file); 0: a still image
+    # A clip's frames as positions in the file (resampled, or later in the video); (): its first ``frames``.
+    frame_positions: Tuple[int, ...] = ()
 
     @property
     def group(self) -> Hashable:
@@ -209,7 +211,7 @@ def load_image(sample: Sample, rng: random.Random | None = None, random_crop: bo
     ``random_crop`` the crop window is placed at random instead of centred.
     """
     if sample.frames:  # a clip: (3, F, H, W), its first frames centre-cropped
-        return read_clip(sample.image_path, sample.frames, sample.size)
+        return read_clip(sample.image_path, sample.frames, sample.size, sample.frame_positions)
     return pixels_at(open_rgb(sample.image_path), sample.size, rng, random_crop)
 
 
@@ -226,11 +228,11 @@ def pixels_at(img: Image.Image, size: Tuple[int, int], rng: random.Random | None
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
 
-def read_clip(path: Path, num_frames: int, size: Tuple[int, int]) -> torch.Tensor:
-    """The clip's first ``num_frames`` frames at ``size`` (cover-resized, centre-cropped) as a ``(3, F, H, W)``
-    tensor in [-1, 1]."""
+def read_clip(path: Path, num_frames: int, size: Tuple[int, int], positions: Sequence[int] = ()) -> torch.Tensor:
+    """The clip's frames at ``positions`` in the file (default: its first ``num_frames``) at ``size``
+    (cover-resized, centre-cropped) as a ``(3, F, H, W)`` tensor in [-1, 1]."""
     try:
-        frames = first_frames(path, num_frames)
+        frames = frames_at(path, positions) if positions else first_frames(path, num_frames)
     except DECODE_ERRORS as exc:
         raise unreadable_now(path, exc) from None
     if len(frames) < num_frames:

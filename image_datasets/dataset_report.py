@@ -60,6 +60,7 @@ class DatasetReport:
     ok_samples: int = 0
     total_samples: int = 0
     base: Optional[Path] = None  # paths are printed relative to this folder
+    noun: str = "images"  # what its samples are, in the summary line ("clips" for a video folder)
 
     @property
     def errors(self) -> List[Problem]:
@@ -88,7 +89,7 @@ class DatasetReport:
     def format(self, severities: Sequence[str] = (ERROR, WARNING), limit: Optional[int] = None) -> str:
         """Human-readable report: a summary line, then problems grouped by severity and kind
         (at most ``limit`` files per kind when given)."""
-        lines = [f"Dataset {self.root}: {self.total_samples} images, {self.ok_samples} ready to train, "
+        lines = [f"Dataset {self.root}: {self.total_samples} {self.noun}, {self.ok_samples} ready to train, "
                  f"{len(self.errors)} error(s), {len(self.warnings)} warning(s)"]
         headings = {ERROR: "ERRORS: training would fail", WARNING: "WARNINGS: training works, but check these"}
         for severity in severities:

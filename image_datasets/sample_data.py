@@ -78,7 +78,7 @@ def make_video_dataset(out: Path, frames: int, size: int = 64, count: int = 4, o
         img, caption = draw_sample(i + offset, size)
         base = np.asarray(img.resize((img.width // 16 * 16, size)))  # even sides for yuv420p
         clip = [np.roll(base, shift=k * (size // 16), axis=1) for k in range(frames)]
-        write_clip(out / f"clip{i + 1}.{('mp4', 'webm')[i % 2]}", clip)
+        write_clip(out / f"clip{i + 1}.{('mp4', 'webm')[i % 2]}", clip, fps=16)  # Wan 2.1's rate: not resampled
         (out / f"clip{i + 1}.txt").write_text(caption.replace(" on ", " sliding right on ") + "\n", encoding="utf-8")
     return out
 

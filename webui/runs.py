@@ -231,16 +231,24 @@ def prompt_texts(cfg: Dict[str, Any]) -> List[str]:
 
 
 def samples(folder: Path, prompts: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    """Validation samples by step (``samples/step-N/prompt-i.png``); step 0 is the base model's.
-    Each file comes with its prompt's text when ``prompts`` has it."""
+    """Validation samples by step (``samples/step-N/prompt-i.png``); step 0 is the base model's. A video
+    family's sample is its animated ``prompt-i.webp`` (shown inline like an image) where there is one, else the
+    PNG. Each file comes with its prompt's text when ``prompts`` has it."""
     out = []
     for step_dir in sorted((folder / "samples").glob("step-*")):
         if step_dir.is_dir() and step_dir.name[5:].isdigit():
-            files = sorted(p.relative_to(folder).as_posix() for p in step_dir.glob("*.png") if not p.name.startswith("."))
+            files = sorted(_shown(p).relative_to(folder).as_posix() for p in step_dir.glob("*.png")
+                           if not p.name.startswith("."))
             if files:
                 texts = [_prompt_of(Path(f).stem, prompts or []) for f in files]
                 out.append({"step": int(step_dir.name[5:]), "files": files, "prompts": texts})
     return out
+
+
+def _shown(png: Path) -> Path:
+    """The file the page shows for a sample: the clip's animated .webp beside the PNG, else the PNG."""
+    clip = png.with_suffix(".webp")
+    return clip if clip.is_file() else png
 
 
 def _prompt_of(stem: str, prompts: List[str]) -> Optional[str]:

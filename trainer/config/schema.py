@@ -86,7 +86,11 @@ class FolderKeys(Section):
     # A video family's clips (.mp4 .webm .mov .mkv), each with its caption beside it (clip1.mp4 + clip1.txt); an
     # entry may hold img_dir too, whose images then train as one-frame clips.
     video_dir: str = ""
-    num_frames: Optional[int] = None  # frames per clip from video_dir, drawn from the clip's start (Wan: 4k+1)
+    num_frames: Optional[int] = None  # frames per clip from video_dir (Wan: 4k+1)
+    frame_rate: Optional[float] = None  # clips resampled to it (frames per second); None: the model's (Wan 2.1: 16)
+    # Clips from a video: one from its start, clips_per_video spread start to end, or back-to-back from its start.
+    clip_mode: str = one_of("start", ("start", "evenly_spaced", "consecutive"), "from the start, spread, back to back")
+    clips_per_video: int = 1
     img_size: int = 1024  # longest side after resize, as in FlyMyAI
     resolutions: Optional[List[int]] = None  # multi-resolution training, e.g. [512, 768, 1024]
     bucket_mode: str = one_of("longest_side", BUCKET_MODES,
@@ -111,6 +115,11 @@ class FolderKeys(Section):
              f"key '{prefix}num_frames' is required with video_dir: the frames each clip trains on"),
             (self.num_frames is None or self.num_frames >= 1,
              f"key '{prefix}num_frames': value {self.num_frames} must be >= 1"),
+            (self.frame_rate is None or self.frame_rate > 0,
+             f"key '{prefix}frame_rate': value {self.frame_rate} must be > 0 (frames per second)"),
+            (self.clips_per_video >= 1, f"key '{prefix}clips_per_video': value {self.clips_per_video} must be >= 1"),
+            (self.clip_mode != "start" or self.clips_per_video == 1, f"key '{prefix}clips_per_video': value "
+             f"{self.clips_per_video} needs clip_mode evenly_spaced or consecutive (start draws one clip per video)"),
             (self.img_size >= 16, f"key '{prefix}img_size': value {self.img_size} must be at least 16"),
             (0.0 <= self.caption_dropout_rate <= 1.0,
              f"key '{prefix}caption_dropout_rate': value {self.caption_dropout_rate} must be in [0, 1]"),
@@ -227,9 +236,12 @@ class ValidationConfig(Section):
     cfg_scale: Optional[float] = None
     negative_prompt: str = ""  # "" reuses the caption-dropout embedding
     reference_images: List[str] = field(default_factory=list)  # Edit: the references for every prompt
+    num_frames: Optional[int] = None  # video families: frames per rendered clip; None: ~2 s at the model's rate
 
     def problems(self, prefix: str) -> List[str]:
         return super().problems(prefix) + failing(
+            (self.num_frames is None or self.num_frames >= 1,
+             f"key '{prefix}num_frames': value {self.num_frames} must be >= 1"),
             (self.every_n_steps >= 0, f"key '{prefix}every_n_steps': value {self.every_n_steps} must be >= 0"),
             (self.steps >= 2, f"key '{prefix}steps': value {self.steps} must be >= 2"),
             (self.cfg_scale is None or self.cfg_scale >= 0,

@@ -18,7 +18,7 @@ from image_datasets.buckets import at_resolutions, bucket_report
 from image_datasets.checks import check_before_training
 from image_datasets.dataset import (Sample, SizeGroupedBatchSampler, add_trigger_word, find_control_dirs,
                                     scan_image_folder)
-from image_datasets.clips import scan_video_folder
+from image_datasets.clips import ClipDrawing, scan_video_folder
 from trainer.families.base import ModelFamily, as_reference_family
 from trainer.config import EVAL_ROLE, REGULARIZATION, DatasetEntry, TrainConfig, dataset_entries, same_folder_warnings
 from utils.errors import DataError
@@ -30,13 +30,19 @@ def scan_dataset(entry: DatasetEntry, family: ModelFamily) -> List[Sample]:
     samples = scan_images(entry, family) if entry.img_dir else []
     if entry.video_dir:
         clips, skipped = scan_video_folder(entry.video_dir, entry.caption_type, entry.img_size, family.pixel_multiple,
-                                           entry.num_frames or 1)
+                                           clip_drawing(entry, family.frame_rate))
         for clip in skipped:
             logger.warning(f"{entry.name}: {clip}")
         samples += clips
     samples = at_resolutions(samples, entry.resolutions or [entry.img_size], family.pixel_multiple, entry.bucket_mode)
     logger.info(f"buckets of {entry.name} ({entry.bucket_mode}): {bucket_report(samples)}")
     return add_trigger_word(samples, entry.trigger_word)
+
+
+def clip_drawing(entry: DatasetEntry, model_frame_rate: float) -> ClipDrawing:
+    """How the entry's clips are drawn: its frames, its frame rate (else the model's), mode and clips per video."""
+    return ClipDrawing(entry.num_frames or 1, entry.frame_rate or model_frame_rate or None, entry.clip_mode,
+                       entry.clips_per_video)
 
 
 def scan_images(entry: DatasetEntry, family: ModelFamily) -> List[Sample]:

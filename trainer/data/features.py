@@ -29,8 +29,9 @@ from utils.folders import writable_folder
 ENCODE_BATCH = 8  # prompts per text-encoder call in the cache pass (the memory planner plans for it)
 HOLD_BYTES = 1 << 30  # a run's disk-cache entries up to this size are read once and held in memory
 TextRequest = Tuple[str, Tuple[Path, ...]]  # a caption and the reference images it is encoded with
-# an image or clip file, the (width, height) it is encoded at, and a clip's frames (0: a still image)
-ImageRequest = Tuple[Path, Tuple[int, int], int]
+# an image or clip file, the (width, height) it is encoded at, a clip's frames (0: a still image) and their
+# positions in the file (empty: its first frames)
+ImageRequest = Tuple[Path, Tuple[int, int], int, Tuple[int, ...]]
 
 
 def latent_shape(family: ModelFamily, size: Tuple[int, int], batch: int = 1, frames: int = 0) -> Tuple[int, ...]:
@@ -109,10 +110,10 @@ class FeatureStore:
         areas = [area for area in (d.reference_condition_area, d.reference_vae_area) if area is not None]
         return self._key("text", caption, *[self._file_hash(p) for p in references], *areas)
 
-    def image_key(self, path: Path, size: Tuple[int, int], frames: int = 0) -> str:
-        """Latents depend on the file's bytes and the size it is encoded at; a clip's on its frames too (an image's
-        key is the one it always had)."""
-        clip = ("frames", frames) if frames else ()
+    def image_key(self, path: Path, size: Tuple[int, int], frames: int = 0, positions: Tuple[int, ...] = ()) -> str:
+        """Latents depend on the file's bytes and the size it is encoded at; a clip's on its frames too, and on
+        their positions in the file where they are not its first ones (an image's key is the one it always had)."""
+        clip = ("frames", frames) + (("at", positions) if positions else ()) if frames else ()
         return self._key("latents", self._file_hash(path), size, *clip)
 
     def _key(self, kind: str, *content: object) -> str:
@@ -127,7 +128,8 @@ class FeatureStore:
     def sample_keys(self, sample: Sample) -> SampleKeys:
         """The keys of what the config caches for ``sample``."""
         images, text = self.cfg.precompute_image_embeddings, self.cfg.precompute_text_embeddings
-        return SampleKeys(self.image_key(sample.image_path, sample.size, sample.frames) if images else None,
+        return SampleKeys(self.image_key(sample.image_path, sample.size, sample.frames, sample.frame_positions)
+                          if images else None,
                           tuple(map(self.image_key, sample.references, sample.reference_sizes)) if images else (),
                           self.text_key(sample.caption, sample.references) if text else None,
                           self.text_key("", sample.references) if text and self._drops_per_sample() else None)
@@ -149,8 +151,8 @@ class FeatureStore:
             if not f.uses_references:
                 self.empty_text = self.text.get(self.text_key(""))
         if self.cfg.precompute_image_embeddings:
-            images = [(s.image_path, s.size, s.frames) for s in self.samples] + \
-                [(*r, 0) for s in self.samples for r in zip(s.references, s.reference_sizes)]
+            images = [(s.image_path, s.size, s.frames, s.frame_positions) for s in self.samples] + \
+                [(*r, 0, ()) for s in self.samples for r in zip(s.references, s.reference_sizes)]
             # One image per call: sizes differ between images, and the VAE is the memory peak here.
             self._fill("latent", self.latents, {self.image_key(*r): r for r in images}, Encoder(
                 "VAE", lambda: f.load_vae(device, dtype), self._encode_images, f.unload_vae, 1))
@@ -199,8 +201,8 @@ class FeatureStore:
         return self.family.encode_prompts(captions, [[open_rgb(p) for p in refs] for _, refs in requests])
 
     def _encode_images(self, requests: Sequence[ImageRequest]) -> List[Tensors]:
-        pixels = torch.stack([read_clip(path, frames, size) if frames else pixels_at(open_rgb(path), size)
-                              for path, size, frames in requests])
+        pixels = torch.stack([read_clip(path, frames, size, at) if frames else pixels_at(open_rgb(path), size)
+                              for path, size, frames, at in requests])
         return [{"latents": latents} for latents in self.family.encode_images(pixels)]
 
     # -- reads ------------------------------------------------------------------------------------

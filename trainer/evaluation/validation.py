@@ -13,12 +13,14 @@ import torch
 from loguru import logger
 from PIL import Image
 
+from image_datasets.video import write_mp4, write_webp
 from trainer.families.base import ModelFamily, as_reference_family
 from trainer.config import TrainConfig, ValidationPrompt
 from utils.errors import ConfigError
 
 TextRequest = Tuple[str, Tuple[Path, ...]]
 TRIGGER = "[trigger]"
+DEFAULT_RENDER_FPS = 16.0  # a video family that states no frame rate
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class ValidationRenderer:
         self.prompts = [r.prompt for r in self.renders]
         self.folder = output_dir / "samples"
         self.rendered: Dict[int, List[Path]] = {}
+        self.clip_frames = render_frames(family, v.num_frames)
 
     def _resolve(self, p: ValidationPrompt, trigger: str, key: str) -> PromptRender:
         """``p`` with the section's settings where it has none; distilled guidance only where the
@@ -96,7 +99,8 @@ class ValidationRenderer:
     def render(self, transformer: torch.nn.Module, step: int, conds: List[Dict[str, torch.Tensor]],
                dtype: torch.dtype, autocast: Callable[[], Any]) -> List[Path]:
         """One PNG per prompt under ``samples/step-N/``; returns their paths. ``conds`` are the
-        cached conditions of ``text_requests()``, in its order."""
+        cached conditions of ``text_requests()``, in its order. A video family's prompt renders a clip of
+        ``clip_frames`` frames: ``prompt-i.mp4`` and ``prompt-i.webp`` beside its first frame's PNG."""
         was_training = transformer.training
         transformer.eval()
         pipe = self._pipeline(transformer)
@@ -113,17 +117,27 @@ class ValidationRenderer:
             if r.references:
                 refs = [Image.open(p).convert("RGB") for p in r.references]
                 kwargs["image"] = refs if len(refs) > 1 or as_reference_family(self.family).max_references > 1 else refs[0]
+            if self.clip_frames:
+                kwargs["num_frames"] = self.clip_frames
             if hasattr(pipe, "resolutions"):  # Kandinsky 5 snaps any other size to its list: render as asked
                 pipe.resolutions = [(r.width, r.height)]
             with autocast():
                 image = pipe(**kwargs, return_dict=False)[0][0]  # (images,): Kandinsky 5 names it .image
-            image = image[0] if isinstance(image, list) else image  # a video family's frames: the first
             paths.append(folder / f"prompt-{index}.png")
+            if isinstance(image, list):  # a video family's frames
+                self._save_clip(image, paths[-1])
+                image = image[0]
             image.save(paths[-1])
         transformer.train(was_training)
         self.rendered[step] = paths
         logger.info(f"validation samples at step {step}: {folder}")
         return paths
+
+    def _save_clip(self, frames: List[Image.Image], png: Path) -> None:
+        """``frames`` as ``.mp4`` and animated ``.webp`` beside ``png``, playing at the model's frame rate."""
+        fps = self.family.frame_rate or DEFAULT_RENDER_FPS
+        write_mp4(png.with_suffix(".mp4"), frames, fps)
+        write_webp(png.with_suffix(".webp"), frames, fps)
 
     def _guidance_kwargs(self, r: PromptRender, negative: Dict[str, torch.Tensor] | None, dtype: torch.dtype,
                          device: torch.device) -> Dict[str, Any]:
@@ -156,6 +170,17 @@ class ValidationRenderer:
         path = self.folder / "contact_sheet.png"
         sheet.save(path)
         return path
+
+
+def render_frames(family: ModelFamily, num_frames: Optional[int]) -> int:
+    """Frames per validation clip: 0 for an image family (one image per prompt); else ``num_frames`` or about two
+    seconds at the model's frame rate, as many as its VAE folds whole (``k * n + 1``)."""
+    k = family.spec.temporal_compression
+    if not k:
+        return 0
+    if num_frames is not None:
+        return num_frames
+    return k * max(1, round(2 * (family.frame_rate or DEFAULT_RENDER_FPS) / k)) + 1
 
 
 def log_images(trackers: List[Any], paths: List[Path], step: int) -> None:

@@ -192,6 +192,10 @@ class FamilySpec:
     # Video: the frames its VAE folds into each latent frame after the first, so a clip holds 4k+1 frames (Wan:
     # 4); 0 for an image family (a ``video_dir`` dataset is refused).
     temporal_compression: int = 0
+    # Video: the frame rate its checkpoints were trained at (clips are resampled to it unless a dataset says
+    # otherwise; renders play at it), and checkpoints that differ: (a key of their VAE config that is true, rate).
+    default_frame_rate: float = 0.0
+    frame_rates: Tuple[Tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.text_encoder_head not in TEXT_ENCODER_HEADS:
@@ -243,6 +247,10 @@ class FamilySpec:
     def trains_video(self) -> bool:
         """Whether it trains on clips (``video_dir`` datasets); its still images train as one-frame clips."""
         return self.temporal_compression > 0
+
+    def frame_rate(self, vae_config: Mapping[str, Any]) -> float:
+        """The frame rate of the checkpoint whose VAE config is ``vae_config`` (0 for an image family)."""
+        return next((rate for key, rate in self.frame_rates if vae_config.get(key)), self.default_frame_rate)
 
     def reference_checkpoint(self) -> Mapping[str, Any]:
         """The published configs of the family's reference checkpoint (the first of ``hub_configs``)."""

@@ -146,6 +146,8 @@ class FamilyBase:
         self.pixel_multiple: int = 2 * self.vae_scale_factor
         self.max_sequence_length: int = self.spec.text.max_length  # the pipeline's default at render time
         self.encoder_quantization: Optional[QuantizationChoice] = text_encoder_choice(cfg)
+        # Video: the checkpoint's frame rate (renders play at it; clips default to it). 0 for images.
+        self.frame_rate: float = self.spec.frame_rate(self.vae_config)
 
     @cached_property
     def model_index(self) -> Mapping[str, Any]:

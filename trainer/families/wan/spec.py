@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from trainer.families.components import WAN21_VAE, WAN22_VAE, model_index
+from trainer.families.wan.comfyui import COMFYUI_NAMES
 from trainer.families.spec import BlockGroup, FamilySpec, TargetSpec, TextTokens, lora_presets
 
 _ATTN = r"attn[12]\.(to_q|to_k|to_v|to_out\.0)"  # self-attention over the video, cross-attention to the text
@@ -80,6 +81,9 @@ SPEC = FamilySpec(
                                                         boundary_ratio=0.875),
     },
     temporal_compression=4,
-    comfyui_unsupported="ComfyUI's Wan LoRA names are not mapped here yet",
+    # Wan 2.1 and the A14B experts were trained at 16 fps; TI2V-5B (its residual 48-channel VAE) at 24 fps.
+    default_frame_rate=16.0,
+    frame_rates=(("is_residual", 24.0),),
+    comfyui_names=COMFYUI_NAMES,  # ComfyUI's WanModel keeps the original checkpoints' names
     compile_auto_off="its blocks have not been measured compiled on a GPU yet",
 )
