@@ -167,7 +167,7 @@ TRAINER_FLOORS = (
     "judge", "engine",
     "cli", "launch",
 )
-FAMILY_FACTS = ("spec", "components", "model_index")  # modules of trainer/families/ on the facts floor, besides
+FAMILY_FACTS = ("spec", "components", "model_index", "comfyui_names")  # modules of trainer/families/ on the facts floor, besides
 # every package's __init__ (the registry, trainer.families, and each family's, which its spec imports)
 
 
