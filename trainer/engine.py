@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from image_datasets.dataset import ImageCaptionDataset, Sample, SizeGroupedBatchSampler, collate, shuffle_tags
-from trainer.run_folder import checkpoint as ckpt, resume_check
+from trainer.run_folder import checkpoint as ckpt, checkpointer as parts
 from trainer import distributed, signals
 from trainer.model.adapters import TrainedWeights, final_weights_name, trained_weights
 from trainer.step.async_step import StepReadout, StepRecord, arm_device_skip, skips_on_device, step_values
@@ -68,13 +68,13 @@ class Trainer:
         self.folder = RunFolder(cfg.output_dir, final_weights_name(cfg), cfg.max_train_steps)
         self.output_dir = self.folder.path
         self.state = RunState()
+        self.checkpointer = parts.Checkpointer(lambda: self.folder.resume_point)  # every part of the run's state
         self.stop = signals.GracefulStop()
         self.wall: Dict[str, Optional[float]] = {}  # seconds per phase of the run (start-up included)
         self.first_step_s: Optional[float] = None  # includes compiling the blocks when compiled
         self.last_step_at = self.postfix_at = 0.0  # the last step's end; the bar's last loss and lr
         self.train_seconds = 0.0
         # setup
-        self.resume_from: Optional[Path] = None
         self.policy: Optional[RunPolicy] = None
         self.accelerator: Optional[Accelerator] = None
         self.processes: List[Tuple[str, int]] = []  # (host, pid) of each rank
@@ -157,7 +157,7 @@ class Trainer:
     # -- setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        self.resume_from = self.folder.open(cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
+        self.folder.open(cfg.resume_from_checkpoint, cfg.overwrite_output_dir)  # and the checkpoint to resume from
         trackers = available_trackers(cfg.report_to)
         self.policy = prepare_environment(cfg)  # before CUDA starts: allocator settings
         precision = choose_mixed_precision(cfg.mixed_precision)  # the profile's, unless the launcher was told
@@ -189,7 +189,7 @@ class Trainer:
         distributed.configure(self.accelerator, cfg, self.family)  # the launch shards as asked; folder ready
         fit_to_card(cfg, self.device)  # the planner's verdict (auto_fit: its choice) before any weights load
         self.metrics.log_config(cfg)  # the config as it trains: after auto_fit
-        resume_check.refuse_incompatible(self.resume_from, cfg, self.family.model_path)
+        self.checkpointer.refuse_incompatible(cfg, self.family.model_path)
         if self.is_main:
             self.folder.write_config(cfg)
         logger.info(f"family {self.family.name}, model {self.family.model_path}, device {self.device}, "
@@ -264,38 +264,37 @@ class Trainer:
         # optimizer that needs no read before it steps.
         self.readout = StepReadout(self.device, lag=int(self.skip_on_device and self.device.type == "cuda"))
         self.ema = EMAModel(self.params, decay=cfg.ema_decay) if cfg.ema_decay else None
-        self.accelerator.register_save_state_pre_hook(self._save_model_hook)
-        self.accelerator.register_load_state_pre_hook(self._load_model_hook)
-        if self.resume_from is not None:
-            self._resume(self.resume_from)
+        self.checkpointer.attach(self.accelerator, self._state_parts())
+        self.checkpointer.restore()  # (a fresh start: nothing)
         training_weights(optimizer)  # schedule-free: train mode (a checkpoint holds the evaluation weights)
 
     def _attention_tokens(self) -> Optional[int]:
         """The run's longest joint sequence: the attention kernels are timed at it on a GPU. None elsewhere."""
         return self.features.longest_sequence() if self.device.type == "cuda" else None
 
-    def _save_model_hook(self, models: List[torch.nn.Module], weights: List[Any], output_dir: str) -> None:
-        """Save what trains (LoRA file, or the sharded transformer) instead of accelerate's default."""
+    def _state_parts(self) -> List[Optional[parts.StatePart]]:
+        """Every stateful part of the run, in the order a resume restores them (the table:
+        ``trainer/run_folder/checkpointer.py``). New state is one more part here."""
+        cfg, state = self.cfg, self.state
+        return [parts.StatePart("weights", write=self._write_weights, read=self._read_weights),
+                parts.ema_part(self.ema, self.is_main),
+                parts.optimizer_settings_part(self.lr_scheduler, cfg),
+                parts.position_part(state, cfg.gradient_accumulation_steps),
+                parts.samples_seen_part(
+                    lambda: self.data.samples_seen(self.sampler, state, self.accelerator.num_processes), state),
+                parts.evaluation_part(self.evaluation, EVAL_STATE),
+                parts.resume_record_part(cfg, self.family.model_path, self.samples),
+                parts.metric_log_part(self.metrics)]
+
+    def _write_weights(self, folder: Path) -> None:
+        """What trains (LoRA file, or the sharded transformer), instead of accelerate's model file."""
         model, trained = distributed.gathered(self.accelerator, self.transformer, self.is_main)  # every process
         if self.is_main:
-            self.weights.save(model, Path(output_dir), trained)
-            if self.ema is not None:
-                ckpt.save_ema(self.ema, Path(output_dir))
-        weights.clear()
+            self.weights.save(model, folder, trained)
 
-    def _load_model_hook(self, models: List[torch.nn.Module], input_dir: str) -> None:
+    def _read_weights(self, folder: Path) -> None:
         if not distributed.sharded(self.accelerator):  # FSDP / DeepSpeed: accelerate has restored it
-            self.weights.load(self.accelerator.unwrap_model(self.transformer), Path(input_dir))
-        if self.ema is not None:
-            ckpt.load_ema(self.ema, Path(input_dir))
-        models.clear()
-
-    def _resume(self, path: Path) -> None:
-        resume_check.load(path, self.accelerator.load_state, self.cfg, self.samples, self.lr_scheduler)
-        self.state.restore(ckpt.read_state(path), self.cfg.gradient_accumulation_steps)
-        self.evaluation.load_state_dict(ckpt.read_state(path))  # its history and best step
-        self.metrics.resume_at(self.state.step)  # steps logged after the checkpoint are redone
-        logger.info(f"resumed from {path} at step {self.state.step}")
+            self.weights.load(self.accelerator.unwrap_model(self.transformer), folder)
 
     # -- loop -------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -496,16 +495,9 @@ class Trainer:
 
     # -- checkpoints and output -------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """Trained weights + optimizer/scheduler/RNG state + loop position, written atomically."""
-        self.metrics.flush()  # every step up to the checkpoint is logged; a resume redoes the ones after
-        saved = {**self.state.saved(), "samples_seen": self.data.samples_seen(self.sampler, self.state,
-                                                                              self.accelerator.num_processes),
-                 EVAL_STATE: self.evaluation.state_dict()}
-        record = resume_check.record(self.cfg, self.family.model_path, self.samples, saved)
+        """Every part of the run's state (``self.checkpointer``), written atomically."""
         with evaluation_weights(self.raw_optimizer):  # schedule-free: the weights worth keeping
-            path = ckpt.write_checkpoint(self.output_dir, self.state.step,
-                                         lambda folder: self.accelerator.save_state(str(folder)), record,
-                                         self.is_main, barrier=self.accelerator.wait_for_everyone)
+            path = self.checkpointer.save(self.output_dir, self.state.step, self.is_main)
         self.accelerator.wait_for_everyone()
         if self.is_main:
             self.folder.checkpointed(self.state.step, self.cfg.checkpoints_total_limit,

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -64,13 +64,24 @@ def is_complete(folder: Path) -> bool:
 def problem(folder: Path) -> Optional[str]:
     """Why ``folder`` cannot be resumed from (naming the file), or None when every file its manifest
     lists has the recorded size and sha256 and the loop position is well-formed."""
+    return checked_state(folder)[1]
+
+
+def checked_state(folder: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """The checkpoint's ``trainer_state.json`` (read once) and ``problem``'s verdict on the folder: a resume
+    checks the folder and keeps the state it read (``trainer/run_folder/checkpointer.py``)."""
     state_file = Path(folder) / STATE_NAME
     try:
         state = read_state(folder)
     except FileNotFoundError:
-        return f"{state_file} is missing (an incomplete checkpoint)"
+        return None, f"{state_file} is missing (an incomplete checkpoint)"
     except (OSError, ValueError) as exc:
-        return f"{state_file} is unreadable ({exc})"
+        return None, f"{state_file} is unreadable ({exc})"
+    return state, _state_problem(Path(folder), state)
+
+
+def _state_problem(folder: Path, state: Dict[str, Any]) -> Optional[str]:
+    state_file = folder / STATE_NAME
     # The loop position (checkpoints of older versions counted optimizer steps: batches_done_in_epoch).
     position = "micro_batches_done_in_epoch" if "micro_batches_done_in_epoch" in state else "batches_done_in_epoch"
     bad = [k for k in ("global_step", "epoch", position)
@@ -78,16 +89,16 @@ def problem(folder: Path) -> Optional[str]:
     if bad or not isinstance(state.get("files", {}), dict):
         return f"{state_file}: {', '.join(bad) or 'files'} is not a non-negative integer (or is missing)"
     for name, size in state.get("files", {}).items():
-        path = Path(folder) / name
+        path = folder / name
         if not path.is_file():
             return f"{path} is missing"
         if path.stat().st_size != size:
             return f"{path} has {path.stat().st_size} bytes, the checkpoint recorded {size}"
     recorded = state.get("sha256", {})
     names = [name for name in state.get("files", {}) if name in recorded]
-    for name, digest in zip(names, sha256_all([Path(folder) / n for n in names])):
+    for name, digest in zip(names, sha256_all([folder / n for n in names])):
         if digest != recorded[name]:
-            return f"{Path(folder) / name} does not match its recorded sha256 (the file was changed or damaged)"
+            return f"{folder / name} does not match its recorded sha256 (the file was changed or damaged)"
     return None
 
 

@@ -48,12 +48,21 @@ class RunState:
     def restore(self, saved: Dict[str, Any], accumulation: int) -> None:
         """The position of a checkpoint (``accumulation``: its micro-batches per optimizer step, to
         read a checkpoint that counted optimizer steps), and what it had drawn per dataset."""
+        self.restore_position(saved, accumulation)
+        self.restore_seen(saved)
+
+    def restore_position(self, saved: Dict[str, Any], accumulation: int) -> None:
+        """The loop position and smoothed loss of a checkpoint (see ``restore``)."""
         self.step, self.epoch = saved["global_step"], saved["epoch"]
         self.loss_avg = saved.get("loss_smoothed")
         if "micro_batches_done_in_epoch" in saved:
             self.micro_batches_done = saved["micro_batches_done_in_epoch"]
         else:
             self.micro_batches_done = saved[OLD_POSITION_KEY] * accumulation
+
+    def restore_seen(self, saved: Dict[str, Any]) -> None:
+        """What the checkpoint's run had drawn per dataset (``samples_seen``), counted from the restored
+        position on (call after ``restore_position``)."""
         seen = saved.get("samples_seen")
         self.seen_before = dict(seen) if isinstance(seen, dict) else None
         self.since = (self.epoch, self.micro_batches_done)

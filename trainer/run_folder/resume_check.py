@@ -45,9 +45,12 @@ def record(cfg: TrainConfig, model_path: str, samples: Sequence[Sample], saved: 
 
 def refuse_incompatible(checkpoint: Optional[Path], cfg: TrainConfig, model_path: str) -> None:
     """Before anything loads: refuse a resume whose changes the checkpoint cannot carry."""
-    if checkpoint is None:
-        return
-    state = ckpt.read_state(checkpoint)
+    if checkpoint is not None:
+        refuse(ckpt.read_state(checkpoint), checkpoint, cfg, model_path)
+
+
+def refuse(state: Dict[str, Any], checkpoint: Path, cfg: TrainConfig, model_path: str) -> None:
+    """``refuse_incompatible`` on the checkpoint's ``trainer_state.json`` already read (``state``)."""
     step = state["global_step"]
     if cfg.max_train_steps < step:
         raise ConfigError(
@@ -74,9 +77,18 @@ def refuse_incompatible(checkpoint: Optional[Path], cfg: TrainConfig, model_path
 def load(checkpoint: Path, load_state: Callable[[str], Any], cfg: TrainConfig, samples: Sequence[Sample],
          scheduler: Any) -> None:
     """``accelerator.load_state`` with an error naming the checkpoint, then the allowed changes applied
-    (the new learning rate and schedule) and every change logged."""
+    (the new learning rate and schedule) and every change logged. (The engine's resume does these steps
+    as parts of its run state: ``trainer/run_folder/checkpointer.py``.)"""
     state = ckpt.read_state(checkpoint)
-    fresh = list(_inner(scheduler).base_lrs)  # the new config's learning rate(s)
+    fresh = fresh_rates(scheduler)
+    load_files(checkpoint, load_state)
+    reapply_settings(scheduler, fresh, cfg)
+    for line in changes(state, cfg, samples):
+        logger.warning(f"resume from {checkpoint.name}: {line}")
+
+
+def load_files(checkpoint: Path, load_state: Callable[[str], Any]) -> None:
+    """``load_state(checkpoint)`` (accelerate's), its failure one line naming the checkpoint."""
     try:
         load_state(str(checkpoint))
     except Exception as exc:  # torch / safetensors / accelerate errors of a damaged or foreign checkpoint
@@ -84,13 +96,22 @@ def load(checkpoint: Path, load_state: Callable[[str], Any], cfg: TrainConfig, s
             raise
         raise UserError(f"cannot resume from {checkpoint}: {type(exc).__name__}: {_first_line(exc)} (resume from "
                         "an earlier checkpoint with resume_from_checkpoint=<its folder>, or start a new run)") from None
+
+
+def fresh_rates(scheduler: Any) -> List[float]:
+    """The new config's learning rate(s), read before a restored scheduler replaces them."""
+    return list(_inner(scheduler).base_lrs)
+
+
+def reapply_settings(scheduler: Any, fresh: List[float], cfg: TrainConfig) -> None:
+    """After the optimizer and scheduler state are restored: the new config's learning rate, schedule and
+    other optimizer keys apply (the restored state would otherwise bring the old ones back)."""
     _apply_schedule(scheduler, fresh)
-    apply_settings(_inner(scheduler).optimizer, cfg)  # the other optimizer keys of the new config too
-    for line in _changes(state, cfg, samples):
-        logger.warning(f"resume from {checkpoint.name}: {line}")
+    apply_settings(_inner(scheduler).optimizer, cfg)
 
 
-def _changes(state: Dict[str, Any], cfg: TrainConfig, samples: Sequence[Sample]) -> List[str]:
+def changes(state: Dict[str, Any], cfg: TrainConfig, samples: Sequence[Sample]) -> List[str]:
+    """What this run changes against the checkpoint's ``state`` (config keys, the dataset), one line each."""
     old, new = state.get("config"), _flat(cfg)
     lines: List[str] = []
     if isinstance(old, dict):

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from loguru import logger
 
 from trainer.run_folder import checkpoint as ckpt, disk_full
+from trainer.run_folder.checkpointer import ResumePoint, choose_checkpoint
 from trainer.config import TrainConfig, config_to_yaml
 from utils.files import write_text_atomic  # noqa: F401  (also imported from here by webui/runner.py)
 from trainer.run_folder.run_lock import RunLock
@@ -67,6 +68,7 @@ class RunFolder:
         self._unregister = lambda: None
         self._started = False  # run_status.json belongs to this run once it has started
         self._identity: Optional[Tuple[int, int]] = None  # the folder the run took (main process): still there?
+        self.resume_point: Optional[ResumePoint] = None  # what ``open`` chose, its trainer_state.json read once
 
     def open(self, resume_from_checkpoint: Optional[str], overwrite: bool) -> Optional[Path]:
         """Create and lock the folder and decide between a fresh run and a resume: returns the
@@ -81,27 +83,25 @@ class RunFolder:
             self.lock.acquire()
             self._unregister = register_cleanup(self.lock.release)  # a second signal's hard exit
             self._remove_partial_saves()
-        resume = self._choose_resume(resume_from_checkpoint, overwrite, main)
-        if resume is None and main:
+        self.resume_point = self._choose_resume(resume_from_checkpoint, overwrite, main)
+        if self.resume_point is None and main:
             self._move_previous_results()
         if main:
             self._started = True
-            self.write_status("running", ckpt.read_state(resume)["global_step"] if resume else 0, "started")
-        return resume
+            self.write_status("running", self.resume_point.step if self.resume_point else 0, "started")
+        return self.resume_point.path if self.resume_point else None
 
-    def _choose_resume(self, resume_from_checkpoint: Optional[str], overwrite: bool, main: bool) -> Optional[Path]:
-        if resume_from_checkpoint and resume_from_checkpoint != "latest":
-            return _explicit_checkpoint(Path(resume_from_checkpoint))
-        checkpoints = ckpt.list_checkpoints(self.path)
-        if resume_from_checkpoint == "latest":
-            usable = _latest_usable(self.path)
-            if usable is not None:
-                return usable
-            checkpoints = []  # none can be resumed from: what is left of them is not a run to continue
-            if not self.final.exists():
-                logger.warning(f"resume_from_checkpoint=latest: no complete checkpoint in {self.path}; "
-                               "starting from step 0")
-                return None
+    def _choose_resume(self, resume_from_checkpoint: Optional[str], overwrite: bool,
+                       main: bool) -> Optional[ResumePoint]:
+        chosen = choose_checkpoint(self.path, resume_from_checkpoint)  # its trainer_state.json read once
+        if chosen is not None:
+            return chosen
+        checkpoints = [] if resume_from_checkpoint == "latest" else ckpt.list_checkpoints(self.path)
+        if resume_from_checkpoint == "latest" and not self.final.exists():
+            # (none can be resumed from: what is left of them is not a run to continue)
+            logger.warning(f"resume_from_checkpoint=latest: no complete checkpoint in {self.path}; "
+                           "starting from step 0")
+            return None
         if checkpoints or self.final.exists():
             if not overwrite:
                 hint = "" if resume_from_checkpoint == "latest" else \
@@ -223,33 +223,6 @@ class RunFolder:
     def write_summary(self, summary: Dict[str, Any]) -> Path:
         """``summary.json`` (its contents: ``trainer/reporting/summary.py``)."""
         return write_text_atomic(self.summary, json.dumps(summary, indent=2))
-
-
-def _latest_usable(output_dir: Path) -> Optional[Path]:
-    """The newest checkpoint whose files match its manifest; each newer one skipped is said, in one
-    line naming the damaged file and the checkpoint used instead."""
-    skipped: List[str] = []
-    for path in reversed(ckpt.checkpoint_folders(output_dir)):
-        why = ckpt.problem(path)
-        if why is None:
-            for reason in skipped:
-                logger.warning(f"{reason}; resuming from {path.name} instead")
-            return path
-        skipped.append(f"{path.name} cannot be resumed from: {why}")
-    for reason in skipped:
-        logger.warning(f"{reason}; no earlier checkpoint is usable")
-    return None
-
-
-def _explicit_checkpoint(path: Path) -> Path:
-    """``resume_from_checkpoint=<path>``, verified; a damaged one is refused naming the file and the
-    newest usable checkpoint beside it."""
-    why = ckpt.problem(path)
-    if why is None:
-        return path
-    others = [p for p in ckpt.checkpoint_folders(path.parent) if p.resolve() != path.resolve() and not ckpt.problem(p)]
-    instead = f"; resume from {others[-1]} instead (resume_from_checkpoint={others[-1]})" if others else ""
-    raise ConfigError(f"key 'resume_from_checkpoint': '{path}' is not a complete checkpoint folder: {why}{instead}")
 
 
 def _identity(folder: Path) -> Optional[Tuple[int, int]]:
