@@ -456,6 +456,7 @@ def _read_through(part: str, names: str) -> None:
                                         doc=f"``self.{part}.{name}``"))
 
 
+_read_through("clock", "wall first_step_s train_seconds")
 _read_through("env", "resume_from policy accelerator processes is_main device weight_dtype monitor")
 _read_through("inputs", "data samples dataset_losses validation features sampler dataloader evaluation image_metrics")
 _read_through("model", "weights transformer params optimizer raw_optimizer lr_scheduler attention swapper compiled ema "
