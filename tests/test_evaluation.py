@@ -543,21 +543,21 @@ def test_the_judge_skips_a_checkpoint_the_run_prunes_while_it_runs(tiny_qwen_ima
     """#29: the judge lists the checkpoints, then loads the model (minutes for a real one) while a run with
     checkpoints_total_limit deletes old ones: the pruned one is skipped, said in one line; all of them
     gone is one line too."""
-    from trainer.model import prepare
+    from trainer import assembly  # the judge builds its model there, as the run does
 
     train, held = split_folder(sample_data, tmp_path, [1, 2, 3, 4], [5, 6])
     out = tmp_path / "run"
     train_in_process(QUICKSTART, "qwen_image", *base(tiny_qwen_image, train, out), "max_train_steps=4",
                      "checkpointing_steps=2", "checkpoints_total_limit=null")
     pruned: List[str] = ["checkpoint-2"]
-    real_prepare = prepare.prepare_transformer
+    real_prepare = assembly.prepare_transformer
 
     def prepare_then_prune(*args: Any, **kwargs: Any) -> Any:
         for name in pruned:
             shutil.rmtree(out / name)
         return real_prepare(*args, **kwargs)
 
-    monkeypatch.setattr(prepare, "prepare_transformer", prepare_then_prune)
+    monkeypatch.setattr(assembly, "prepare_transformer", prepare_then_prune)
     verdict = judge_in_process(out, held)
     assert [row["checkpoint"] for row in verdict["checkpoints"]] == ["checkpoint-4"]
     assert verdict["keep"] == "checkpoint-4" and 0 < verdict["eval_loss"] < 10

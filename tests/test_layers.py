@@ -316,6 +316,36 @@ def test_no_trainer_file_is_long() -> None:
     assert not too_long, f"over {MAX_LINES} lines (engine.py: {ENGINE_MAX_LINES}): {too_long}"
 
 
+TRAINER_MAX_ATTRIBUTES = 12  # the loop's own few; the run's parts are the phases' records (trainer/assembly.py)
+
+
+def trainer_assignments() -> Dict[str, Dict[str, int]]:
+    """Attribute of ``engine.Trainer`` -> {method that assigns ``self.<attribute>``: how many times}."""
+    tree = ast.parse((ROOT / "trainer" / "engine.py").read_text())
+    trainer = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Trainer")
+    found: Dict[str, Dict[str, int]] = {}
+    for method in (node for node in trainer.body if isinstance(node, ast.FunctionDef)):
+        for node in ast.walk(method):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            for target in (t for group in targets for t in (group.elts if isinstance(group, ast.Tuple) else [group])):
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                    per_method = found.setdefault(target.attr, {})
+                    per_method[method.name] = per_method.get(method.name, 0) + 1
+    return found
+
+
+def test_the_trainer_keeps_a_dozen_attributes_each_set_once() -> None:
+    """``Trainer`` holds the few attributes its loop needs; each is set in ``__init__`` and at most once
+    more, by one set-up phase (its record of the run's parts), never refilled by a later phase."""
+    found = trainer_assignments()
+    assert {"cfg", "state", "env", "inputs", "model"} <= set(found), "the walk must see the assignments"
+    assert len(found) <= TRAINER_MAX_ATTRIBUTES, f"{len(found)} attributes: {sorted(found)}"
+    refilled = {name: methods for name, methods in found.items()
+                if "__init__" not in methods or len(methods) > 2 or any(n > 1 for n in methods.values())}
+    assert not refilled, f"set outside __init__, or by more than one phase: {refilled}"
+
+
 def test_each_trainer_package_says_what_it_holds() -> None:
     """Each package's __init__ opens with a docstring, so a teammate learns its modules from one file."""
     missing = [init.parent.relative_to(ROOT).as_posix() for init in sorted((ROOT / "trainer").rglob("__init__.py"))

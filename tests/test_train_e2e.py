@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import train_in_process
+from trainer.assembly import attention_tokens
 from trainer.engine import Trainer
 
 pytestmark = pytest.mark.e2e
@@ -133,12 +134,12 @@ def test_the_loop_never_waits_for_the_step_it_queued(tiny_qwen_image: Path, samp
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import trainer.engine as engine
+    import trainer.assembly as assembly
     from trainer.step.async_step import StepReadout, device_skip_supported
 
     engine_reads: List[str] = []
     # The CUDA decision on the CPU (which reads the loss first: the read costs nothing there).
-    monkeypatch.setattr(engine, "skips_on_device", lambda optimizer, device: device_skip_supported(optimizer))
+    monkeypatch.setattr(assembly, "skips_on_device", lambda optimizer, device: device_skip_supported(optimizer))
 
     class ScalarReads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -168,7 +169,7 @@ def test_the_loop_never_waits_for_the_step_it_queued(tiny_qwen_image: Path, samp
                 returned.append([r.step for r in records])
                 return records
 
-        monkeypatch.setattr(engine, "StepReadout", Readout)
+        monkeypatch.setattr(assembly, "StepReadout", Readout)
         out = tmp_path / f"lag{lag}"
         trainer = run_in_process(*overrides(tiny_qwen_image, sample_data, out, "max_train_steps=5",
                                             "mixed_precision=bf16", "gradient_accumulation_steps=2",
@@ -284,12 +285,12 @@ def test_attention_is_timed_at_the_runs_longest_sequence(tiny_qwen_image: Path, 
     """On a GPU the kernels are timed at the largest bucket's image tokens plus its cached caption's
     text tokens; on the CPU nothing is timed."""
     trainer = run_in_process(*overrides(tiny_qwen_image, sample_data, tmp_path, "max_train_steps=1"))
-    assert trainer._attention_tokens() is None
-    trainer.device = torch.device("cuda")  # what the engine asks on a GPU (nothing runs on it here)
+    assert attention_tokens(trainer.features, trainer.device) is None
     largest = max(trainer.samples, key=lambda s: s.size[0] * s.size[1])
     text = trainer.features.cached_text(largest.caption)["prompt_embeds"].shape[0]
     side = largest.size[0] * 2 // trainer.family.pixel_multiple  # latent side; 2x2 patches
-    assert trainer._attention_tokens() == (side // 2) ** 2 + text
+    # what the engine asks on a GPU (nothing runs on it here)
+    assert attention_tokens(trainer.features, torch.device("cuda")) == (side // 2) ** 2 + text
 
 
 def test_metrics_deleted_mid_run_are_started_again_and_the_summary_counts_every_step(

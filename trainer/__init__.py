@@ -1,6 +1,8 @@
 """The shared training engine: one loop for every model family.
 
 - ``engine.py``: the recipe (setup -> data + cache pass -> model -> loop -> finish);
+- ``assembly.py``: how a run is put together from its config (accelerator, dtypes, data, model with its
+  adapters, optimizer with its parameter groups, schedule), shared by the engine, the judge and the GPU harness;
 - ``cli.py``, ``launch.py``, ``judge.py``: the commands (entry scripts' ``--config``, ``python -m
   trainer.launch``, ``python -m trainer.judge``); ``planner/``: ``python -m trainer.planner``;
 - ``distributed.py``, ``signals.py``, ``platform.py``, ``precision.py``: what applies to the whole process;

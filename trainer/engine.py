@@ -3,123 +3,87 @@
 Reads top to bottom: ``setup`` (output folder, accelerator, family) -> ``prepare_data`` (samples,
 cache pass, loader) -> ``setup_model`` (transformer, trained weights, optimizer, resume) -> ``train``
 (the loop) -> ``finish`` (the final LoRA file or full pipeline folder). Each step is a short method.
-The embedding cache is ``trainer/data/features.py``, the output folder ``trainer/run_folder/run_dir.py`` and a
-step's maths ``trainer/step/training_step.py``.
+The parts each set-up phase builds come from ``trainer/assembly.py`` (shared with the judge and the GPU
+harness), the embedding cache is ``trainer/data/features.py``, the output folder
+``trainer/run_folder/run_dir.py`` and a step's maths ``trainer/step/training_step.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
-from accelerate import Accelerator
-from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs,
-                              ProjectConfiguration, set_seed)
-from diffusers.training_utils import EMAModel
+from accelerate.utils import set_seed
 from loguru import logger
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from image_datasets.dataset import ImageCaptionDataset, Sample, SizeGroupedBatchSampler, collate, shuffle_tags
+from image_datasets.dataset import shuffle_tags
 from trainer.run_folder import checkpoint as ckpt, checkpointer as parts
 from trainer import distributed, signals
-from trainer.model.adapters import TrainedWeights, final_weights_name, trained_weights
-from trainer.step.async_step import StepReadout, StepRecord, arm_device_skip, skips_on_device, step_values
-from trainer.model.block_swap import BlockSwapper
+from trainer.assembly import (RunData, RunEnv, RunModel, assemble_data, attention_tokens, autocast_for,
+                              build_accelerator, build_model, build_optimization, compute_dtype, wrap_for_training)
+from trainer.model.adapters import final_weights_name
+from trainer.step.async_step import StepRecord, arm_device_skip, step_values
 from trainer.config import TrainConfig
-from trainer.reporting.dataset_losses import DatasetLosses
-from trainer.data.data_mix import TrainingData
-from trainer.evaluation.held_out import STATE_KEY as EVAL_STATE, Evaluation
-from trainer.evaluation.image_metrics import ImageMetrics
+from trainer.evaluation.held_out import STATE_KEY as EVAL_STATE
 from utils.errors import ProcessLost, TrainingDiverged, TrainingInterrupted, from_loader_worker
 from trainer.families.base import ModelFamily, load_family
-from trainer.data.features import FeatureStore
-from trainer.model.prepare import prepare_transformer, transformer_load_device
-from trainer.step.optim import build_lr_scheduler, build_optimizer, evaluation_weights, step_size, training_weights
-from trainer.platform import RunPolicy, configure_device, prepare_environment
+from trainer.step.optim import evaluation_weights, step_size, training_weights
+from trainer.platform import configure_device, prepare_environment
 from trainer.precision import choose_mixed_precision
 from trainer.run_folder.position import RunState, micro_batches
-from trainer.model.quantization import check_available, quantization_report, quantization_spec
+from trainer.model.quantization import quantization_report
 from trainer.reporting.memory_check import fit_to_card
-from trainer.reporting.summary import (log_train_time, log_wall_time, plot_losses, plot_timestep_density, process_age_s,
-                                       write_summary)
+from trainer.reporting.summary import (RunClock, log_train_time, log_wall_time, plot_losses, plot_timestep_density,
+                                       process_age_s, write_summary)
 from trainer.run_folder.run_dir import METRICS_NAME, RunFolder
 from trainer.reporting.metric_logging import JsonlLogger, MetricLoggers, TrackerLogger, read_metrics
 from trainer.reporting.tracking import available_trackers, setup_logging
 from trainer.step.training_step import flow_matching_step, seed_global_rngs, step_seed
-from trainer.evaluation.validation import ValidationRenderer, log_images
-from utils.attention import AttentionChoice, sdpa_context
+from trainer.evaluation.validation import log_images
+from utils.attention import sdpa_context
 from utils.memory_monitor import MemoryMonitor
 
 
 class Trainer:
-    """Training of one model family on one dataset (LoRA or full fine-tuning), as the config describes."""
+    """Training of one model family on one dataset (LoRA or full fine-tuning), as the config describes.
+
+    Each set-up phase builds one record of the run's parts (``trainer/assembly.py``) and sets it once;
+    their fields read as the trainer's own (``self.accelerator`` is ``self.env.accelerator``; see
+    ``_read_through`` below the class)."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.folder = RunFolder(cfg.output_dir, final_weights_name(cfg), cfg.max_train_steps)
-        self.output_dir = self.folder.path
         self.state = RunState()
         self.checkpointer = parts.Checkpointer(lambda: self.folder.resume_point)  # every part of the run's state
         self.stop = signals.GracefulStop()
-        self.wall: Dict[str, Optional[float]] = {}  # seconds per phase of the run (start-up included)
-        self.first_step_s: Optional[float] = None  # includes compiling the blocks when compiled
-        self.last_step_at = self.postfix_at = 0.0  # the last step's end; the bar's last loss and lr
-        self.train_seconds = 0.0
-        # setup
-        self.policy: Optional[RunPolicy] = None
-        self.accelerator: Optional[Accelerator] = None
-        self.processes: List[Tuple[str, int]] = []  # (host, pid) of each rank
-        self.is_main = False
-        self.device = torch.device("cpu")
-        self.weight_dtype = torch.float32
-        self.monitor: Optional[MemoryMonitor] = None
+        self.clock = RunClock()  # seconds per phase (start-up included), the first step's, the loop's
         self.metrics = MetricLoggers()  # metrics.jsonl (main process) and the trackers: one record per step
-        self.family: Optional[ModelFamily] = None
-        # prepare_data
-        self.data: Optional[TrainingData] = None  # every dataset's samples (trainer/data/data_mix.py)
-        self.samples: List[Sample] = []
-        self.dataset_losses: Optional[DatasetLosses] = None
-        self.validation: Optional[ValidationRenderer] = None
-        self.features: Optional[FeatureStore] = None
-        self.sampler: Optional[SizeGroupedBatchSampler] = None
-        self.dataloader: Optional[DataLoader] = None  # accelerate's, sharding batches across processes
-        self.evaluation: Optional[Evaluation] = None  # the held-out loss (trainer/evaluation/held_out.py)
-        self.image_metrics: Optional[ImageMetrics] = None  # scores of the validation samples (main process)
-        # setup_model
-        self.weights: Optional[TrainedWeights] = None
-        self.transformer: Optional[torch.nn.Module] = None
-        self.params: List[torch.nn.Parameter] = []
-        self.optimizer: Optional[AcceleratedOptimizer] = None  # what checkpoints save
-        self.raw_optimizer: Optional[torch.optim.Optimizer] = None  # the one that reads `found_inf`
-        self.lr_scheduler: Optional[AcceleratedScheduler] = None
-        self.plain_step = False  # no fp16 loss scaler, DDP or one process: torch's clip and step as they are
-        self.skip_on_device = False  # the NaN guard runs on the device (see `_step`)
-        self.readout: Optional[StepReadout] = None
-        self.ema: Optional[EMAModel] = None
-        self.attention: Optional[AttentionChoice] = None
-        self.swapper: Optional[BlockSwapper] = None
-        self.compiled = False
+        self.env: Optional[RunEnv] = None  # setup: resume point, accelerator, device, precision, memory monitor
+        self.family: Optional[ModelFamily] = None  # setup
+        self.inputs: Optional[RunData] = None  # prepare_data: samples, held-out split, cache, loader
+        self.model: Optional[RunModel] = None  # setup_model: trained weights, optimizer, schedule, step mode
+
+    @property
+    def output_dir(self) -> Path:
+        return self.folder.path
 
     # ---------------------------------------------------------------------------------------------
     def run(self) -> Path:
         """Train and return the path of the final trained weights (LoRA file or pipeline folder)."""
-        self.wall["imports"] = process_age_s()  # interpreter start to here: mostly imports
+        self.clock.wall["imports"] = process_age_s()  # interpreter start to here: mostly imports
         try:
             with self.stop:  # the whole run: a signal before the loop stops at once, in it after a checkpoint
                 try:
                     for phase in (self.setup, self.prepare_data, self.setup_model, self.train):
                         start = time.perf_counter()
                         phase()
-                        self.wall[phase.__name__] = time.perf_counter() - start
+                        self.clock.wall[phase.__name__] = time.perf_counter() - start
                     if self.stop.stopping:
                         self.accelerator.end_training()
                         raise TrainingInterrupted(
@@ -142,7 +106,7 @@ class Trainer:
         """Several processes: a collective failed because another process died or stalled. Each
         survivor says which rank in one line (recorded by a survivor when the main process is the one
         lost); the launcher's SIGTERM (torchrun stops them all) is ignored so the line is not cut short."""
-        several = self.accelerator is not None and self.accelerator.num_processes > 1
+        several = self.env is not None and self.accelerator.num_processes > 1
         failure = distributed.collective_failure(exc) if several else None
         if failure is None:
             return
@@ -157,120 +121,48 @@ class Trainer:
     # -- setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        self.folder.open(cfg.resume_from_checkpoint, cfg.overwrite_output_dir)  # and the checkpoint to resume from
+        resume_from = self.folder.open(cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
         trackers = available_trackers(cfg.report_to)
-        self.policy = prepare_environment(cfg)  # before CUDA starts: allocator settings
+        policy = prepare_environment(cfg)  # before CUDA starts: allocator settings
         precision = choose_mixed_precision(cfg.mixed_precision)  # the profile's, unless the launcher was told
-        self.accelerator = Accelerator(
-            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            # Modules whose outputs go nowhere are frozen (family.unused_modules): every trained weight gets a
-            # gradient each step, so DDP skips the search for unused ones (measured: two processes, each family).
-            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False),
-                             # A collective waits this long for a stalled process (a dead one fails at once).
-                             InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))],
-            mixed_precision=precision.accelerator_arg,
-            log_with=trackers or None,
-            project_config=ProjectConfiguration(
-                project_dir=str(self.output_dir), logging_dir=str(self.output_dir / cfg.logging_dir)),
-        )
-        self.processes = distributed.process_ids(self.accelerator)  # (host, pid) by rank: whom a failure names
-        self.is_main = self.accelerator.is_main_process
-        self.device = self.accelerator.device
-        self.weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
-            self.accelerator.mixed_precision, torch.float32)
+        acc = build_accelerator(cfg, precision, self.output_dir, trackers)
+        monitor = MemoryMonitor(writer=lambda tag, value, step: acc.log({tag: value}, step=step))
+        self.env = RunEnv(resume_from, policy, acc, distributed.process_ids(acc), acc.device,
+                          compute_dtype(acc.mixed_precision), monitor)
         setup_logging(self.is_main, self.folder.log)
         self.metrics = MetricLoggers(JsonlLogger(self.folder.metrics) if self.is_main else None,
-                                     TrackerLogger(self.accelerator) if self.accelerator.log_with else None)
-        configure_device(cfg, self.policy, self.accelerator, precision)
-        self.monitor = MemoryMonitor(writer=lambda tag, value, step: self.accelerator.log({tag: value}, step=step))
+                                     TrackerLogger(acc) if acc.log_with else None)
+        configure_device(cfg, policy, acc, precision)
         if cfg.seed is not None:
             set_seed(cfg.seed)
         self.family = load_family(cfg)
-        distributed.configure(self.accelerator, cfg, self.family)  # the launch shards as asked; folder ready
+        distributed.configure(acc, cfg, self.family)  # the launch shards as asked; folder ready
         fit_to_card(cfg, self.device)  # the planner's verdict (auto_fit: its choice) before any weights load
         self.metrics.log_config(cfg)  # the config as it trains: after auto_fit
         self.checkpointer.refuse_incompatible(cfg, self.family.model_path)
         if self.is_main:
             self.folder.write_config(cfg)
         logger.info(f"family {self.family.name}, model {self.family.model_path}, device {self.device}, "
-                    f"{self.accelerator.num_processes} process(es), precision {self.accelerator.mixed_precision} "
-                    f"({precision.reason})")
+                    f"{acc.num_processes} process(es), precision {acc.mixed_precision} ({precision.reason})")
 
     # -- data -------------------------------------------------------------------------------------
     def prepare_data(self) -> None:
-        cfg, d = self.cfg, self.cfg.data_config
-        self.data = TrainingData.scan(cfg, self.family)
-        self.evaluation = Evaluation.prepare(cfg, self.family, self.data)  # held-out images leave the data
-        self.samples = self.data.samples
-        self.dataset_losses = DatasetLosses([e.name for e in self.data.entries], [e.role for e in self.data.entries],
-                                            cfg.regularization_weight, self.device)
-        self.validation = ValidationRenderer(cfg, self.family, self.output_dir, [s.caption for s in self.samples],
-                                             self.data.trigger_word())
+        self.inputs = assemble_data(self.cfg, self.env, self.family, self.output_dir)
         if self.is_main:
-            plot_timestep_density(cfg, self.family, [s.size for s in self.samples], self.output_dir)
-            self.image_metrics = ImageMetrics.from_config(cfg, [s.image_path for s in self.samples])  # None: off
-        groups = sorted({(s.size, s.reference_sizes) for s in self.samples})
-        logger.info(f"sizes (target, references) {groups}")
-        self.features = FeatureStore(cfg, self.family, self.samples + self.evaluation.samples, self.accelerator,
-                                     self.weight_dtype, keep_encoders=self.policy.keep_encoders)
-        with self.monitor.phase("cache_pass"):
-            self.features.cache_pass(self.validation.text_requests())
-        if not cfg.precompute_text_embeddings and self.family.text_pipe is None:
-            self.family.load_text_encoder(self.device, self.weight_dtype)
-        if (not cfg.precompute_image_embeddings or self.validation.enabled) and self.family.vae is None:
-            self.family.load_vae(self.device, self.weight_dtype)  # live encoding, or decoding samples
-        self.sampler = self.data.batch_sampler(d.train_batch_size, seed=cfg.seed or 0)
-        # The workers read the cached tensors, the loader pins them; the step moves them (non-blocking).
-        reader = self.features.reader()
-        dataset = ImageCaptionDataset(self.samples, reader, not cfg.precompute_image_embeddings,
-                                      random_ratio=d.random_ratio, random_crop=self.data.random_crops())
-        self.evaluation.attach(self.family, self.features, ImageCaptionDataset(
-            self.features.samples, reader, not cfg.precompute_image_embeddings), len(self.samples), self.samples)
-        loader = DataLoader(
-            dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=d.num_workers,
-            pin_memory=self.policy.pin_memory, persistent_workers=d.num_workers > 0)
-        self.dataloader = self.accelerator.prepare_data_loader(loader, device_placement=False)  # shards batches
+            plot_timestep_density(self.cfg, self.family, [s.size for s in self.samples], self.output_dir)
 
     # -- model ------------------------------------------------------------------------------------
     def setup_model(self) -> None:
-        cfg = self.cfg
-        check_available(quantization_spec(cfg))
-        self.weights = trained_weights(cfg, self.family.lora_presets, self.family.pipeline_class)
-        # Full fine-tuning keeps fp32 master weights (autocast computes in bf16): bf16 weights would
-        # round away most updates of a small learning rate.
-        master_dtype = torch.float32 if cfg.training_mode == "full" else self.weight_dtype
+        cfg, acc = self.cfg, self.accelerator
         with self.monitor.phase("load_transformer"):
-            transformer = self.family.load_transformer(master_dtype, transformer_load_device(cfg, self.device))
-            ready = prepare_transformer(cfg, self.family, transformer, self.weights, self.device, self.weight_dtype,
-                                        unified_memory=self.policy.unified_memory,
-                                        attention_tokens=self._attention_tokens())
-        self.attention, self.swapper, self.compiled = ready.attention, ready.swapper, ready.compiled
-        self.params = [p for p in transformer.parameters() if p.requires_grad]
-        optimizer = build_optimizer(cfg, self.params, blocks=self.family.blocks(transformer))
-        lr_scheduler = build_lr_scheduler(cfg, optimizer, self.accelerator.num_processes)
-        self.transformer, self.optimizer, self.lr_scheduler = self.accelerator.prepare(
-            transformer, optimizer, lr_scheduler, **distributed.prepare_kwargs(self.accelerator))
-        self.params = distributed.trainable_parameters(self.transformer)  # FSDP2 replaces them
-        self.raw_optimizer = optimizer
-        acc = self.accelerator
-        # FSDP and DeepSpeed clip and step their own way, and an fp16 loss scaler unscales first;
-        # otherwise accelerate's wrappers add only per-step lookups around torch's clip and step.
-        self.plain_step = acc.scaler is None and acc.distributed_type in (
-            DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
-        # The NaN guard runs on the device (no read before the step) where the optimizer can skip a
-        # step itself (fused AdamW), no loss scaler sets `found_inf` too, and the device is not the CPU.
-        self.skip_on_device = self.plain_step and skips_on_device(optimizer, self.device)
-        # A step's numbers are read a step late where that lets the GPU run ahead: CUDA, and an
-        # optimizer that needs no read before it steps.
-        self.readout = StepReadout(self.device, lag=int(self.skip_on_device and self.device.type == "cuda"))
-        self.ema = EMAModel(self.params, decay=cfg.ema_decay) if cfg.ema_decay else None
+            model = build_model(cfg, self.family, self.device, self.weight_dtype,
+                                unified_memory=self.env.policy.unified_memory,
+                                attention_tokens=attention_tokens(self.features, self.device))
+        optimization = build_optimization(cfg, self.family, model.transformer, acc.num_processes)
+        self.model = wrap_for_training(cfg, acc, model, optimization)
         self.checkpointer.attach(self.accelerator, self._state_parts())
         self.checkpointer.restore()  # (a fresh start: nothing)
-        training_weights(optimizer)  # schedule-free: train mode (a checkpoint holds the evaluation weights)
-
-    def _attention_tokens(self) -> Optional[int]:
-        """The run's longest joint sequence: the attention kernels are timed at it on a GPU. None elsewhere."""
-        return self.features.longest_sequence() if self.device.type == "cuda" else None
+        training_weights(self.raw_optimizer)  # schedule-free: train mode (a checkpoint holds the evaluation weights)
 
     def _state_parts(self) -> List[Optional[parts.StatePart]]:
         """Every stateful part of the run, in the order a resume restores them (the table:
@@ -308,12 +200,12 @@ class Trainer:
                 self._validate()  # the base model's samples, to compare against
             if self.evaluation.enabled and state.step == 0:
                 self._evaluate()  # the base model's held-out loss
-            self.last_step_at = time.perf_counter()  # the first step is timed too (compilation)
+            self.clock.last_step_at = time.perf_counter()  # the first step is timed too (compilation)
             self._loop(progress)
             self._account(self.readout.flush(), progress)
         progress.close()
-        self.train_seconds = time.perf_counter() - start
-        log_train_time(state.step - first_step, self.train_seconds, self.first_step_s, self.compiled)
+        self.clock.train_seconds = time.perf_counter() - start
+        log_train_time(state.step - first_step, self.clock.train_seconds, self.clock.first_step_s, self.compiled)
 
     def _loop(self, progress: tqdm) -> None:
         cfg, acc, state = self.cfg, self.accelerator, self.state
@@ -366,10 +258,9 @@ class Trainer:
             rng = random.Random(seed)
             captions = [shuffle_tags(c, rng, keep=1 if d.trigger_word else 0) for c in captions]
         text = features.batch_text(batch, captions, drop)
-        # accelerate's autocast is a no-op without mixed precision: skip its context manager then.
-        autocast = self.accelerator.autocast if self.accelerator.mixed_precision != "no" else contextlib.nullcontext
         return self.dataset_losses.weigh(self.data.dataset(batch), flow_matching_step(
-            cfg, self.family, self.transformer, latents, text, references, gen, self.weight_dtype, autocast))
+            cfg, self.family, self.transformer, latents, text, references, gen, self.weight_dtype,
+            autocast_for(self.accelerator)))
 
     def _backward(self, loss: torch.Tensor) -> None:
         """accelerate's backward, which divides the loss by the accumulation steps first: with one
@@ -445,13 +336,13 @@ class Trainer:
     def _log_step(self, record: StepRecord, progress: tqdm) -> None:
         loss, grad_norm, lr, state = record.loss, record.grad_norm, record.lr, self.state
         now = time.perf_counter()
-        step_time, self.last_step_at = now - self.last_step_at, now
-        if self.first_step_s is None:
-            self.first_step_s = step_time
+        step_time, self.clock.last_step_at = now - self.clock.last_step_at, now
+        if self.clock.first_step_s is None:
+            self.clock.first_step_s = step_time
         state.loss_avg = loss if state.loss_avg is None else 0.9 * state.loss_avg + 0.1 * loss
         state.last_loss = loss
-        if not progress.disable and now - self.postfix_at >= progress.mininterval:  # redraws at most that often
-            self.postfix_at = now
+        if not progress.disable and now - self.clock.postfix_at >= progress.mininterval:  # redraws at most that often
+            self.clock.postfix_at = now
             progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         progress.update(1)
         per_dataset = self.dataset_losses.fields(record.step, loss)
@@ -512,17 +403,17 @@ class Trainer:
             sheet = self.validation.contact_sheet()
             self.metrics.close()  # metrics.jsonl complete before it is read
             curve = plot_losses(read_metrics(self.folder.metrics), self.folder.loss_curve)
-            log_wall_time(self.wall)
-            write_summary(self.folder, self.cfg, self.train_seconds, self.monitor.log_summary(),
+            log_wall_time(self.clock.wall)
+            write_summary(self.folder, self.cfg, self.clock.train_seconds, self.monitor.log_summary(),
                           {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME,
                            **({"contact_sheet": str(sheet)} if sheet else {})},
                           {"datasets": self.data.summary(self.sampler, self.state, self.accelerator.num_processes),
-                           "wall_seconds": {k: round(v, 2) for k, v in self.wall.items() if v is not None},
-                           "first_step_s": self.first_step_s, "compiled": self.compiled,
+                           "wall_seconds": {k: round(v, 2) for k, v in self.clock.wall.items() if v is not None},
+                           "first_step_s": self.clock.first_step_s, "compiled": self.compiled,
                            "attention_backend": self.attention.name,
                            "quantization": quantization_report(self.cfg, self.device),
-                           **({"evaluation": e} if (e := self.evaluation.summary(self.output_dir, self.train_seconds))
-                              else {})},
+                           **({"evaluation": e} if (e := self.evaluation.summary(self.output_dir,
+                                                                                  self.clock.train_seconds)) else {})},
                           steps=self.state.step, final_loss=self.state.last_loss)
         self.accelerator.end_training()
         return final
@@ -548,3 +439,18 @@ class Trainer:
         path = self.weights.export(model, self.output_dir / "ema", self.family.model_path)
         self.ema.restore(self.params)
         logger.info(f"saved EMA weights to {path}")
+
+
+def _read_through(part: str, names: str) -> None:
+    """The fields of a phase's record under the names the loop, its tests and the benchmarks use:
+    read-only (a record is set once by its phase), None before that phase."""
+    for name in names.split():
+        setattr(Trainer, name, property(lambda self, n=name: getattr(getattr(self, part), n, None),
+                                        doc=f"``self.{part}.{name}``"))
+
+
+_read_through("clock", "wall first_step_s train_seconds")
+_read_through("env", "resume_from policy accelerator processes is_main device weight_dtype monitor")
+_read_through("inputs", "data samples dataset_losses validation features sampler dataloader evaluation image_metrics")
+_read_through("model", "weights transformer params optimizer raw_optimizer lr_scheduler attention swapper compiled ema "
+                       "plain_step skip_on_device readout")

@@ -10,7 +10,6 @@ no evaluation section, or to judge on other images.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -135,25 +134,20 @@ def verdict(rows: Sequence[Dict[str, Any]], summary: Dict[str, Any], problem: Op
 def evaluate_checkpoints(run_dir: Path, holdout: Path, steps: Sequence[int]) -> Dict[int, Dict[str, float]]:
     """The held-out loss of each checkpoint on the images of ``holdout``, computed as a run computes it
     (the run's config, levels and seed; one process)."""
-    import torch
-    from accelerate import Accelerator
-
-    from trainer.model.adapters import trained_weights
+    from trainer.assembly import autocast_for, build_accelerator, build_model, cached_dataset, compute_dtype, \
+        load_live_encoders
     from trainer.config import dataset_entries, load_config
     from trainer.data.data_mix import TrainingData, scan_dataset
     from trainer.evaluation.held_out import Evaluator, default_levels, split_held_out
     from trainer.families.base import load_family
     from trainer.data.features import FeatureStore
-    from trainer.model.prepare import prepare_transformer, transformer_load_device
     from trainer.precision import choose_mixed_precision
-    from image_datasets.dataset import ImageCaptionDataset
 
     if not holdout.is_dir():
         raise UserError(f"--holdout: folder '{holdout}' does not exist (a folder of images with captions)")
     cfg = load_config(run_dir / "config.yaml", [f"output_dir={run_dir}"])
-    precision = choose_mixed_precision(cfg.mixed_precision)
-    accelerator = Accelerator(mixed_precision=precision.accelerator_arg)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+    accelerator = build_accelerator(cfg, choose_mixed_precision(cfg.mixed_precision))
+    device, dtype = accelerator.device, compute_dtype(accelerator.mixed_precision)
     family = load_family(cfg)
     # The first train dataset's settings (size, buckets, captions); references beside DIR (Edit).
     first = next(e for e in dataset_entries(cfg) if e.role == "train")
@@ -165,22 +159,16 @@ def evaluate_checkpoints(run_dir: Path, holdout: Path, steps: Sequence[int]) -> 
     training = data.samples
     features = FeatureStore(cfg, family, samples, accelerator, dtype, keep_encoders=False)
     features.cache_pass()
-    if not cfg.precompute_text_embeddings:
-        family.load_text_encoder(accelerator.device, dtype)
-    if not cfg.precompute_image_embeddings:
-        family.load_vae(accelerator.device, dtype)
-    dataset = ImageCaptionDataset(samples, features.reader(), not cfg.precompute_image_embeddings)
+    load_live_encoders(cfg, family, device, dtype)
+    dataset = cached_dataset(cfg, features.reader(), samples)
     evaluator = Evaluator(cfg, family, features, dataset, 0, samples, default_levels(cfg, family, training))
-    weights = trained_weights(cfg, family.lora_presets, family.pipeline_class)
-    master = torch.float32 if cfg.training_mode == "full" else dtype
-    model = family.load_transformer(master, transformer_load_device(cfg, accelerator.device))
-    ready = prepare_transformer(cfg, family, model, weights, accelerator.device, dtype)
-    autocast = accelerator.autocast if accelerator.mixed_precision != "no" else contextlib.nullcontext
+    model = build_model(cfg, family, device, dtype)  # as the run built it: adapters, placement, block swap
+    autocast = autocast_for(accelerator)
     results = {}
     for step in steps:
-        if not load_checkpoint(weights, model, run_dir / f"checkpoint-{step}"):
+        if not load_checkpoint(model.weights, model.transformer, run_dir / f"checkpoint-{step}"):
             continue
-        result = evaluator.evaluate(model, dtype, autocast, after_forward=ready.swapper.release_all)
+        result = evaluator.evaluate(model.transformer, dtype, autocast, after_forward=model.ready.swapper.release_all)
         results[step] = {k: v for k, v in result.fields().items() if k != "eval_seconds"}
         print(f"checkpoint-{step}: held-out loss {result.loss:.6f} ({result.seconds:.1f} s)", file=sys.stderr)
     return results

@@ -5,9 +5,10 @@ and ``vae/`` configs, ``scheduler/scheduler_config.json``; FLUX adds its two sma
 family reads at construction), so ``trainer.families.load_family`` builds the real family object. The transformer is
 built on the meta device from ``transformer/config.json`` and *materialised* block by block with
 random weights (in host memory when the engine would load it there: quantization, block swap); then
-the engine's own set-up runs on it (``trainer.model.prepare.prepare_transformer``: placement,
-checkpointing, attention timed on the GPU, compile, fp8, LoRA, block swap) and ``build_optimizer``,
-and each step is the engine's own step function (``trainer.step.training_step.flow_matching_step``).
+the engine's own assembly runs on it (``trainer.assembly.build_model``: placement, checkpointing,
+attention timed on the GPU, compile, fp8, LoRA, block swap; ``build_optimization``: the optimizer with
+the engine's parameter groups and its learning-rate schedule), and each step is the engine's own step
+function (``trainer.step.training_step.flow_matching_step``).
 
 ``Scale`` shrinks the architecture (fewer blocks, narrower heads) so that every function here runs
 in seconds on a CPU (``TINY``) and unchanged at full size on a GPU (``FULL``).
@@ -37,21 +38,18 @@ import torch
 
 from step_anatomy import Breakdown, StepAnatomy, Utilisation, breakdown_from_events, median_ms, name_category, \
     recompute_fraction, steady_intervals
-from trainer.model.adapters import trained_weights
+from trainer.assembly import build_model, build_optimization
 from trainer.step.async_step import StepReadout, arm_device_skip, device_skip_supported, step_values
 from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig, load_config
 from trainer.families import SPECS
 from trainer.families.base import load_family
 from trainer.families.spec import FamilySpec
-from trainer.model.prepare import prepare_transformer, transformer_load_device
-from trainer.step.optim import build_optimizer
 from trainer.planner import load_plan_config, plan_memory
 from trainer.planner.auto_fit import choose_fit
 from utils.sizes import parse_size
 from trainer.planner.activations import outer_slot
 from trainer.platform import choose_attention
-from trainer.model.quantization import check_available, quantization_spec
 from trainer.step.training_step import draw_sigmas as engine_sigmas, flow_matching_step
 from utils.attention import AttentionChoice, BackendTiming, available_backends, sdpa_context, time_backends
 from utils.cuda_utils import read_device_facts, supports_feature
@@ -350,6 +348,7 @@ class Rig:
     build_seconds: float
     load_peak_gib: Optional[float] = None
     compiled: bool = False
+    lr_scheduler: Any = None  # the run's learning-rate schedule, stepped as the engine steps it
 
     @property
     def config(self) -> Dict[str, Any]:
@@ -360,7 +359,7 @@ class Rig:
         if self.swapper is not None:
             for handle in self.swapper.handles:
                 handle.remove()
-        self.transformer = self.optimizer = self.swapper = None
+        self.transformer = self.optimizer = self.swapper = self.lr_scheduler = None
         self.params, self.blocks = [], []
         if self.compiled:  # the compiled code's caches keep the blocks (and their GPU memory) alive
             torch._dynamo.reset()
@@ -378,33 +377,34 @@ def build_rig(family: str, device: torch.device | str = "cuda", dtype: torch.dty
               scale: Scale = FULL, model_dir: Optional[Path | str] = None, checkpointing: bool = True,
               overrides: Sequence[str] = (), profile: Optional[str] = None, seed: int = 0,
               resolution: int = 1024) -> Rig:
-    """Build a random-weight ``family`` transformer and set it up for LoRA training the engine's way
-    (``trainer.model.prepare.prepare_transformer``: placement, checkpointing, attention timed at
-    ``resolution``, compile, fp8, LoRA, block swap). ``model_dir`` defaults to a written config-only
+    """Build a random-weight ``family`` transformer and set it up for training with the engine's own
+    assembly (``trainer.assembly``: placement, checkpointing, attention timed at ``resolution``, compile,
+    fp8, LoRA, block swap; the optimizer with its parameter groups, the schedule). ``model_dir`` defaults to a written config-only
     folder at ``scale``; a tiny pipeline folder (``utils.tiny_models.build_tiny_pipeline``) works as well."""
     device = torch.device(device)
     model_dir = Path(model_dir) if model_dir is not None else model_folder(family, scale)
     cfg = train_config(family, model_dir, _precision_overrides(dtype, checkpointing) + list(overrides), profile)
     fam = load_family(cfg)
-    spec = quantization_spec(cfg)
-    if spec is not None:
-        check_available(spec)
     _reset_peak(device)
     start = time.perf_counter()
-    on_host = transformer_load_device(cfg, device) != device
-    transformer = build_transformer(fam, model_dir, device, dtype, on_host=on_host, seed=seed)
-    torch.manual_seed(seed)  # LoRA's A matrices draw from the global RNG
-    weights = trained_weights(cfg, fam.lora_presets, fam.pipeline_class)
+
+    def random_weights(master: torch.dtype, where: torch.device) -> torch.nn.Module:
+        """The family's transformer as ``family.load_transformer`` would hand it over, random weights."""
+        transformer = build_transformer(fam, model_dir, device, master, on_host=where != device, seed=seed)
+        torch.manual_seed(seed)  # LoRA's A matrices draw from the global RNG
+        return transformer
+
+    # The engine's own assembly (trainer/assembly.py): model, adapters, optimizer with its parameter groups.
     tokens = attention_shape(family, resolution, scale)[2]
-    ready = prepare_transformer(cfg, fam, transformer, weights, device, dtype, attention_tokens=tokens)
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg, params)
+    model = build_model(cfg, fam, device, dtype, load=random_weights, attention_tokens=tokens)
+    optimization = build_optimization(cfg, fam, model.transformer)
     _sync(device)
     load_peak = _peak_gib(device)
-    transformer.train()
-    return Rig(family, cfg, fam, model_dir, transformer, ready.blocks, device, dtype, ready.attention, params,
-               optimizer, ready.swapper, ready.trainable, ready.fp8, time.perf_counter() - start, load_peak,
-               ready.compiled)
+    model.transformer.train()
+    ready = model.ready
+    return Rig(family, cfg, fam, model_dir, model.transformer, ready.blocks, device, dtype, ready.attention,
+               optimization.params, optimization.optimizer, ready.swapper, ready.trainable, ready.fp8,
+               time.perf_counter() - start, load_peak, ready.compiled, optimization.lr_scheduler)
 
 
 @contextlib.contextmanager
@@ -452,6 +452,8 @@ def optimizer_step(rig: Rig, loss: torch.Tensor) -> torch.Tensor:
     if device_skip_supported(rig.optimizer):
         arm_device_skip(rig.optimizer, values)
     rig.optimizer.step()
+    if rig.lr_scheduler is not None:
+        rig.lr_scheduler.step()
     rig.optimizer.zero_grad(set_to_none=True)
     return values
 

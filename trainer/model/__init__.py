@@ -1,6 +1,7 @@
 """The loaded transformer turned into the one that trains.
 
-- ``prepare.py``: ``prepare_transformer``, the one order of the steps below (shared with the GPU harness);
+- ``prepare.py``: ``prepare_transformer``, the one order of the steps below (``trainer/assembly.py`` calls it
+  for the engine, the judge and the GPU harness);
 - ``adapters.py``: what trains: LoRA through peft or every weight (full); save, load, export;
 - ``lora_formats.py``: LoRA files in formats other than diffusers' (ComfyUI's);
 - ``quantization.py``, ``quantized_linear.py``, ``int8_linear.py``: old import paths of

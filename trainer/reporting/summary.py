@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -131,6 +132,17 @@ def plot_timestep_density(cfg: TrainConfig, family: Any, sizes: List[Tuple[int, 
     sigmas = draw_sigmas(cfg, family, latent_shape(family, size, 20_000), torch.Generator().manual_seed(0))
     return plot_histogram(sigmas.tolist(), output_dir / "timestep_density.png",
                           f"{cfg.timestep_sampling} + shift {cfg.timestep_shift} at {size[0]}x{size[1]}")
+
+
+@dataclass
+class RunClock:
+    """Where a run's seconds go, as the summary reports them."""
+
+    wall: Dict[str, Optional[float]] = field(default_factory=dict)  # per phase of the run (start-up included)
+    first_step_s: Optional[float] = None  # includes compiling the blocks when compiled
+    last_step_at: float = 0.0  # the last step's end (perf_counter)
+    postfix_at: float = 0.0  # when the progress bar last showed the loss and lr
+    train_seconds: float = 0.0  # the loop's
 
 
 def log_train_time(steps: int, seconds: float, first_step_s: Optional[float], compiled: bool) -> None:
