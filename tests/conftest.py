@@ -22,6 +22,34 @@ from image_datasets.sample_data import make_edit_dataset, make_sample_dataset  #
 from utils.tiny_models import FAMILIES as TINY_BUILDERS, build_tiny_pipeline  # noqa: E402
 
 
+def _quanto_unpacks_without_compiling() -> None:
+    """Have optimum-quanto unpack int4/int2 weights on the CPU with its own portable torch code instead of
+    compiling its C++ kernel at first use (``torch.utils.cpp_extension.load``: 50-60 s of both cores on a
+    fresh environment; 260 s at load 7 here, where checkouts sharing one .venv through a symlink see other
+    include paths and rebuild it in turn). The values are the same bit operations; the kernel is quanto's
+    CPU-only internal (a GPU run never calls it), so the tests check the same project code. quanto binds
+    ``load`` when it is imported, so this only wraps torch's function before any test imports quanto."""
+    import types
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    real_load = cpp_extension.load
+
+    def load(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name != "quanto_cpp":
+            return real_load(name, *args, **kwargs)
+        import torch
+
+        portable = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)  # its "default" kernel
+        return types.SimpleNamespace(unpack=lambda packed, bits: torch.ops.quanto.unpack.default.redispatch(
+            portable, packed, bits))
+
+    cpp_extension.load = load
+
+
+_quanto_unpacks_without_compiling()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_model(name)``: the folder of the tiny random pipeline ``name`` (a family of the registry,
