@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 from unittest import mock
 
 import pytest
@@ -140,19 +140,26 @@ def sample_videos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_video_dataset(tmp_path_factory.mktemp("data") / "videos", frames=9, size=64, count=4)
 
 
-def train_in_process(config: str | Path, family: str, *overrides: str):
+def train_in_process(config: str | Path, family: str, *overrides: str, threads: Optional[int] = None):
     """The real engine in this process (to inspect or count what it does); accelerate's global
-    state is reset around it so runs don't leak into each other."""
+    state is reset around it so runs don't leak into each other. ``threads``: torch's CPU threads for
+    the run (1 computes what a subprocess with ``OMP_NUM_THREADS=1`` computes, bit for bit: a reference
+    for a run that must be a real process, killed and resumed, without starting another Python)."""
+    import torch
     from accelerate.state import AcceleratorState
 
     from trainer.config import load_config
     from trainer.engine import Trainer
 
+    before = torch.get_num_threads()
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
+        if threads is not None:
+            torch.set_num_threads(threads)
         trainer = Trainer(load_config(ROOT / config, list(overrides), default_family=family))
         trainer.run()
     finally:
+        torch.set_num_threads(before)
         AcceleratorState._reset_state(reset_partial_state=True)
     return trainer
 
