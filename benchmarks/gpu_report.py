@@ -286,15 +286,19 @@ MEMORY_ROWS: Tuple[Tuple[str, Tuple[str, ...], str], ...] = (
 )
 
 
+MEMORY_STEPS = 5
+
+
 def memory_section(run: Run) -> str:
     rows = []
+    steps = min(MEMORY_STEPS, run.steps) if run.dry_run else MEMORY_STEPS  # the dry run checks code paths, not times
     for name, overrides, what in MEMORY_ROWS:
         if harness.PROFILE_FAMILIES.get(name, "qwen_image") not in run.families:
             continue  # --families narrows this section too (and --scale klein9b is FLUX.2's size)
         yaml, budget = harness.PROFILES[name]
         shipped = not overrides
         try:
-            rep = harness.memory_profile(name, run.device, scale=run.scale, resolution=run.resolution, steps=5,
+            rep = harness.memory_profile(name, run.device, scale=run.scale, resolution=run.resolution, steps=steps,
                                          overrides=overrides)
         except Exception as exc:
             rows.append((name, what, run.guard("memory", exc), "", "", "", "", "", "", "", ""))
@@ -308,7 +312,8 @@ def memory_section(run: Run) -> str:
     body = (f"Qwen-Image LoRA (FLUX.2 klein in its row) at {run.resolution}^2 with each profile's YAML as the "
             "engine builds it: blocks "
             "quantized one at a time by `place`, `blocks_to_swap` blocks in host memory with `BlockSwapper`, "
-            "8-bit AdamW, gradient checkpointing with the kept block inputs in host memory; 5 steps. *Load peak* "
+            f"8-bit AdamW, gradient checkpointing with the kept block inputs in host memory; {steps} steps. "
+            "*Load peak* "
             "and *train peak* are `torch.cuda.max_memory_allocated`; *device peak* is `max_memory_reserved` plus "
             "the memory the process holds outside torch's allocator (CUDA context), the figure compared with the "
             "budget (together with the load peak) and with `utils.memory_planner` (goal: within +-15%). The rows "
@@ -450,17 +455,19 @@ def loading_section(run: Run) -> str:
 # =========================================================================== start-up
 
 
-STARTUP_STEPS = 12
+STARTUP_STEPS = 12  # checkpoints at half and at the end
+DRY_RUN_STARTUP_STEPS = 4  # the dry run checks the section's code (both checkpoints included), not its times
 
 
-def tiny_train_run(prefix: Sequence[str], tmp: Path, model: Path, data: Path, precision: str) -> Tuple[float, dict]:
-    """One tiny run of ``train.py`` started as a user starts it (``prefix``: the interpreter or a
-    launcher): its wall time and ``summary.json``. Raises RuntimeError with the last line of stderr."""
+def tiny_train_run(prefix: Sequence[str], tmp: Path, model: Path, data: Path, precision: str,
+                   steps: int = STARTUP_STEPS) -> Tuple[float, dict]:
+    """One tiny run of ``train.py`` (``steps`` steps) started as a user starts it (``prefix``: the interpreter
+    or a launcher): its wall time and ``summary.json``. Raises RuntimeError with the last line of stderr."""
     out = tmp / "out"
     cmd = list(prefix) + [str(ROOT / "train.py"), "--config", str(ROOT / "train_configs/quickstart_tiny.yaml"),
                           f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}",
                           f"output_dir={out}", "overwrite_output_dir=true", f"cache_dir={tmp / 'cache'}",
-                          f"max_train_steps={STARTUP_STEPS}", "checkpointing_steps=6", "report_to=none",
+                          f"max_train_steps={steps}", f"checkpointing_steps={steps // 2}", "report_to=none",
                           f"mixed_precision={precision}"]
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -488,12 +495,13 @@ def startup_section(run: Run) -> str:
                      "accelerate launch": [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
                                            "--num_machines", "1", "--mixed_precision", precision,
                                            "--dynamo_backend", "no", *(["--cpu"] if run.device.type == "cpu" else [])]}
+        steps = DRY_RUN_STARTUP_STEPS if run.dry_run else STARTUP_STEPS
         if run.dry_run:  # the script's own check: one launcher is enough
             launchers.pop("accelerate launch")
         for launcher, prefix in launchers.items():
             for cache in ("first run", "cache on disk"):
                 try:
-                    wall, summary = tiny_train_run(prefix, Path(tmp), model, data, precision)
+                    wall, summary = tiny_train_run(prefix, Path(tmp), model, data, precision, steps)
                 except RuntimeError as exc:
                     rows.append((launcher, cache, f"failed: {exc}") + ("",) * 7)
                     continue
@@ -503,7 +511,8 @@ def startup_section(run: Run) -> str:
             if (Path(tmp) / "cache").exists():
                 shutil.rmtree(Path(tmp) / "cache")
     body = (f"`train.py` on the embedded tiny Qwen-Image (`utils/tiny_models`) with 6 sample images, "
-            f"{STARTUP_STEPS} steps, checkpoints at 6 and 12, on `{run.device.type}`. *Wall* is measured outside "
+            f"{steps} steps, checkpoints at {steps // 2} and {steps}, on `{run.device.type}`. "
+            "*Wall* is measured outside "
             "the process; the phases are the engine's own (`summary.json`: *imports* is the interpreter start "
             "until the engine runs, *prepare_data* includes the cache pass: text encoder and VAE, *train* "
             "includes the checkpoints). The rest of the wall time is the launcher, saving the final file and "

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 from unittest import mock
 
 import pytest
@@ -20,6 +20,34 @@ sys.path.insert(0, str(ROOT))
 
 from image_datasets.sample_data import make_edit_dataset, make_sample_dataset  # noqa: E402
 from utils.tiny_models import FAMILIES as TINY_BUILDERS, build_tiny_pipeline  # noqa: E402
+
+
+def _quanto_unpacks_without_compiling() -> None:
+    """Have optimum-quanto unpack int4/int2 weights on the CPU with its own portable torch code instead of
+    compiling its C++ kernel at first use (``torch.utils.cpp_extension.load``: 50-60 s of both cores on a
+    fresh environment; 260 s at load 7 here, where checkouts sharing one .venv through a symlink see other
+    include paths and rebuild it in turn). The values are the same bit operations; the kernel is quanto's
+    CPU-only internal (a GPU run never calls it), so the tests check the same project code. quanto binds
+    ``load`` when it is imported, so this only wraps torch's function before any test imports quanto."""
+    import types
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    real_load = cpp_extension.load
+
+    def load(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name != "quanto_cpp":
+            return real_load(name, *args, **kwargs)
+        import torch
+
+        portable = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)  # its "default" kernel
+        return types.SimpleNamespace(unpack=lambda packed, bits: torch.ops.quanto.unpack.default.redispatch(
+            portable, packed, bits))
+
+    cpp_extension.load = load
+
+
+_quanto_unpacks_without_compiling()
 
 
 @pytest.fixture(scope="session")
@@ -112,19 +140,26 @@ def sample_videos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_video_dataset(tmp_path_factory.mktemp("data") / "videos", frames=9, size=64, count=4)
 
 
-def train_in_process(config: str | Path, family: str, *overrides: str):
+def train_in_process(config: str | Path, family: str, *overrides: str, threads: Optional[int] = None):
     """The real engine in this process (to inspect or count what it does); accelerate's global
-    state is reset around it so runs don't leak into each other."""
+    state is reset around it so runs don't leak into each other. ``threads``: torch's CPU threads for
+    the run (1 computes what a subprocess with ``OMP_NUM_THREADS=1`` computes, bit for bit: a reference
+    for a run that must be a real process, killed and resumed, without starting another Python)."""
+    import torch
     from accelerate.state import AcceleratorState
 
     from trainer.config import load_config
     from trainer.engine import Trainer
 
+    before = torch.get_num_threads()
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
+        if threads is not None:
+            torch.set_num_threads(threads)
         trainer = Trainer(load_config(ROOT / config, list(overrides), default_family=family))
         trainer.run()
     finally:
+        torch.set_num_threads(before)
         AcceleratorState._reset_state(reset_partial_state=True)
     return trainer
 
