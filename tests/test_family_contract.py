@@ -29,7 +29,7 @@ from trainer.model.quantization import quantized_linears
 from trainer.config import TrainConfig
 from trainer.families import SPECS
 from trainer.families.base import FamilyBase, load_family, pad_sequences, unpack_latents
-from trainer.families.spec import lora_presets
+from trainer.facts.family_spec import lora_presets
 from utils.tiny_models import FAMILIES as TINY_BUILDERS
 
 PROMPT = "a red circle on a yellow background"

@@ -163,6 +163,7 @@ TRAINER_FLOORS = (
     "planner",
     "reporting",
     "distributed",
+    "assembly",  # a config made into a run's parts: the engine, the judge and the GPU harness build with it
     "pipeline_stages",  # training across cards, one stage per process (uses the planner's split)
     "judge", "engine",
     "cli", "launch",

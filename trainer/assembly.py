@@ -39,7 +39,7 @@ from trainer.evaluation.validation import ValidationRenderer
 from trainer.families.base import ModelFamily
 from trainer.model.adapters import TrainedWeights, trained_weights
 from trainer.model.prepare import TrainableTransformer, prepare_transformer, transformer_load_device
-from trainer.model.quantization import check_available, quantization_spec
+from trainer.quantization.frozen_weights import check_available, quantization_choice
 from trainer.platform import RunPolicy
 from trainer.precision import PrecisionChoice
 from trainer.reporting.dataset_losses import DatasetLosses
@@ -196,7 +196,7 @@ def build_model(cfg: TrainConfig, family: ModelFamily, device: torch.device, com
                 attention_tokens: Optional[int] = None) -> TrainedModel:
     """Load the transformer in its master dtype where the engine loads it (``load``: another source of
     it, e.g. the harness's random weights; default ``family.load_transformer``) and make it trainable."""
-    check_available(quantization_spec(cfg))
+    check_available(quantization_choice(cfg))
     weights = trained_weights(cfg, family.lora_presets, family.pipeline_class)
     transformer = (load or family.load_transformer)(master_dtype(cfg, compute), transformer_load_device(cfg, device))
     ready = prepare_transformer(cfg, family, transformer, weights, device, compute, unified_memory=unified_memory,

@@ -36,7 +36,7 @@ from trainer.step.optim import evaluation_weights, step_size, training_weights
 from trainer.platform import configure_device, prepare_environment
 from trainer.precision import choose_mixed_precision
 from trainer.run_folder.position import RunState, micro_batches
-from trainer.model.quantization import quantization_report
+from trainer.quantization.frozen_weights import quantization_report
 from trainer.reporting.memory_check import fit_to_card
 from trainer.reporting.summary import (RunClock, log_train_time, log_wall_time, plot_losses, plot_timestep_density,
                                        process_age_s, write_summary)

@@ -44,7 +44,7 @@ from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig, load_config
 from trainer.families import SPECS
 from trainer.families.base import load_family
-from trainer.families.spec import FamilySpec
+from trainer.facts.family_spec import FamilySpec
 from trainer.planner import load_plan_config, plan_memory
 from trainer.planner.auto_fit import choose_fit
 from utils.sizes import parse_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from trainer.families.components import CLIP_L_TEXT, FLUX_SCHEDULER, FLUX_VAE, T5_XXL_ENCODER, model_index
-from trainer.families.spec import (DUAL_STREAM_ATTENTION_LAYOUT, IMAGE_STREAM_ATTENTION, TEXT_STREAM_ATTENTION,
+from trainer.facts.family_spec import (DUAL_STREAM_ATTENTION_LAYOUT, IMAGE_STREAM_ATTENTION, TEXT_STREAM_ATTENTION,
                                    BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens,
                                    double_single_targets, lora_presets, names_regex)
 

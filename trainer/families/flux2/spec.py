@@ -14,7 +14,7 @@ from typing import Any, Dict
 
 from trainer.families.components import (FLUX2_VAE, FLUX_SCHEDULER, MISTRAL_SMALL_3_24B, QWEN3_4B, QWEN3_8B,
                                          model_index)
-from trainer.families.spec import (DUAL_STREAM_ATTENTION_LAYOUT, IMAGE_STREAM_ATTENTION, TEXT_STREAM_ATTENTION,
+from trainer.facts.family_spec import (DUAL_STREAM_ATTENTION_LAYOUT, IMAGE_STREAM_ATTENTION, TEXT_STREAM_ATTENTION,
                                    BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens,
                                    double_single_targets, lora_presets, names_regex)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from trainer.families.components import CLIP_L_TEXT, FLUX_VAE, QWEN2_5_VL_7B, model_index
-from trainer.families.spec import BlockGroup, FamilySpec, TargetSpec, TextTokens, lora_presets
+from trainer.facts.family_spec import BlockGroup, FamilySpec, TargetSpec, TextTokens, lora_presets
 
 _PROJ = r"(to_query|to_key|to_value|out_layer)"
 _VISUAL_ATTN = rf"visual_transformer_blocks\.\d+\.(self_attention|cross_attention)\.{_PROJ}"

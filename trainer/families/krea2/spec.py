@@ -14,7 +14,7 @@ import re
 from typing import Any, Dict, Tuple
 
 from trainer.families.components import QWEN_IMAGE_VAE, model_index, qwen3_vl
-from trainer.families.spec import (BlockGroup, BlockLayout, FamilySpec, SavedActivations, TargetSpec, TextTokens,
+from trainer.facts.family_spec import (BlockGroup, BlockLayout, FamilySpec, SavedActivations, TargetSpec, TextTokens,
                                    lora_presets)
 
 # Krea2Pipeline's default taps (its __init__, for a model_index.json without the key): 12 of Qwen3-VL-4B's 37

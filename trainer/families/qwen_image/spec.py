@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from trainer.families.components import QWEN2_5_VL_7B, QWEN_IMAGE_SCHEDULER, QWEN_IMAGE_VAE, model_index
-from trainer.families.spec import (DUAL_STREAM_ATTENTION_LAYOUT, IMAGE_STREAM_ATTENTION, TEXT_STREAM_ATTENTION,
+from trainer.facts.family_spec import (DUAL_STREAM_ATTENTION_LAYOUT, IMAGE_STREAM_ATTENTION, TEXT_STREAM_ATTENTION,
                                    BlockGroup, BlockLayout, FamilySpec, TargetSpec, TextTokens, lora_presets)
 
 _MLP = ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]

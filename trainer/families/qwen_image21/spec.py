@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from trainer.families.components import QWEN_IMAGE_SCHEDULER, model_index, qwen3_vl
-from trainer.families.spec import (BlockGroup, BlockLayout, FamilySpec, ReferenceTokens, SavedActivations,
+from trainer.facts.family_spec import (BlockGroup, BlockLayout, FamilySpec, ReferenceTokens, SavedActivations,
                                    TargetSpec, TextTokens, lora_presets)
 
 _ATTN: List[str] = ["to_q", "to_k", "to_v", "to_out.0"]

@@ -8,7 +8,7 @@ from trainer.families.qwen_image.spec import (
     QWEN_OUTER_LAYOUT,
     qwen_checkpoint,
 )
-from trainer.families.spec import FamilySpec, ReferenceTokens, TextTokens
+from trainer.facts.family_spec import FamilySpec, ReferenceTokens, TextTokens
 
 SPEC = FamilySpec(
     name="qwen_image_edit",

@@ -14,7 +14,7 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, Wa
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from trainer.families.base import FamilyBase, FamilySpec, Tensors
-from trainer.families.spec import vae_scale_factor
+from trainer.facts.family_spec import vae_scale_factor
 from trainer.families.wan.experts import WanExperts, boundary_of, experts_to_train, sigma_range
 from trainer.families.wan.spec import SPEC
 from utils.device_copy import to_device

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 
 from trainer.families.components import WAN21_VAE, WAN22_VAE, model_index
 from trainer.families.wan.comfyui_names import COMFYUI_NAMES
-from trainer.families.spec import BlockGroup, FamilySpec, TargetSpec, TextTokens, lora_presets
+from trainer.facts.family_spec import BlockGroup, FamilySpec, TargetSpec, TextTokens, lora_presets
 
 _ATTN = r"attn[12]\.(to_q|to_k|to_v|to_out\.0)"  # self-attention over the video, cross-attention to the text
 _MLP = r"ffn\.net\.(0\.proj|2)"

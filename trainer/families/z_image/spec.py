@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from trainer.families.components import FLUX_VAE, QWEN3_4B, model_index
-from trainer.families.spec import BlockGroup, FamilySpec, TargetSpec, TextTokens, lora_presets
+from trainer.facts.family_spec import BlockGroup, FamilySpec, TargetSpec, TextTokens, lora_presets
 
 _ATTN = r"attention\.(to_q|to_k|to_v|to_out\.0)"
 _MLP = r"feed_forward\.(w1|w2|w3)"
