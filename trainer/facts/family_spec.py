@@ -137,6 +137,9 @@ class SavedActivations:
     half_mlp: int  # tensors of the MLP's hidden width in the activation dtype
     fp32_outputs: Tuple[str, ...] = ()  # linears whose output gets a float32 copy (a q/k norm), any width
     modulated_hidden: int = 2  # more tensors of the hidden width when the modulation needs a gradient
+    # Tensors of the hidden width (activation dtype) per text token, where text tokens keep less than image tokens
+    # (Wan: the text is only cross-attention's keys and values); None: text tokens keep what image tokens keep.
+    text_hidden: Optional[int] = None
 
 
 @dataclass(frozen=True)

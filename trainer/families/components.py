@@ -160,6 +160,10 @@ VAE_ACTIVATION_FACTORS: Dict[str, Tuple[float, float]] = {
     "AutoencoderKLQwenImage21": (11.1, 33.5),  # RGBA in and out, five levels, a 144-wide decoder
     "AutoencoderKL": (5.0, 6.0),
     "AutoencoderKLFlux2": (5.0, 6.0),
+    # Wan's causal video VAE, per frame of the 4 it handles per step (the planner multiplies by them): traced on
+    # fake tensors (Wan 2.1's, bf16), encode 81 frames at 128^2 peaked at 41.3 x base_dim x a per pixel (4 x 10.5),
+    # decode 5 latent frames at 256^2 at 53.3 (4 x 13.4). Wan 2.2's 16x VAE traced lower (encode 12.9).
+    "AutoencoderKLWan": (10.5, 13.4),
 }
 
 

@@ -108,7 +108,9 @@ def described_block_bytes(transformer: TransformerSizes, kind: BlockKind, t: Tok
     outputs = {li.name: li.out_features for li in kind.linears}
     per_token = (saved.half_hidden * a * transformer.hidden + saved.fp32_hidden * 4 * transformer.hidden
                  + saved.half_mlp * a * transformer.mlp_hidden + sum(4 * outputs[n] for n in saved.fp32_outputs))
-    return t.all * per_token
+    if saved.text_hidden is None:
+        return t.all * per_token
+    return t.img * per_token + t.txt * saved.text_hidden * a * transformer.hidden
 
 
 def _input_groups(layout: Mapping[str, Tuple[str, str]], linears: Sequence[LinearInfo],

@@ -193,6 +193,7 @@ class ModelSizes:
     text_encoders: Tuple[EncoderSizes, ...]
     vae: Optional[VaeSizes]
     transformer_shards: int
+    experts: int = 1  # transformers of the same config: 2 where model_index.json names a transformer_2 (Wan 2.2 A14B)
 
 
 @functools.lru_cache(maxsize=16)
@@ -212,7 +213,13 @@ def model_sizes(name_or_path: str, revision: Optional[str] = None, family: Optio
                      for c in ("text_encoder", "text_encoder_2") if c in index)
     vae = _vae_sizes(_build(index["vae"], configs.files["vae/config.json"])) if "vae" in index else None
     return ModelSizes(name_or_path, configs.source, index.get("_class_name", ""), transformer, encoders, vae,
-                     configs.shards.get("transformer", 0))
+                     configs.shards.get("transformer", 0), _expert_count(index))
+
+
+def _expert_count(index: Mapping[str, Any]) -> int:
+    """2 where ``model_index.json`` names a second transformer (``transformer_2``: a low-noise expert), else 1."""
+    second = index.get("transformer_2")
+    return 2 if second and second[0] is not None else 1
 
 
 def _build(library_class: Sequence[str], config: Mapping[str, Any]):
@@ -339,4 +346,6 @@ def _vae_sizes(model) -> VaeSizes:
         base, latent = config.base_dim, config.z_dim
     else:
         base, latent = config.block_out_channels[0], config.latent_channels
-    return VaeSizes(type(model).__name__, _params(model), base, latent, vae_scale_factor(config))
+    # Wan 2.2's VAE takes 2x2 pixel patches before its 8x stages: its config's scale_factor_spatial says 16x.
+    scale = int(config.get("scale_factor_spatial", 0) or vae_scale_factor(config))
+    return VaeSizes(type(model).__name__, _params(model), base, latent, scale)

@@ -25,6 +25,7 @@ from trainer.planner.settings import (
     HOST_BASELINE_CUDA_GIB,
     QUANT_BYTES,
     SCALE_BYTES,
+    VIDEO_VAE_CHUNK,
     WORKSPACE_GIB,
     Settings,
     _side_tokens,
@@ -119,9 +120,11 @@ def _training_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[Mem
     saving = blocks[len(blocks) - s.blocks_to_swap:s.checkpointed] if swapped else []
     resident = sum(blocks) - sum(saving)
     q = s.quantization or _dtype_name(s)
-    items = [MemoryItem(f"transformer weights ({q})", _gib(outer + resident),
-                        f"{t.params / 1e9:.2f}B params, {t.num_blocks} blocks"
-                        + (f"; {len(swapped)} swapped to host" if swapped else ""))]
+    n = s.experts  # a two-expert checkpoint training both holds both (each with its LoRA), one step runs one
+    items = [MemoryItem(f"transformer weights ({q})" + (f", {n} experts" if n > 1 else ""), _gib(n * (outer + resident)),
+                        f"{t.params / 1e9:.2f}B params" + (f" x {n}" if n > 1 else "") + f", {t.num_blocks} blocks"
+                        + (f"; {len(swapped)} swapped to host" if swapped else "")
+                        + ("; both experts (train_expert: high_noise or low_noise holds one)" if n > 1 else ""))]
     if swapped:
         unsaved = len(swapped) - len(saving)
         items.append(MemoryItem("block swap: blocks in flight", _gib(2 * max(swapped)),
@@ -134,9 +137,10 @@ def _training_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[Mem
         largest = max(li.in_features * li.out_features for k in t.blocks for li in k.linears)
         items.append(MemoryItem("dequantization scratch", _gib(2 * largest * a),
                                 "the largest block linear dequantized on the fly, two at a time"))
-    n_lora = lora.params(t, s.rank)
+    n_lora = lora.params(t, s.rank) * s.experts
     items += [
-        MemoryItem("LoRA parameters (fp32)", _gib(n_lora * 4), f"{n_lora / 1e6:.2f}M params, rank {s.rank}"),
+        MemoryItem("LoRA parameters (fp32)", _gib(n_lora * 4), f"{n_lora / 1e6:.2f}M params, rank {s.rank}"
+                   + (f", {s.experts} experts" if s.experts > 1 else "")),
         MemoryItem("LoRA gradients (fp32)", _gib(n_lora * 4)),
         _optimizer_item(t, lora, s),
     ]
@@ -158,7 +162,7 @@ def _optimizer_item(t: TransformerSizes, lora: LoraLayout, s: Settings) -> Memor
     spec = OPTIMIZERS[s.optimizer]
     state = spec.state_bytes(lora.shapes(t, s.rank))
     params = lora.params(t, s.rank)
-    return MemoryItem(f"optimizer state ({spec.label})", _gib(state), f"{state / params:.2g} bytes/param")
+    return MemoryItem(f"optimizer state ({spec.label})", _gib(state * s.experts), f"{state / params:.2g} bytes/param")
 
 
 def _activation_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[MemoryItem]:
@@ -207,7 +211,8 @@ def _validation_items(spec: ModelSizes, s: Settings, train_items: Sequence[Memor
     denoise = tokens * (4 * t.hidden + t.mlp_hidden) * a  # one block's q/k/v/out and MLP hidden, no grad
     decode = 0.0
     if spec.vae is not None:
-        decode = vae_factors(spec.vae.class_name)[1] * spec.vae.base_channels * a * s.validation_pixels
+        decode = vae_factors(spec.vae.class_name)[1] * spec.vae.base_channels * a * s.validation_pixels \
+            * min(s.num_frames, VIDEO_VAE_CHUNK)  # a clip decodes a few frames at a time
     items = [MemoryItem("resident (weights, LoRA, optimizer, VAE, context)", resident, "as in training"),
              MemoryItem("denoising activations", _gib(denoise), f"{tokens} tokens, inference",
                         counted=denoise >= decode),
@@ -261,10 +266,12 @@ def _cache_pass_items(spec: ModelSizes, s: Settings) -> List[MemoryItem]:
     vae: List[MemoryItem] = []
     if spec.vae is not None:
         factor = vae_factors(spec.vae.class_name)[0]
-        encode = factor * spec.vae.base_channels * s.act_bytes * s.img_size ** 2
+        chunk = min(s.num_frames, VIDEO_VAE_CHUNK)  # a clip encodes causally, a few frames at a time
+        encode = factor * spec.vae.base_channels * s.act_bytes * s.img_size ** 2 * chunk
+        what = (f"one {s.num_frames}-frame clip at a time, {chunk} frames per step" if s.num_frames > 1
+                else f"one {s.img_size}x{s.img_size} image at a time ({1 + s.references} per sample)")
         vae = [MemoryItem("VAE weights", _gib(spec.vae.params * s.act_bytes), f"{spec.vae.class_name}"),
-               MemoryItem("VAE encode activations", _gib(encode),
-                          f"one {s.img_size}x{s.img_size} image at a time ({1 + s.references} per sample)")]
+               MemoryItem("VAE encode activations", _gib(encode), what)]
     if not (s.precompute_text or s.precompute_image):
         return []
     text_total = _total(text) if s.precompute_text else 0.0
@@ -286,8 +293,8 @@ def _host_items(spec: ModelSizes, s: Settings, cache_pass_gib: float, training_g
     """Host: process baseline + the largest phase (encoder load, transformer load, training) + caches."""
     a = s.act_bytes
     _, blocks = transformer_weight_bytes(spec.transformer, s)
-    swapped = sum(blocks[len(blocks) - s.blocks_to_swap:]) if s.blocks_to_swap else 0.0
-    full = spec.transformer.params * a
+    swapped = s.experts * sum(blocks[len(blocks) - s.blocks_to_swap:]) if s.blocks_to_swap else 0.0
+    full = spec.transformer.params * a * s.experts
     shard = full / spec.transformer_shards if spec.transformer_shards else DEFAULT_SHARD_GIB * GIB
     if s.device == "cpu":
         # The device is the host: the phases' device totals are host memory.
@@ -324,7 +331,7 @@ def _in_memory_cache_bytes(spec: ModelSizes, s: Settings) -> Optional[float]:
     a, per_image = s.act_bytes, 0.0
     if s.precompute_image and spec.vae is not None:
         side = s.img_size // spec.vae.scale_factor
-        per_image += (1 + s.references) * spec.vae.latent_channels * side * side * a
+        per_image += (1 + s.references) * spec.vae.latent_channels * side * side * a * s.latent_frames
     per_prompt = 0.0
     if s.precompute_text and spec.text_encoders:
         joint = spec.text_encoders[-1].hidden  # the encoder whose sequence the transformer reads
@@ -337,7 +344,8 @@ def _in_memory_cache_bytes(spec: ModelSizes, s: Settings) -> Optional[float]:
 
 def _title(spec: ModelSizes, s: Settings) -> str:
     quant = s.quantization or "none"
-    return (f"Memory plan: {spec.name} ({s.family}; configs: {spec.source}), {s.img_size}x{s.img_size}, "
+    frames = f" x {s.num_frames} frames ({s.latent_frames} latent)" if s.num_frames > 1 else ""
+    return (f"Memory plan: {spec.name} ({s.family}; configs: {spec.source}), {s.img_size}x{s.img_size}{frames}, "
             f"batch {s.batch}, {s.precision}, LoRA rank {s.rank}\n"
             f"tokens per sample: {s.image_tokens} image + {s.text_tokens} text; gradient checkpointing "
             f"{_checkpointing_label(s)}; quantization {quant}; optimizer "
@@ -365,6 +373,10 @@ def _notes(spec: ModelSizes, s: Settings) -> List[str]:
         notes.append(f"{s.references} reference image(s) per sample add {s.image_tokens - s.target_tokens} image "
                      f"tokens and {s.text_tokens - s.caption_tokens} vision tokens to a {s.caption_tokens}-token caption")
     notes.append(f"image planned as a {s.img_size}x{s.img_size} square (img_size is the longest side)")
+    if s.num_frames > 1:
+        notes.append(f"clips planned at {s.num_frames} frames (the datasets' largest num_frames): {s.latent_frames} "
+                     f"latent frames x {s.target_tokens // s.latent_frames} tokens each; bucket_mode: area with "
+                     "img_size = sqrt(width x height) plans a wide clip at its own size")
     if s.precision == "no":
         notes.append("mixed_precision unset/'no': weights and activations in fp32 "
                      "(accelerate launch's --mixed_precision, or an accelerate config that sets one, wins over the YAML)")

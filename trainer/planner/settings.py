@@ -32,6 +32,8 @@ from utils.sizes import GIB, parse_size  # noqa: F401  (parse_size: the planner'
 
 # --------------------------------------------------------------------------- assumptions
 # Each constant is named in the plan's notes or in docs/MEMORY_PLANNER.md.
+VIDEO_VAE_CHUNK = 4  # frames a video VAE handles per step (Wan's causal VAE: 1, then 4 at a time)
+VIDEO_PATCH = 2  # a video transformer's spatial patch (Wan's (1, 2, 2)): latent pixels per token on each side
 CLIP_TOKENS = 77  # CLIP's fixed context: every prompt is padded to it
 CUDA_CONTEXT_GIB = 0.5  # CUDA context + kernels: outside torch's allocator, still on the card
 WORKSPACE_GIB = 0.25  # cuBLAS/cuDNN/attention workspaces
@@ -96,6 +98,9 @@ class Settings:
     dora: bool = False
     offload_checkpoints: bool = False  # gradient_checkpointing_cpu_offload (GPU, not unified memory)
     num_blocks: int = 0  # the transformer's blocks (what gradient_checkpointing: true checkpoints)
+    num_frames: int = 1  # a video family: frames per clip (the datasets' largest num_frames); 1 for images
+    latent_frames: int = 1  # the frames the VAE makes of them (Wan: 1 + (num_frames - 1) / 4)
+    experts: int = 1  # transformers on the device: 2 for a two-expert checkpoint training both (Wan 2.2 A14B)
 
     @property
     def checkpointing(self) -> bool:
@@ -143,6 +148,7 @@ def resolve_settings(cfg: TrainConfig, spec: ModelSizes, *, blocks_to_swap: Opti
                          f"{spec.transformer.num_blocks} blocks")
     unified = bool(cfg.unified_memory)  # the planned machine's, as the config says (nothing is detected)
     checkpointed = checkpointed_blocks(cfg, spec.transformer.num_blocks)
+    frames = _num_frames(cfg, family)
     return Settings(
         family=family.name, img_size=side, batch=cfg.data_config.train_batch_size, text_tokens=tokens.text,
         caption_tokens=tokens.caption, image_tokens=tokens.image, target_tokens=tokens.target,
@@ -160,7 +166,36 @@ def resolve_settings(cfg: TrainConfig, spec: ModelSizes, *, blocks_to_swap: Opti
         vision_patches=tokens.vision_patches, validation_pixels=_validation_pixels(cfg),
         dora=cfg.use_dora,
         offload_checkpoints=checkpointed > 0 and device == "cuda" and offloads_block_inputs(cfg, unified),
-        num_blocks=spec.transformer.num_blocks)
+        num_blocks=spec.transformer.num_blocks, num_frames=frames,
+        latent_frames=latent_frames(frames, family.temporal_compression), experts=experts_on_device(cfg, spec))
+
+
+def _num_frames(cfg: TrainConfig, family: FamilySpec) -> int:
+    """Frames per clip: the largest ``num_frames`` of the datasets (1 for an image family or a run of stills)."""
+    if not family.trains_video:
+        return 1
+    return max([1, *(d.num_frames or 1 for d in dataset_entries(cfg))])
+
+
+def latent_frames(num_frames: int, temporal_compression: int) -> int:
+    """The latent frames a clip of ``num_frames`` becomes: the first alone, then each ``temporal_compression``
+    (Wan: 81 frames -> 21); one for an image family (``temporal_compression`` 0)."""
+    if temporal_compression <= 0:
+        return 1
+    return 1 + (num_frames - 1) // temporal_compression
+
+
+def video_tokens(num_frames: int, height: int, width: int, temporal_compression: int, pixels_per_token: int) -> int:
+    """Tokens of one clip: latent frames x (height / p) x (width / p), p the pixels per token on each side (VAE
+    downscale x the transformer's patch: 16 for Wan 2.1, 32 for Wan 2.2 TI2V-5B's 16x VAE)."""
+    return latent_frames(num_frames, temporal_compression) * (height // pixels_per_token) * (width // pixels_per_token)
+
+
+def experts_on_device(cfg: TrainConfig, spec: ModelSizes) -> int:
+    """The transformers a run holds: both experts of a two-expert checkpoint unless ``train_expert`` names one."""
+    if spec.experts < 2:
+        return 1
+    return 1 if getattr(cfg, "train_expert", None) in ("high_noise", "low_noise") else spec.experts
 
 
 def _weights(spec: Optional[QuantizationChoice]) -> Optional[str]:
@@ -212,6 +247,9 @@ def _token_counts(cfg: TrainConfig, spec: ModelSizes, family: FamilySpec, side: 
     """Tokens per sample: image (latent / 8, packed 2x2 -> (side/16)^2) and text, from the family's facts."""
     text = family.text
     target = _side_tokens(side)
+    if family.trains_video and spec.vae is not None:  # a clip: its latent frames of (side / p)^2 tokens each
+        target = video_tokens(_num_frames(cfg, family), side, side, family.temporal_compression,
+                              spec.vae.scale_factor * VIDEO_PATCH)
     batch = text.prompts_per_call or ENCODE_BATCH
     if text.padded:  # the padded length (or --text-tokens), whatever the caption
         seen = text_tokens or text.max_length

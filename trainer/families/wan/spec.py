@@ -8,7 +8,8 @@ from typing import Any, Dict, Optional
 
 from trainer.families.components import WAN21_VAE, WAN22_VAE, model_index
 from trainer.families.wan.comfyui_names import COMFYUI_NAMES
-from trainer.facts.family_spec import BlockGroup, FamilySpec, TargetSpec, TextTokens, lora_presets
+from trainer.facts.family_spec import BlockGroup, BlockLayout, FamilySpec, SavedActivations, TargetSpec, TextTokens, \
+    lora_presets
 
 _ATTN = r"attn[12]\.(to_q|to_k|to_v|to_out\.0)"  # self-attention over the video, cross-attention to the text
 _MLP = r"ffn\.net\.(0\.proj|2)"
@@ -18,6 +19,25 @@ _OUTER = r"condition_embedder\.(time_embedder|text_embedder)\.linear_[12]|proj_o
 WAN_LORA_PRESETS: Dict[str, TargetSpec] = lora_presets(
     # Both attentions see the video: their queries are the video tokens.
     attention=rf"blocks\.\d+\.{_ATTN}", attention_mlp=rf"blocks\.\d+\.({_ATTN}|{_MLP})", outer=_OUTER)
+
+# The planner's map of a block's linears, (stream, input group): self-attention and the FFN read the video tokens,
+# cross-attention's queries too, its keys and values the 512 text tokens (two linears reading one input share it).
+_BLOCK_LAYOUT: BlockLayout = {
+    **{f"attn1.{n}": ("img", "attn_in") for n in ("to_q", "to_k", "to_v")}, "attn1.to_out.0": ("img", "attn_out"),
+    "attn2.to_q": ("img", "cross_q"), "attn2.to_k": ("txt", "cross_kv"), "attn2.to_v": ("txt", "cross_kv"),
+    "attn2.to_out.0": ("img", "attn_out"),  # the attention output, which attention already keeps
+    "ffn.net.0.proj": ("img", "mlp_in"), "ffn.net.2": ("img", "mlp_out"),
+}
+# What a WanTransformerBlock keeps for backward, counted with saved-tensor hooks on the real block in bf16
+# (tests/test_wan_plan.py checks it within 3% for each preset): per video token 12 tensors of the hidden width in
+# bf16 (self-attention's q/k before and after their norms, its q/k/v/output, cross-attention's q before and after
+# its norm and its output, ...), the three FP32LayerNorms' fp32 inputs, the GELU's input of the FFN width; per text
+# token cross-attention's k and v; 7 more half-width tensors per token when the modulation trains (LoRA on the
+# timestep embedder: the scale/shift/gate multiplies keep their fp32 operands).
+_BLOCK_SAVED = SavedActivations(half_hidden=12, fp32_hidden=3, half_mlp=1, modulated_hidden=7, text_hidden=2)
+_OUTER_LAYOUT: BlockLayout = {"condition_embedder.text_embedder": ("txt", "in"),
+                              "condition_embedder.time_embedder": ("img", "temb"),
+                              "condition_embedder.time_proj": ("img", "mod")}
 
 # UMT5-XXL's encoder (google/umt5-xxl), the text encoder of every Wan 2.x checkpoint.
 UMT5_XXL_ENCODER: Dict[str, Any] = {
@@ -65,13 +85,18 @@ SPEC = FamilySpec(
     title="Wan 2.x",
     entry_script="train_wan_lora.py",
     lora_presets=WAN_LORA_PRESETS,
-    blocks=(BlockGroup("blocks", "video"),),  # no layout: the planner does not model Wan's blocks yet
+    # "video": one stream of video tokens that cross-attends to the text (the planner's formulas of a joint stream)
+    blocks=(BlockGroup("blocks", "video", _BLOCK_LAYOUT, _BLOCK_SAVED),),
+    outer_layout=_OUTER_LAYOUT,
     runtime="WanFamily",
     # WanPipeline pads every prompt with zeros to 512 tokens and the transformer attends to all of them.
     text=TextTokens(max_length=512, padded=True, conditions={"prompt_embeds": ("text_dim", True)}),
     hub_configs={
         # Wan-AI/Wan2.1-T2V-1.3B-Diffusers: 12 heads x 128, 30 blocks, the 16-channel 8x Wan 2.1 VAE, 480p's shift 3.
         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": _checkpoint(_transformer(12, 8960, 30, 16), WAN21_VAE, 3.0, 1, False),
+        # Wan-AI/Wan2.1-T2V-14B-Diffusers: 40 heads x 128, 40 blocks (the transformer each A14B expert repeats), the
+        # Wan 2.1 VAE, 480p's shift 3 (diffusers' conversion gives 720p checkpoints 5); 12 shards as the A14B's.
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers": _checkpoint(_transformer(40, 13824, 40, 16), WAN21_VAE, 3.0, 12, False),
         # Wan-AI/Wan2.2-TI2V-5B-Diffusers: 24 heads x 128, 30 blocks, the 48-channel 16x Wan 2.2 VAE; its pipeline
         # gives each token its own timestep (expand_timesteps), the same value everywhere for text-to-video.
         "Wan-AI/Wan2.2-TI2V-5B-Diffusers": _checkpoint(_transformer(24, 14336, 30, 48), WAN22_VAE, 5.0, 3, True),
