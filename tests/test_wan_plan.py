@@ -161,3 +161,11 @@ def test_the_24gb_profile_fits_24gib_through_auto_fit(tmp_path) -> None:
     assert plan.settings.image_tokens == 21 * 40 * 40, "480p x 81 frames, planned at 640^2 per frame"
     bf16 = mp.plan_memory(cfg, budget)  # the profile as written, before auto_fit: 26.6 GiB of bf16 blocks
     assert not bf16.fits
+
+
+def test_block_swap_with_two_experts_takes_its_blocks_from_both_as_one_list() -> None:
+    """The runtime swaps ``blocks_to_swap`` of both experts' blocks together: N swapped blocks save N blocks once."""
+    cfg = wan_config(A14B, gradient_checkpointing_cpu_offload=True)
+    plain, swapped = (mp.plan_memory(cfg, quantization="none", blocks_to_swap=n) for n in (0, 10))
+    one_block = mp.model_sizes(A14B, None, "wan").transformer.blocks[0].params * 2 / 2 ** 30
+    assert gib(plain, "transformer weights") - gib(swapped, "transformer weights") == pytest.approx(10 * one_block)

@@ -118,10 +118,11 @@ def _training_items(spec: ModelSizes, s: Settings, lora: LoraLayout) -> List[Mem
     # Autograd keeps the device copy of a swapped block that is not checkpointed until backward: no saving.
     # The swapped blocks are the last ones, the checkpointed the first: those that are both save memory.
     saving = blocks[len(blocks) - s.blocks_to_swap:s.checkpointed] if swapped else []
-    resident = sum(blocks) - sum(saving)
-    q = s.quantization or _dtype_name(s)
     n = s.experts  # a two-expert checkpoint training both holds both (each with its LoRA), one step runs one
-    items = [MemoryItem(f"transformer weights ({q})" + (f", {n} experts" if n > 1 else ""), _gib(n * (outer + resident)),
+    # Two experts: block swap takes its blocks from both experts' blocks as one list (docs/WAN.md).
+    resident = n * sum(blocks) - sum(saving)
+    q = s.quantization or _dtype_name(s)
+    items = [MemoryItem(f"transformer weights ({q})" + (f", {n} experts" if n > 1 else ""), _gib(n * outer + resident),
                         f"{t.params / 1e9:.2f}B params" + (f" x {n}" if n > 1 else "") + f", {t.num_blocks} blocks"
                         + (f"; {len(swapped)} swapped to host" if swapped else "")
                         + ("; both experts (train_expert: high_noise or low_noise holds one)" if n > 1 else ""))]
@@ -293,7 +294,7 @@ def _host_items(spec: ModelSizes, s: Settings, cache_pass_gib: float, training_g
     """Host: process baseline + the largest phase (encoder load, transformer load, training) + caches."""
     a = s.act_bytes
     _, blocks = transformer_weight_bytes(spec.transformer, s)
-    swapped = s.experts * sum(blocks[len(blocks) - s.blocks_to_swap:]) if s.blocks_to_swap else 0.0
+    swapped = sum(blocks[len(blocks) - s.blocks_to_swap:]) if s.blocks_to_swap else 0.0
     full = spec.transformer.params * a * s.experts
     shard = full / spec.transformer_shards if spec.transformer_shards else DEFAULT_SHARD_GIB * GIB
     if s.device == "cpu":
