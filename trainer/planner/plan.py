@@ -373,7 +373,8 @@ def _notes(spec: ModelSizes, s: Settings) -> List[str]:
     if s.references:
         notes.append(f"{s.references} reference image(s) per sample add {s.image_tokens - s.target_tokens} image "
                      f"tokens and {s.text_tokens - s.caption_tokens} vision tokens to a {s.caption_tokens}-token caption")
-    notes.append(f"image planned as a {s.img_size}x{s.img_size} square (img_size is the longest side)")
+    notes.append(f"image planned as a {s.img_size}x{s.img_size} square (img_size is the longest side; with "
+                 "bucket_mode: area, the side of the bucket area)")
     if s.num_frames > 1:
         notes.append(f"clips planned at {s.num_frames} frames (the datasets' largest num_frames): {s.latent_frames} "
                      f"latent frames x {s.target_tokens // s.latent_frames} tokens each; bucket_mode: area with "
