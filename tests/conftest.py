@@ -159,7 +159,8 @@ def train_in_process(config: str | Path, family: str, *overrides: str, threads: 
         trainer = Trainer(load_config(ROOT / config, list(overrides), default_family=family))
         trainer.run()
     finally:
-        torch.set_num_threads(before)
+        if threads is not None:  # only what this helper set: a run's own choice is what some tests check
+            torch.set_num_threads(before)
         AcceleratorState._reset_state(reset_partial_state=True)
     return trainer
 

@@ -46,6 +46,7 @@ PIPELINES = {
     "qwen_image21": QwenImage21Pipeline,
     "wan": WanPipeline,
     "wan22_ti2v": WanPipeline,
+    "wan22_a14b": WanPipeline,  # two experts: transformer and transformer_2
 }
 QWEN_FAMILIES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
 SPEC_OF_TINY = {"qwen_image_edit_plus": "qwen_image_edit"}  # a tiny model of another checkpoint of a family
