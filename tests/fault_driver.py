@@ -2,7 +2,7 @@
 
     FAULT=kill_at_call:7 python tests/fault_driver.py --config ... key=value ...
 
-Faults: kill_at_call:N (SIGKILL at the N-th micro-batch), kill_in_save:N:WHERE (SIGKILL during the
+Faults: kill_at_call:N (SIGKILL at the N-th micro-batch; with pipeline_stages, in every stage), kill_in_save:N:WHERE (SIGKILL during the
 N-th checkpoint save, WHERE = contents | manifest), slow:SECONDS (each micro-batch sleeps),
 nan_at:A-B (loss is NaN for micro-batch calls A..B),
 signal_rank:RANK:SIGNAL:N (the process of that rank sends itself SIGNAL, e.g. KILL or STOP, at its N-th micro-batch),
@@ -59,6 +59,17 @@ def faulty_step(self, batch, micro):
         if first <= n <= last:
             return loss * torch.tensor(float("nan"))
     return loss
+
+
+real_stage_step = Trainer._stage_step
+
+
+def faulty_stage_step(self, batch, micro):
+    """pipeline_stages: the micro-batches go through ``_stage_step``; the same count, the same kill."""
+    calls["step"] += 1
+    if kind == "kill_at_call" and calls["step"] == int(arg):
+        die()
+    return real_stage_step(self, batch, micro)
 
 
 real_write = ckpt.write_checkpoint
@@ -124,5 +135,6 @@ if "OVERFIT_AT" in os.environ:
     held_out.overfitting = lambda history, patience: (
         "over-fitting: (injected)" if history[-1]["step"] >= int(os.environ["OVERFIT_AT"]) else None)
 Trainer.training_step = faulty_step
+Trainer._stage_step = faulty_stage_step
 ckpt.write_checkpoint = faulty_write
 sys.exit(cli.main("qwen_image", "fault-injection driver", sys.argv[1:]))

@@ -165,6 +165,7 @@ TRAINER_FLOORS = (
     "distributed",
     "assembly",  # a config made into a run's parts: the engine, the judge and the GPU harness build with it
     "pipeline_stages",  # training across cards, one stage per process (uses the planner's split)
+    "stage_training",  # pipeline_stages: N in the engine (the stages built and stepped by the loop)
     "judge", "engine",
     "cli", "launch",
 )

@@ -117,3 +117,45 @@ def test_the_planner_command_prints_each_cards_plan(capsys) -> None:
     assert main(["--config", config, "--gpu-memory", "16GiB", "--pipeline-stages", "2"]) == 1
     text = capsys.readouterr().out
     assert "card 0: blocks 0-29" in text and "does NOT fit" in text and "PCIe 4.0" in text
+
+
+def test_the_pipeline_stages_key_plans_each_card_through_train_py(capsys) -> None:
+    """``pipeline_stages: 2`` in the profile: ``train.py --plan`` prints each card's peak (no flag needed)."""
+    from trainer.cli import main
+
+    config = str(ROOT / "train_configs" / "train_lora.yaml")
+    assert main("qwen_image", "Train a LoRA", ["--config", config, "--plan", "--gpu-memory", "24GiB",
+                                               "pipeline_stages=2"]) == 0
+    text = capsys.readouterr().out
+    assert "Pipeline split over 2 cards" in text
+    assert "card 0: blocks 0-29" in text and "card 1: blocks 30-59" in text and text.count("GPU peak") == 2
+
+
+def test_auto_fit_chooses_two_stages_where_one_card_would_need_fewer_bits_or_block_swap() -> None:
+    """Qwen-Image (20B) at 1024^2 on 24 GiB cards: one card needs lower-bit weights or block swap; with a
+    launch of two processes auto_fit splits the bf16 model over both instead, each card's stage fitting.
+    Given 80 GiB (one card fits in bf16) or one process, no split is chosen."""
+    from test_auto_fit import qwen_1024
+    from trainer.planner.auto_fit import choose_fit
+
+    cfg = qwen_1024()
+    one = choose_fit(cfg, 24.0)
+    assert one.values["quantize"] or one.values["blocks_to_swap"], "one 24 GiB card cannot train it in bf16"
+    assert "pipeline_stages" not in one.values
+    two = choose_fit(cfg, 24.0, processes=2)
+    assert two.values["pipeline_stages"] == 2 and not two.values["quantize"] and two.values["blocks_to_swap"] == 0
+    assert two.changes["pipeline_stages"] == (1, 2) and "2 pipeline stages" in two.summary()
+    assert two.plan.gpu_peak_gib <= two.target_gib
+    assert "pipeline_stages" not in choose_fit(cfg, 80.0, processes=2).values
+    # A key the user set keeps its value: quantized weights are not split into stages, so no split.
+    assert "pipeline_stages" not in choose_fit(qwen_1024(quantize=True), 24.0, explicit={"quantize"},
+                                               processes=2).values
+
+
+def test_the_planner_prints_auto_fits_stage_choice(capsys) -> None:
+    from trainer.planner.__main__ import main
+
+    config = str(ROOT / "train_configs" / "train_lora.yaml")
+    assert main(["--config", config, "--gpu-memory", "24GiB", "--processes", "2", "auto_fit=true"]) == 0
+    text = capsys.readouterr().out
+    assert "2 pipeline stages" in text and "pipeline_stages: 2 (was 1)" in text and "card 1: blocks 30-59" in text

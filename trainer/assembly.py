@@ -151,8 +151,23 @@ def assemble_data(cfg: TrainConfig, env: RunEnv, family: ModelFamily, output_dir
     evaluation.attach(family, features, cached_dataset(cfg, reader, features.samples), len(samples), samples)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=d.num_workers,
                         pin_memory=env.policy.pin_memory, persistent_workers=d.num_workers > 0)
-    dataloader = env.accelerator.prepare_data_loader(loader, device_placement=False)  # shards batches
+    dataloader = data_shard(env.accelerator, loader, cfg.pipeline_stages)
     return RunData(data, samples, losses, validation, features, sampler, dataloader, evaluation, metrics)
+
+
+def data_shard(accelerator: Accelerator, loader: DataLoader, stages: int = 1) -> DataLoader:
+    """accelerate's loader of this process's share of the batches. With pipeline stages, the stages of one
+    model read the same batches: the data is sharded over the processes divided by the stage count."""
+    if stages == 1:
+        return accelerator.prepare_data_loader(loader, device_placement=False)  # shards batches
+    from accelerate.data_loader import prepare_data_loader
+
+    return prepare_data_loader(  # Accelerator.prepare_data_loader's arguments, with fewer shards
+        loader, accelerator.device, num_processes=accelerator.num_processes // stages,
+        process_index=accelerator.process_index // stages, split_batches=accelerator.split_batches,
+        put_on_device=False, rng_types=accelerator.rng_types.copy(), dispatch_batches=accelerator.dispatch_batches,
+        even_batches=accelerator.even_batches, use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed, non_blocking=accelerator.non_blocking)
 
 
 def load_live_encoders(cfg: TrainConfig, family: ModelFamily, device: torch.device, dtype: torch.dtype,
@@ -239,6 +254,7 @@ class RunModel:
     plain_step: bool  # no fp16 loss scaler, DDP or one process: torch's clip and step as they are
     skip_on_device: bool  # the NaN guard runs on the device (see `Trainer._step`)
     readout: StepReadout
+    stages: Any = None  # pipeline_stages > 1: this process's StageRun (trainer/stage_training.py)
 
 
 def plain_step(accelerator: Accelerator) -> bool:

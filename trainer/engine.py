@@ -14,7 +14,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from accelerate.utils import set_seed
@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from image_datasets.dataset import shuffle_tags
 from trainer.run_folder import checkpoint as ckpt, checkpointer as parts
-from trainer import distributed, signals
+from trainer import distributed, signals, stage_training
 from trainer.assembly import (RunData, RunEnv, RunModel, assemble_data, attention_tokens, autocast_for,
                               build_accelerator, build_model, build_optimization, compute_dtype, wrap_for_training)
 from trainer.model.adapters import final_weights_name
@@ -43,7 +43,7 @@ from trainer.reporting.summary import (RunClock, log_train_time, log_wall_time, 
 from trainer.run_folder.run_dir import METRICS_NAME, RunFolder
 from trainer.reporting.metric_logging import JsonlLogger, MetricLoggers, TrackerLogger, read_metrics
 from trainer.reporting.tracking import available_trackers, setup_logging
-from trainer.step.training_step import flow_matching_step, seed_global_rngs, step_seed
+from trainer.step.training_step import flow_matching_step, noisy_inputs, seed_global_rngs, step_seed
 from trainer.evaluation.validation import log_images
 from utils.attention import sdpa_context
 from utils.memory_monitor import MemoryMonitor
@@ -137,7 +137,10 @@ class Trainer:
             set_seed(cfg.seed)
         self.family = load_family(cfg)
         distributed.configure(acc, cfg, self.family)  # the launch shards as asked; folder ready
-        fit_to_card(cfg, self.device)  # the planner's verdict (auto_fit: its choice) before any weights load
+        # The planner's verdict (auto_fit: its choice, pipeline stages too) before any weights load.
+        fit_to_card(cfg, self.device, acc.num_processes)
+        if cfg.pipeline_stages > 1:
+            stage_training.check_launch(cfg, acc, self.family)  # one process a stage, a family with stage pieces
         self.metrics.log_config(cfg)  # the config as it trains: after auto_fit
         self.checkpointer.refuse_incompatible(cfg, self.family.model_path)
         if self.is_main:
@@ -154,26 +157,39 @@ class Trainer:
     # -- model ------------------------------------------------------------------------------------
     def setup_model(self) -> None:
         cfg, acc = self.cfg, self.accelerator
+        # pipeline_stages: this process loads its own stage's blocks, nothing wrapped by accelerate
+        self.model = stage_training.build_stage_run(cfg, acc, self.family, self.weight_dtype) \
+            if cfg.pipeline_stages > 1 else self._one_model()
+        self.checkpointer.attach(self.accelerator, self._state_parts())
+        self.checkpointer.restore()  # (a fresh start: nothing)
+        training_weights(self.raw_optimizer)  # schedule-free: train mode (a checkpoint holds the evaluation weights)
+
+    def _one_model(self) -> RunModel:
+        """The whole transformer in this process, as accelerate wraps it (DDP, FSDP, DeepSpeed or none)."""
+        cfg, acc = self.cfg, self.accelerator
         with self.monitor.phase("load_transformer"):
             model = build_model(cfg, self.family, self.device, self.weight_dtype,
                                 unified_memory=self.env.policy.unified_memory,
                                 attention_tokens=attention_tokens(self.features, self.device))
         optimization = build_optimization(cfg, self.family, model.transformer, acc.num_processes)
-        self.model = wrap_for_training(cfg, acc, model, optimization)
-        self.checkpointer.attach(self.accelerator, self._state_parts())
-        self.checkpointer.restore()  # (a fresh start: nothing)
-        training_weights(self.raw_optimizer)  # schedule-free: train mode (a checkpoint holds the evaluation weights)
+        return wrap_for_training(cfg, acc, model, optimization)
+
+    def _data_shards(self) -> int:
+        """How many shares the batches are split into: the processes, less the stages of one model."""
+        return self.accelerator.num_processes // self.cfg.pipeline_stages
 
     def _state_parts(self) -> List[Optional[parts.StatePart]]:
         """Every stateful part of the run, in the order a resume restores them (the table:
         ``trainer/run_folder/checkpointer.py``). New state is one more part here."""
         cfg, state = self.cfg, self.state
-        return [parts.StatePart("weights", write=self._write_weights, read=self._read_weights),
+        weights = stage_training.stage_state_part(self.model, self.is_main) if self.stages is not None else \
+            parts.StatePart("weights", write=self._write_weights, read=self._read_weights)
+        return [weights,
                 parts.ema_part(self.ema, self.is_main),
                 parts.optimizer_settings_part(self.lr_scheduler, cfg),
                 parts.position_part(state, cfg.gradient_accumulation_steps),
                 parts.samples_seen_part(
-                    lambda: self.data.samples_seen(self.sampler, state, self.accelerator.num_processes), state),
+                    lambda: self.data.samples_seen(self.sampler, state, self._data_shards()), state),
                 parts.evaluation_part(self.evaluation, EVAL_STATE),
                 parts.resume_record_part(cfg, self.family.model_path, self.samples),
                 parts.metric_log_part(self.metrics)]
@@ -214,16 +230,9 @@ class Trainer:
         losses: List[torch.Tensor] = []
         for micro, batch in micro_batches(self.dataloader, self.sampler, state):
             with acc.accumulate(self.transformer):
-                loss = self.training_step(batch, micro)
-                losses.append(loss.detach())
-                # Fused backward steps each weight inside backward: a non-finite loss must not
-                # get there. Otherwise its NaN gradients are caught below, before the step.
-                if not cfg.fused_backward or self._all_finite(loss):
-                    self._backward(loss)
-                self.swapper.release_all()
-                grad_norm = self._clip_gradients()
-                if acc.sync_gradients:
-                    records = self._step(losses, grad_norm)
+                # pipeline_stages: the accumulation's micro-batches run through the stages together
+                records = self._micro_step(batch, micro, losses) if self.stages is None else \
+                    self._stage_step(batch, micro)
             if not acc.sync_gradients:
                 continue
             state.stepped(micro)
@@ -241,11 +250,44 @@ class Trainer:
             if state.step >= cfg.max_train_steps or self.stop.stopping or self.evaluation.stopping:
                 return
 
+    def _micro_step(self, batch: Dict[str, Any], micro: int, losses: List[torch.Tensor]) -> List[StepRecord]:
+        """One micro-batch's forward and backward; at the accumulation's end, the clip and the step."""
+        loss = self.training_step(batch, micro)
+        losses.append(loss.detach())
+        # Fused backward steps each weight inside backward: a non-finite loss must not
+        # get there. Otherwise its NaN gradients are caught below, before the step.
+        if not self.cfg.fused_backward or self._all_finite(loss):
+            self._backward(loss)
+        self.swapper.release_all()
+        grad_norm = self._clip_gradients()
+        return self._step(losses, grad_norm) if self.accelerator.sync_gradients else []
+
     def training_step(self, batch: Dict[str, Any], micro_step: int) -> torch.Tensor:
-        """Flow-matching loss of one micro-batch. Randomness comes from a generator seeded by the
-        epoch and micro-step, so a resumed run draws the same noise, timesteps and caption drops."""
+        """Flow-matching loss of one micro-batch (its inputs: ``_micro_batch``)."""
+        latents, text, references, gen = self._micro_batch(batch, micro_step)
+        return self.dataset_losses.weigh(self.data.dataset(batch), flow_matching_step(
+            self.cfg, self.family, self.transformer, latents, text, references, gen, self.weight_dtype,
+            autocast_for(self.accelerator)))
+
+    def _stage_step(self, batch: Dict[str, Any], micro_step: int) -> List[StepRecord]:
+        """pipeline_stages: the micro-batch's inputs (drawn as ``training_step`` draws them) kept; at the
+        accumulation's end all of them run through the stages and the optimizer steps."""
+        latents, text, references, gen = self._micro_batch(batch, micro_step)
+        noisy, sigmas, target = noisy_inputs(self.cfg, self.family, latents, gen, self.weight_dtype)
+        self.stages.add(noisy, sigmas, target, text, references)
+        if not self.accelerator.sync_gradients:
+            return []
+        loss, grad_norm = self.stages.step(self.params, self.cfg.max_grad_norm)
+        return self._step([loss], grad_norm)
+
+    def _micro_batch(self, batch: Dict[str, Any], micro_step: int) -> Tuple[torch.Tensor, Dict[str, Any], Any,
+                                                                            torch.Generator]:
+        """(latents, collated text, reference latents, generator) of one micro-batch. Randomness comes from a
+        generator seeded by the epoch, micro-step and data shard, so a resumed run (and each pipeline stage)
+        draws the same noise, timesteps and caption drops."""
         cfg, d, features = self.cfg, self.data.entry(batch), self.features  # the batch's dataset's settings
-        seed = step_seed(cfg.seed or 0, self.state.epoch, micro_step, self.accelerator.process_index)
+        shard = self.accelerator.process_index // cfg.pipeline_stages
+        seed = step_seed(cfg.seed or 0, self.state.epoch, micro_step, shard)
         gen = torch.Generator().manual_seed(seed)
         # The global RNGs too (LoRA dropout draws from them): iterators and workers also consume
         # them, at points a resumed run does not repeat.
@@ -257,10 +299,7 @@ class Trainer:
         if d.shuffle_caption_tags:
             rng = random.Random(seed)
             captions = [shuffle_tags(c, rng, keep=1 if d.trigger_word else 0) for c in captions]
-        text = features.batch_text(batch, captions, drop)
-        return self.dataset_losses.weigh(self.data.dataset(batch), flow_matching_step(
-            cfg, self.family, self.transformer, latents, text, references, gen, self.weight_dtype,
-            autocast_for(self.accelerator)))
+        return latents, features.batch_text(batch, captions, drop), references, gen
 
     def _backward(self, loss: torch.Tensor) -> None:
         """accelerate's backward, which divides the loss by the accumulation steps first: with one
@@ -289,7 +328,7 @@ class Trainer:
         advance on a skipped step too. Otherwise the host reads the numbers first and decides."""
         # The mean over every micro-batch and process (one loss, one process: itself, no kernels).
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        if self.accelerator.num_processes > 1:
+        if self._data_shards() > 1:  # (pipeline stages: the last stage's, broadcast to every stage)
             loss = self.accelerator.gather(loss[None]).mean()
         values = step_values(loss, grad_norm)
         known = dict(step=self.state.step + 1, epoch=self.state.epoch, lr=step_size(self.raw_optimizer))
@@ -306,8 +345,8 @@ class Trainer:
         # Called on optimizer-step micro-batches only, so accelerate's wrappers would step as torch's
         # do (its scheduler steps once per process: once here, after a per-step state lookup).
         optimizer = self.raw_optimizer if self.plain_step else self.optimizer
-        single = self.plain_step and self.accelerator.num_processes == 1
-        scheduler = self.lr_scheduler.scheduler if single else self.lr_scheduler
+        single = self.plain_step and self._data_shards() == 1
+        scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler) if single else self.lr_scheduler
         if ok:
             optimizer.step()
             scheduler.step()
@@ -353,7 +392,7 @@ class Trainer:
                 **({"grad_norm": grad_norm} if grad_norm is not None else {})}
         if step_time > 0:
             samples = (self.cfg.data_config.train_batch_size * self.cfg.gradient_accumulation_steps
-                       * self.accelerator.num_processes)
+                       * self._data_shards())
             logs.update(step_time_s=step_time, samples_per_s=samples / step_time)
         self.metrics.log_dict(logs, record.step)
 
@@ -407,7 +446,7 @@ class Trainer:
             write_summary(self.folder, self.cfg, self.clock.train_seconds, self.monitor.log_summary(),
                           {"weights": str(final), "loss_curve": str(curve), "metrics": METRICS_NAME,
                            **({"contact_sheet": str(sheet)} if sheet else {})},
-                          {"datasets": self.data.summary(self.sampler, self.state, self.accelerator.num_processes),
+                          {"datasets": self.data.summary(self.sampler, self.state, self._data_shards()),
                            "wall_seconds": {k: round(v, 2) for k, v in self.clock.wall.items() if v is not None},
                            "first_step_s": self.clock.first_step_s, "compiled": self.compiled,
                            "attention_backend": self.attention.name,
@@ -423,7 +462,8 @@ class Trainer:
         process; every process takes part in gathering sharded weights."""
         final = self.folder.final
         with evaluation_weights(self.raw_optimizer):
-            model, trained = distributed.gathered(self.accelerator, self.transformer, self.is_main)
+            model, trained = distributed.gathered(self.accelerator, self.transformer, self.is_main) \
+                if self.stages is None else (self.transformer, stage_training.gathered_adapter(self.transformer))
             if self.is_main:
                 with distributed.unpartitioned_loading(self.accelerator):  # the base pipeline loads on one process
                     final = self.weights.export(model, self.output_dir, self.family.model_path, trained)
@@ -453,4 +493,4 @@ _read_through("clock", "wall first_step_s train_seconds")
 _read_through("env", "resume_from policy accelerator processes is_main device weight_dtype monitor")
 _read_through("inputs", "data samples dataset_losses validation features sampler dataloader evaluation image_metrics")
 _read_through("model", "weights transformer params optimizer raw_optimizer lr_scheduler attention swapper compiled ema "
-                       "plain_step skip_on_device readout")
+                       "plain_step skip_on_device readout stages")

@@ -18,10 +18,8 @@ the stages' LoRA tensors on rank 0 for the one exported file.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
-import math
 import os
 import re
 import socket
@@ -35,6 +33,7 @@ from safetensors import safe_open
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from trainer import distributed
+from trainer.model.adapters import init_adapter_by_name  # noqa: F401  (its old home)
 from trainer.planner.stages import split_by_sizes
 from trainer.step.flow_matching import flow_matching_loss
 
@@ -114,26 +113,6 @@ def read_owned(transformer_dir: Path, prefixes: Sequence[str]) -> Dict[str, torc
     return state
 
 
-def init_adapter_by_name(model: torch.nn.Module, seed: int) -> int:
-    """Initialise every LoRA pair from ``seed`` and the layer's name (A as peft does, kaiming-uniform; B zero):
-    the same adapter whichever stage holds the layer, and in one process. Returns how many layers."""
-    count = 0
-    for name, module in model.named_modules():
-        lora_a = getattr(module, "lora_A", None)
-        if not isinstance(lora_a, torch.nn.ModuleDict):
-            continue
-        for adapter, layer in lora_a.items():
-            digest = hashlib.sha256(f"{seed}/{name}/{adapter}".encode()).digest()
-            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-            with torch.no_grad():
-                weight = torch.empty(layer.weight.shape, dtype=torch.float32)
-                torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=gen)
-                layer.weight.copy_(weight)
-                module.lora_B[adapter].weight.zero_()
-            count += 1
-    return count
-
-
 class StagePart(torch.nn.Module):
     """The module a ``PipelineStage`` wraps: the prologue on the first stage, the stage's blocks, the
     epilogue on the last. ``shapes`` (the step's latent shape) is set on every stage before a step."""
@@ -153,38 +132,61 @@ class StagePart(torch.nn.Module):
 class PipelineStep:
     """One training step of one stage: forward and backward of a step's micro-batches under a
     ``torch.distributed.pipelining`` schedule, then the global-norm clip. The stage and schedule are made
-    again when the step's shapes change (their receive buffers are sized from the first micro-batch)."""
+    again when the step's shapes change (their receive buffers are sized from the first micro-batch).
+
+    ``loss_divisor``: None scales the gradients by the schedule's micro-batch count (the mean); N divides
+    each micro-batch's loss by N instead, as accelerate's accumulation over N micro-batches does (the same
+    at an epoch's shorter last accumulation)."""
 
     def __init__(self, part: StagePart, stage: int, stages: int, micro_batches: int, device: torch.device,
-                 schedule: str = "1f1b", loss_weighting: str = "none"):
+                 schedule: str = "1f1b", loss_weighting: str = "none", loss_divisor: Optional[int] = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline_schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
         if loss_weighting != "none":
             raise ValueError(f"pipeline_stages: loss_weighting {loss_weighting!r} is not supported across stages "
                              "yet (the last stage sees no noise levels); use none")
         self.part, self.stage, self.stages, self.micro_batches, self.device = part, stage, stages, micro_batches, device
-        self.schedule_class = SCHEDULES[schedule]
+        self.schedule_name, self.loss_divisor = schedule, loss_divisor
+        self.losses_seen: List[torch.Tensor] = []  # the last run's micro-batch losses (last stage), undivided
+        self._unscaled: Dict[int, torch.Tensor] = {}
         self._built: Optional[Tuple[Any, Any]] = None  # (shapes, schedule)
 
-    def _schedule(self, key: Any) -> Any:
-        if self._built is None or self._built[0] != key:
+    def _loss(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = _velocity_loss(prediction, target)
+        if self.loss_divisor is None:
+            return loss
+        # Kept by the returned tensor's identity: the schedule also calls this on the buffers it sizes
+        # the stage with, and hands back only the micro-batches' own.
+        scaled = loss / self.loss_divisor
+        self._unscaled[id(scaled)] = loss.detach()
+        return scaled
+
+    def _schedule(self, key: Any, micro_batches: int) -> Any:
+        if self._built is None or self._built[0] != (key, micro_batches):
             stage = PipelineStage(self.part, self.stage, self.stages, self.device)
-            schedule = self.schedule_class(stage, self.micro_batches, loss_fn=_velocity_loss, scale_grads=True)
-            self._built = (key, schedule)
+            # 1F1B needs at least one micro-batch per stage (an epoch's last accumulation may have fewer).
+            kind = SCHEDULES[self.schedule_name if micro_batches >= self.stages else "gpipe"]
+            schedule = kind(stage, micro_batches, loss_fn=self._loss, scale_grads=self.loss_divisor is None)
+            self._built = ((key, micro_batches), schedule)
         return self._built[1]
 
-    def run(self, shapes: Any, inputs: Sequence[torch.Tensor], targets: torch.Tensor) -> Optional[torch.Tensor]:
+    def run(self, shapes: Any, inputs: Sequence[torch.Tensor], targets: torch.Tensor,
+            micro_batches: Optional[int] = None) -> Optional[torch.Tensor]:
         """Forward and backward of the step's micro-batches (``inputs`` and ``targets`` concatenated along
         the batch, micro-batch after micro-batch; every stage passes them, the first reads ``inputs`` and the
-        last ``targets``). ``shapes``: what the family's pieces need to know of the step (``hooks.shapes``).
-        Returns the mean loss on the last stage, None elsewhere."""
+        last ``targets``). ``shapes``: what the family's pieces need to know of the step (``hooks.shapes``);
+        ``micro_batches``: how many (default: the count given at construction). Returns the mean loss on the
+        last stage, None elsewhere. Gradients add up over several calls (a step of several shapes)."""
         self.part.shapes = shapes
         # What sizes the stage's buffers: the step's shapes and the inputs' (a caption mask or not, lengths).
-        schedule = self._schedule((shapes, tuple((tuple(t.shape), t.dtype) for t in inputs)))
+        schedule = self._schedule((shapes, tuple((tuple(t.shape), t.dtype) for t in inputs)),
+                                  micro_batches or self.micro_batches)
         losses: List[torch.Tensor] = []
         args = tuple(inputs) if self.part.first else ()
         schedule.step(*args, target=targets if self.part.last else None, losses=losses)
-        return torch.stack([l.detach() for l in losses]).mean() if self.part.last else None
+        self.losses_seen = [self._unscaled.get(id(l), l).detach() for l in losses]
+        self._unscaled = {}
+        return torch.stack(self.losses_seen).mean() if self.part.last and self.losses_seen else None
 
 
 def _velocity_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ def config_problems(cfg: TrainConfig) -> List[str]:
         if isinstance(section, Section):
             problems += section.problems(f"{f.name}.")
     for concern in (_model_problems, _data_problems, _schedule_problems, _optimizer_problems, _lora_problems,
-                    _memory_problems, _platform_problems, _output_problems, _evaluation_problems):
+                    _memory_problems, _platform_problems, _output_problems, _evaluation_problems, stage_problems):
         problems += concern(cfg)
     named = {key for key, _ in nonfinite}
     return [message for _, message in nonfinite] + [p for p in problems if _named_key(p) not in named]
@@ -345,3 +345,35 @@ def _output_problems(cfg: TrainConfig) -> List[str]:
         (cfg.checkpoints_total_limit is None or cfg.checkpoints_total_limit >= 1,
          f"key 'checkpoints_total_limit': value {cfg.checkpoints_total_limit} must be >= 1 (or null)"),
     )
+
+
+STAGE_REFUSALS = (  # (what the stages cannot do yet, as a one-line message naming the key)
+    (lambda c: c.training_mode == "full", "key 'training_mode': full fine-tuning is not split into stages yet "
+     "(LoRA is)"),
+    (lambda c: c.adapter_type != "lora", "key 'adapter_type': only lora is split into stages yet"),
+    (lambda c: c.ema_decay is not None, "key 'ema_decay': no EMA across stages yet (set ema_decay: null)"),
+    (lambda c: c.quantize and not c.disable_quantization, "key 'quantize': a quantized base is not split into "
+     "stages yet (each stage holds only its own blocks: try bf16 weights first)"),
+    (lambda c: c.blocks_to_swap > 0, "key 'blocks_to_swap': no block swap across stages (set it to 0)"),
+    (lambda c: bool(c.compile), "key 'compile': no torch.compile across stages yet (set compile: false)"),
+    (lambda c: c.loss_weighting != "none", "key 'loss_weighting': only none across stages (the last stage "
+     "sees no noise levels)"),
+    (lambda c: c.lora_dropout > 0, "key 'lora_dropout': dropout draws would differ from one process's across "
+     "stages; set lora_dropout: 0"),
+    (lambda c: c.validation.every_n_steps > 0, "key 'validation.every_n_steps': no sample renders across stages "
+     "yet (set it to 0; render the exported LoRA afterwards)"),
+    (lambda c: c.evaluation.holdout > 0 or any(e.role == EVAL_ROLE for e in c.datasets),
+     "key 'evaluation.holdout': no held-out evaluation across stages yet (set holdout: 0, no role: eval)"),
+    (lambda c: any(e.role == "regularization" for e in c.datasets), "key 'datasets': no regularization "
+     "datasets across stages yet"),
+)
+
+
+def stage_problems(cfg: TrainConfig) -> List[str]:
+    """``pipeline_stages``: its range, and what the stages do not support yet (each one line)."""
+    if cfg.pipeline_stages < 1:
+        return [f"key 'pipeline_stages': value {cfg.pipeline_stages} must be >= 1 (1: off)"]
+    if cfg.pipeline_stages == 1:
+        return []
+    return [f"{message} (pipeline_stages: {cfg.pipeline_stages})" for refused, message in STAGE_REFUSALS
+            if refused(cfg)]

@@ -431,6 +431,7 @@ class TrainConfig:
     # all-reduce, a barrier) before the run ends, naming the process that stopped answering (HF
     # Trainer's ddp_timeout). A process that dies is noticed at once; a stalled one after this.
     ddp_timeout: int = 1800
+    pipeline_stages: int = 1  # blocks split over N processes, one a card (docs/TWO_CARDS.md); 1: off
 
     # Sample images during training (FlyMyAI's disable_sampling + sample_* keys are translated into it)
     validation: ValidationConfig = field(default_factory=ValidationConfig)

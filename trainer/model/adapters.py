@@ -6,6 +6,8 @@ export, the final artefact's name) so the engine's loop and checkpoints don't ca
 
 from __future__ import annotations
 
+import hashlib
+import math
 import re
 import warnings
 from pathlib import Path
@@ -63,6 +65,10 @@ def add_lora(transformer: torch.nn.Module, cfg: TrainConfig, presets: Mapping[st
             transformer.add_adapter(lora_config(cfg, targets))
     except ValueError as exc:  # peft: "Target modules ... not found in the base model"
         raise ConfigError(f"LoRA targets {targets} match no layer of the transformer: {exc}") from None
+    if cfg.adapter_type == "lora":
+        # From the seed and each layer's name, not from the global generator in load order: the same
+        # adapter however the model is split (pipeline_stages: each stage holds only its own layers).
+        init_adapter_by_name(transformer, cfg.seed or 0, gaussian=cfg.lora_init == "gaussian")
     trainable = [p for p in transformer.parameters() if p.requires_grad]
     for param in trainable:
         # fp32 master copy of the small LoRA weights, even when the base is bf16/fp16.
@@ -70,6 +76,30 @@ def add_lora(transformer: torch.nn.Module, cfg: TrainConfig, presets: Mapping[st
     count = sum(p.numel() for p in trainable)
     logger.info(f"{cfg.adapter_type} rank {cfg.rank}, alpha {cfg.lora_alpha or cfg.rank}: "
                 f"{count / 1e6:.3f}M trainable parameters")
+    return count
+
+
+def init_adapter_by_name(model: torch.nn.Module, seed: int, gaussian: bool = False) -> int:
+    """Initialise every LoRA pair from ``seed`` and the layer's name, with peft's distributions (A:
+    kaiming-uniform, or normal with std 1/rank when ``gaussian``; B: zero): the same adapter whichever
+    process holds the layer. Returns how many layers."""
+    count = 0
+    for name, module in model.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, torch.nn.ModuleDict):
+            continue
+        for adapter, layer in lora_a.items():
+            digest = hashlib.sha256(f"{seed}/{name}/{adapter}".encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            with torch.no_grad():
+                weight = torch.empty(layer.weight.shape, dtype=torch.float32)
+                if gaussian:
+                    torch.nn.init.normal_(weight, std=1 / weight.shape[0], generator=gen)
+                else:
+                    torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=gen)
+                layer.weight.copy_(weight)
+                module.lora_B[adapter].weight.zero_()
+            count += 1
     return count
 
 
@@ -96,9 +126,16 @@ def adapter_parameters(transformer: torch.nn.Module) -> Dict[str, torch.nn.Param
             if name.rsplit(".", 2)[0] in layers or name.rsplit(".", 1)[0] in layers}
 
 
+class PeftNamed(dict):
+    """Adapter tensors already in peft's naming (``lora_state_dict`` of each pipeline stage, merged): passed
+    as ``trained``, they are saved as they are (peft would keep only the layers this process holds)."""
+
+
 def lora_state_dict(transformer: torch.nn.Module, trained: Optional[Tensors] = None) -> Tensors:
     """The adapter weights in peft's naming (what diffusers' ``save_lora_weights`` expects);
     ``trained``: the adapter tensors by parameter name where they were gathered from shards."""
+    if isinstance(trained, PeftNamed):
+        return trained
     # Hand peft only the adapter tensors: model.state_dict() would make quantized layers unpack
     # every weight at once (a whole-model spike at each save with qint4).
     adapter = trained if trained is not None else adapter_parameters(transformer)

@@ -81,7 +81,11 @@ def freeze(model: torch.nn.Module, modules: List[str], dtype: torch.dtype) -> in
     They join the other frozen weights in ``dtype``, so a step under autocast copies none of them."""
     frozen = 0
     for prefix in modules:
-        for param in model.get_submodule(prefix).parameters():
+        try:
+            module = model.get_submodule(prefix)
+        except AttributeError:  # a pipeline stage: another stage holds that block
+            continue
+        for param in module.parameters():
             if param.requires_grad:
                 frozen += param.numel()
                 param.data = param.data.to(dtype) if param.is_floating_point() else param.data

@@ -37,6 +37,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--pipeline-stages", type=int, default=1, metavar="N",
                         help="plan the blocks split over N cards (pipeline stages): each card's peak and the "
                              "traffic per step against FSDP and block swap (docs/TWO_CARDS.md)")
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="the launch's processes (cards): auto_fit may then choose pipeline stages, one a card")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     try:
@@ -47,7 +49,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     return print_plan(cfg, args.gpu_memory, blocks_to_swap=args.blocks_to_swap, quantization=args.quantization,
                       text_tokens=args.text_tokens, device=args.device,
                       streamed_loading=not args.whole_model_loading, as_json=args.json,
-                      pipeline_stages=args.pipeline_stages)
+                      pipeline_stages=args.pipeline_stages, processes=args.processes)
 
 
 if __name__ == "__main__":

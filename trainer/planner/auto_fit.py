@@ -26,16 +26,19 @@ A plan must fit the budget less ``HEADROOM``: on a GPU the planner read 2-7% und
 from __future__ import annotations
 
 import copy
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from loguru import logger
 
 from trainer.config import TrainConfig
+from trainer.config.checks import stage_problems
 from trainer.planner.model_sizes import ModelSizes, model_sizes
 from trainer.planner.plan import build_plan, plan_memory
 from trainer.planner.report import MemoryPlan
 from trainer.planner.settings import planned_family, resolve_settings
+from trainer.planner.stages import stage_plans
 from utils.errors import ConfigError
 from utils.sizes import parse_size
 
@@ -109,10 +112,12 @@ def fit_target(budget_gib: float) -> float:
 
 
 def choose_fit(cfg: TrainConfig, budget_gib: float, explicit: Optional[Sequence[str]] = None,
-               spec: Optional[ModelSizes] = None, **plan_options: Any) -> FitChoice:
+               spec: Optional[ModelSizes] = None, processes: int = 1, **plan_options: Any) -> FitChoice:
     """The first candidate in the cost order whose plan fits ``budget_gib`` less the headroom; the keys in
     ``explicit`` (default: ``cfg.explicit_keys``) keep the config's values. ``plan_options`` go to the planner
-    (``text_tokens``, ``streamed_loading``). Raises ``NothingFits`` in one line."""
+    (``text_tokens``, ``streamed_loading``). With ``processes`` >= 2 (one card each), where one card would
+    need fewer weight bits or block swap, ``pipeline_stages: processes`` in the config's precision wins when
+    each card's stage fits (``stage_fit``). Raises ``NothingFits`` in one line."""
     planned_family(cfg)  # a family the planner does not model is refused before anything is built
     spec = spec or model_sizes(cfg.pretrained_model_name_or_path, cfg.revision, cfg.family)
     fixed = set(cfg.explicit_keys if explicit is None else explicit)
@@ -125,6 +130,10 @@ def choose_fit(cfg: TrainConfig, budget_gib: float, explicit: Optional[Sequence[
             continue
         seen.add(key)
         values, plan = _plan_candidate(cfg, spec, values, fixed, target, options)
+        if plan.fits and (rung.bits < 16 or rung.swap or values.get("blocks_to_swap")):
+            staged = stage_fit(cfg, spec, fixed, budget_gib, processes, plan_options)
+            if staged is not None:
+                return staged
         if plan.fits:
             changes = {k: (_get(cfg, k), v) for k, v in values.items() if _get(cfg, k) != v
                        or type(_get(cfg, k)) is not type(v)}
@@ -260,7 +269,7 @@ def run_budget(cfg: TrainConfig, card_gib: Optional[float]) -> Optional[float]:
     return given if given is not None else card_gib
 
 
-def fit_run(cfg: TrainConfig, card_gib: Optional[float]) -> Optional[FitChoice]:
+def fit_run(cfg: TrainConfig, card_gib: Optional[float], processes: int = 1) -> Optional[FitChoice]:
     """``auto_fit: true`` for a run about to load: choose, set the chosen keys on ``cfg`` and log them with the
     plan. A CPU run given no budget is left as configured. Raises ``ConfigError`` in one line when nothing
     fits or the run cannot be planned."""
@@ -270,7 +279,7 @@ def fit_run(cfg: TrainConfig, card_gib: Optional[float]) -> Optional[FitChoice]:
                     "as configured")
         return None
     try:
-        choice = choose_fit(cfg, budget)
+        choice = choose_fit(cfg, budget, processes=processes)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"auto_fit: the memory planner cannot plan this run ({exc}); set auto_fit: false and "
                           "choose the memory keys yourself") from None
@@ -286,3 +295,37 @@ def fitted(cfg: TrainConfig, budget_gib: float, **plan_options: Any) -> Tuple[Tr
     """A copy of ``cfg`` with auto_fit's choice for ``budget_gib`` applied, and the choice (``--plan``)."""
     choice = choose_fit(cfg, budget_gib, **plan_options)
     return _configured(cfg, choice.values), choice
+
+
+# --------------------------------------------------------------------------- two cards as one
+STAGE_VALUES = {"quantize": False, "blocks_to_swap": 0, "gradient_checkpointing": True,
+                "gradient_checkpointing_cpu_offload": False}  # the config's precision, nothing swapped
+
+
+def stage_fit(cfg: TrainConfig, spec: ModelSizes, fixed: set, budget_gib: float, processes: int,
+              plan_options: Dict[str, Any]) -> Optional[FitChoice]:
+    """``pipeline_stages: processes`` (one stage a card) in the config's precision, without block swap,
+    when every card's stage plan fits the target and the run can be split (the stage checks pass, the family
+    has stage pieces, the user set none of these keys otherwise); else None."""
+    if processes < 2 or _given(fixed, "pipeline_stages") or cfg.pipeline_stages > 1:
+        return None
+    values = {key: _get(cfg, key) if _given(fixed, key) else value
+              for key, value in {**STAGE_VALUES, "pipeline_stages": processes}.items()}
+    trial = _configured(cfg, values)
+    if (stage_problems(trial) or spec.transformer.num_blocks < processes
+            or importlib.util.find_spec(f"trainer.families.{cfg.family}.stage_parts") is None):
+        return None
+    target = fit_target(budget_gib)
+    plans = stage_plans(spec, resolve_settings(trial, spec, **plan_options), processes,
+                        cfg.gradient_accumulation_steps, target)
+    if not all(p.plan.fits for p in plans) and not _given(fixed, "quantize_text_encoder") \
+            and all(p.plan.training_gib <= target for p in plans):  # the cache pass alone does not fit
+        values = {**values, "quantize_text_encoder": True}
+        plans = stage_plans(spec, resolve_settings(_configured(cfg, values), spec, **plan_options), processes,
+                            cfg.gradient_accumulation_steps, target)
+    if not all(p.plan.fits for p in plans):
+        return None
+    worst = max(plans, key=lambda p: p.plan.gpu_peak_gib)
+    changes = {k: (_get(cfg, k), v) for k, v in values.items() if _get(cfg, k) != v}
+    return FitChoice(budget_gib, target, -1, f"unquantized weights, {processes} pipeline stages (one a card; "
+                     f"card {worst.index} the fullest)", values, changes, worst.plan)

@@ -20,21 +20,25 @@ from utils.sizes import parse_size
 
 
 def print_plan(cfg: TrainConfig, gpu_memory: Optional[str] = None, *, as_json: bool = False,
-               pipeline_stages: int = 1, **options: Any) -> int:
+               pipeline_stages: int = 1, processes: int = 1, **options: Any) -> int:
     """Print the plan of ``cfg`` for ``gpu_memory`` (else the config's ``gpu_memory``); with ``auto_fit: true``
-    and a budget, the plan of auto_fit's choice, which is shown first; with ``pipeline_stages`` > 1, each
-    card's plan of that split (``stages.py``). ``options`` go to ``plan_memory``."""
+    and a budget, the plan of auto_fit's choice, which is shown first (for a launch of ``processes``: maybe
+    pipeline stages); with ``pipeline_stages`` > 1 (the flag, else the config's key), each card's plan of that
+    split (``stages.py``). ``options`` go to ``plan_memory``."""
     fit: Dict[str, Any] = {}
     try:
         budget = parse_size(gpu_memory) if gpu_memory else parse_size(cfg.gpu_memory) if cfg.gpu_memory else None
-        if pipeline_stages > 1:
-            return _print_stages(cfg, budget, pipeline_stages, as_json, options)
+        stages = pipeline_stages if pipeline_stages > 1 else cfg.pipeline_stages
+        if stages > 1:
+            return _print_stages(cfg, budget, stages, as_json, options)
         if cfg.auto_fit:
             cfg = _flags_as_keys(cfg, options)
         try:
-            cfg, fit = _auto_fit(cfg, budget, options)
+            cfg, fit = _auto_fit(cfg, budget, {**options, "processes": processes})
         except NothingFits as exc:
             fit = {"error": str(exc)}
+        if cfg.pipeline_stages > 1:  # auto_fit chose a split: each card's plan, below the choice
+            return _print_stages(cfg, budget, cfg.pipeline_stages, as_json, options, fit)
         plan = plan_memory(cfg, budget, **options)
     except (ValueError, FileNotFoundError, UserError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -47,14 +51,15 @@ def print_plan(cfg: TrainConfig, gpu_memory: Optional[str] = None, *, as_json: b
 
 
 def _print_stages(cfg: TrainConfig, budget: Optional[float], stages: int, as_json: bool,
-                  options: Dict[str, Any]) -> int:
+                  options: Dict[str, Any], fit: Optional[Dict[str, Any]] = None) -> int:
     """Each card's plan of a pipeline split over ``stages`` cards and the traffic per step (the config as
-    written: auto_fit chooses for one card)."""
+    written, or as auto_fit chose it: ``fit``, shown first)."""
     spec = model_sizes(cfg.pretrained_model_name_or_path, cfg.revision, planned_family(cfg).name)
     s = resolve_settings(cfg, spec, **options)
     micro = cfg.gradient_accumulation_steps
     plans, flow = stage_plans(spec, s, stages, micro, budget), traffic(spec, s, stages, micro, budget)
-    print(json.dumps(stages_json(plans, flow)) if as_json else format_stages(plans, flow, micro))
+    print(json.dumps({**stages_json(plans, flow), "auto_fit": fit or None}) if as_json
+          else _fit_lines(fit or {}) + format_stages(plans, flow, micro))
     return 1 if any(p.plan.fits is False for p in plans) else 0
 
 

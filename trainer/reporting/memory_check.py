@@ -51,13 +51,13 @@ def warn_if_it_does_not_fit(cfg: TrainConfig, device: torch.device) -> None:
         logger.warning(message)
 
 
-def fit_to_card(cfg: TrainConfig, device: torch.device) -> None:
+def fit_to_card(cfg: TrainConfig, device: torch.device, processes: int = 1) -> None:
     """Before any weight loads: with ``auto_fit: true``, set the memory keys the user left open to the fastest
-    that fit the card (``trainer/planner/auto_fit.py``; a one-line ``ConfigError`` when nothing does); else
-    warn when the configured run does not fit."""
+    that fit the card (``trainer/planner/auto_fit.py``; a one-line ``ConfigError`` when nothing does; with
+    ``processes`` cards, ``pipeline_stages`` may be chosen); else warn when the configured run does not fit."""
     if not cfg.auto_fit:
         warn_if_it_does_not_fit(cfg, device)
         return
     from trainer.planner.auto_fit import fit_run  # builds models on the meta device: only when asked
 
-    fit_run(cfg, card_memory_gib(device))
+    fit_run(cfg, card_memory_gib(device), processes)

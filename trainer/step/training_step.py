@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -65,11 +65,20 @@ def flow_matching_step(
     collated ``text`` and reference latents: noise, then noise levels drawn from ``gen`` (unless
     given), the noisy latents in ``compute_dtype``, the family's prediction under ``autocast``, and
     the weighted mean-squared error against the velocity."""
+    noisy, sigmas, target = noisy_inputs(cfg, family, latents, gen, compute_dtype, noise, sigmas)
+    with autocast():
+        prediction = family.predict(transformer, noisy, sigmas, text, references)
+    return flow_matching_loss(prediction, target, sigmas, cfg.loss_weighting)
+
+
+def noisy_inputs(cfg: TrainConfig, family: ModelFamily, latents: torch.Tensor, gen: torch.Generator,
+                 compute_dtype: torch.dtype, noise: Optional[torch.Tensor] = None,
+                 sigmas: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(noisy latents in ``compute_dtype``, noise levels, velocity target) of one micro-batch: the noise,
+    then the noise levels drawn from ``gen`` (unless given). Shared by the one-process step and the
+    pipeline stages (``trainer/stage_training.py``), so both draw alike."""
     if noise is None:
         noise = to_device(torch.randn(latents.shape, generator=gen), latents.device)
     if sigmas is None:
         sigmas = to_device(draw_sigmas(cfg, family, latents.shape, gen), latents.device)
-    noisy = add_noise(latents, noise, sigmas).to(compute_dtype)
-    with autocast():
-        prediction = family.predict(transformer, noisy, sigmas, text, references)
-    return flow_matching_loss(prediction, velocity_target(latents, noise), sigmas, cfg.loss_weighting)
+    return add_noise(latents, noise, sigmas).to(compute_dtype), sigmas, velocity_target(latents, noise)

@@ -11,7 +11,7 @@ so every stage computes them (diffusers caches them by shape).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from diffusers import QwenImagePipeline
@@ -43,6 +43,29 @@ class QwenImageStages:
         if getattr(model.config, "zero_cond_t", False):
             raise ValueError("pipeline_stages: a Qwen-Image transformer with zero_cond_t (Edit-2511's reference "
                              "conditioning) is not split into stages yet")
+
+    def inputs(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: Dict[str, Any],
+               references: Sequence[torch.Tensor]) -> Carry:
+        """The first stage's inputs of one micro-batch, from what the engine hands ``family.predict``."""
+        if references:
+            raise ValueError("pipeline_stages: reference images (Qwen-Image-Edit) are not split into stages yet")
+        mask = text.get("prompt_embeds_mask")
+        return (noisy, sigmas, text["prompt_embeds"]) if mask is None else (noisy, sigmas, text["prompt_embeds"], mask)
+
+    def join(self, micro: Sequence[Carry]) -> Carry:
+        """Micro-batches' inputs (each from ``inputs``) as one batch, micro-batch after micro-batch: captions
+        padded to the longest with masked zeros, as ``collate_text`` pads within a batch."""
+        longest = max(m[2].shape[1] for m in micro)
+        masked = any(len(m) > 3 or m[2].shape[1] < longest for m in micro)
+        embeds, masks = [], []
+        for m in micro:
+            text = m[2]
+            mask = m[3] if len(m) > 3 else torch.ones(text.shape[:2], dtype=torch.long, device=text.device)
+            pad = longest - text.shape[1]
+            embeds.append(torch.nn.functional.pad(text, (0, 0, 0, pad)))
+            masks.append(torch.nn.functional.pad(mask, (0, pad)))
+        joined = (torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro]), torch.cat(embeds))
+        return (*joined, torch.cat(masks)) if masked else joined
 
     def shapes(self, latents: torch.Tensor) -> StepShapes:
         _, c, h, w = latents.shape
