@@ -178,3 +178,29 @@ def test_a_launch_the_stages_cannot_train_is_refused_in_one_line(tmp_path: Path)
     with pytest.raises(ConfigError, match=r"key 'pipeline_stages': .*family flux cannot be split into stages yet"):
         check_launch(cfg, FakeAccelerator(2), flux)
     check_launch(cfg, FakeAccelerator(2), qwen)  # the launch that trains
+
+
+def test_the_stage_blocks_are_checkpointed_as_the_engine_asks(tiny_qwen_image: Path) -> None:
+    """The stage pieces call the blocks themselves (not the model's forward): they go through the model's
+    checkpointing function as its forward would (the engine's choice of blocks and offload), and only with
+    gradients; the output is the same."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from trainer import pipeline_stages as ps
+    from trainer.families.qwen_image.model import QwenImageFamily
+
+    hooks = ps.family_stages(QwenImageFamily)
+    model, blocks = ps.build_stage_model(QwenImageTransformer2DModel, tiny_qwen_image / "transformer", hooks, 0, 1)
+    part = ps.StagePart(model, hooks, blocks, True, True)
+    part.shapes = hooks.shapes(torch.zeros(1, model.config.in_channels // 4, 8, 8))
+    gen = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(1, model.config.in_channels // 4, 8, 8, generator=gen), torch.tensor([0.5]),
+              torch.randn(1, 5, model.config.joint_attention_dim, generator=gen))
+    plain = part(*inputs)
+    calls: List[torch.nn.Module] = []
+    model.enable_gradient_checkpointing(lambda block, *args: calls.append(block) or block(*args))
+    with torch.no_grad():
+        assert torch.equal(part(*inputs), plain) and not calls, "no gradients: nothing to recompute"
+    model.requires_grad_(True)
+    assert torch.equal(part(*inputs), plain)
+    assert calls == list(model.transformer_blocks), "every block through the checkpointing function"

@@ -85,10 +85,13 @@ class QwenImageStages:
         hidden, text, temb, *mask = carry
         img_shapes = [[(1, shapes.height // 2, shapes.width // 2)]] * hidden.shape[0]
         rope = model.pos_embed(img_shapes, max_txt_seq_len=text.shape[1], device=hidden.device)
-        text, hidden = getattr(model, self.block_list)[index](
-            hidden_states=hidden, encoder_hidden_states=text,
-            encoder_hidden_states_mask=mask[0].bool() if mask else None, temb=temb, image_rotary_emb=rope,
-            joint_attention_kwargs=None, modulate_index=None)
+        block = getattr(model, self.block_list)[index]
+        args = (hidden, text, mask[0].bool() if mask else None, temb, rope, None, None)  # the forward's order
+        if torch.is_grad_enabled() and getattr(model, "gradient_checkpointing", False):
+            # As the whole model's forward does: the engine's checkpointing (all blocks, the first N, offload)
+            text, hidden = model._gradient_checkpointing_func(block, *args)
+        else:
+            text, hidden = block(*args)
         return (hidden, text, temb, *mask)
 
     def epilogue(self, model: torch.nn.Module, carry: Carry, shapes: StepShapes) -> torch.Tensor:
