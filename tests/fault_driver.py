@@ -69,6 +69,10 @@ def faulty_stage_step(self, batch, micro):
     calls["step"] += 1
     if kind == "kill_at_call" and calls["step"] == int(arg):
         die()
+    if kind == "signal_rank":
+        rank, name, at = arg.split(":")
+        if int(os.environ.get("RANK", "0")) == int(rank) and calls["step"] == int(at):
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
     return real_stage_step(self, batch, micro)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -120,6 +121,21 @@ def test_a_killed_staged_run_resumes_bit_equal(runs: Callable[[str], Path]) -> N
 def test_the_staged_lora_loads_in_diffusers(runs: Callable[[str], Path], tiny_qwen_image: Path) -> None:
     pipe = QwenImagePipeline.from_pretrained(tiny_qwen_image)
     lora_keys_match(pipe, runs("two"), "staged")
+
+
+@pytest.mark.e2e
+def test_a_lost_stage_ends_the_run_with_one_line_naming_it(tmp_path: Path, tiny_qwen_image: Path,
+                                                           sample_data: Path) -> None:
+    """Stage 1 killed inside step 3 (its 5th micro-batch): stage 0, waiting on it, ends the run with the
+    engine's one line naming it, recorded in run_status.json."""
+    out = tmp_path / "lost"
+    result = launch(out, tiny_qwen_image, sample_data, 2, "signal_rank:1:KILL:5")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.match(r"error: rank 1 \(pid \d+\) died: the run stops here \(said by rank 0\) "
+                                         r"at step 2; the last checkpoint is .*checkpoint-2", errors[0]), errors
+    status = json.loads((out / "run_status.json").read_text())
+    assert status["state"] == "failed" and f"error: {status['message']}" == errors[0]
 
 
 def _problems(tmp_path: Path, *overrides: str) -> str:
