@@ -52,7 +52,7 @@ def test_each_stage_loads_only_its_own_weights(tiny_qwen_image: Path, monkeypatc
 
 
 def test_a_family_without_stage_pieces_is_refused_in_one_line() -> None:
-    with pytest.raises(ValueError, match=r"family flux cannot be split into stages yet.*flux/stages.py") as err:
+    with pytest.raises(ValueError, match=r"family flux cannot be split into stages yet.*flux/stage_parts.py") as err:
         ps.family_stages(FluxFamily)
     assert "\n" not in str(err.value)
 

@@ -5,7 +5,7 @@ micro-batches).
 Each process builds only its own stage: the transformer is made with empty weights, the blocks and outer layers
 another stage owns are dropped (the blocks' places kept by empty modules, so every kept module's name, and so
 every LoRA key, is the whole model's), and only the owned tensors are read from the safetensors files. The split is the planner's
-(``trainer/planner/stages.py``: contiguous blocks, balanced by parameters). The family's ``stages.py`` says how
+(``trainer/planner/stages.py``: contiguous blocks, balanced by parameters). The family's ``stage_parts.py`` says how
 to run its prologue, one block and its epilogue, and which modules the first and last stage own; nothing here
 knows a family.
 
@@ -41,14 +41,14 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def family_stages(family_class: type) -> Any:
-    """The family's pipeline pieces: ``STAGES`` in the ``stages.py`` beside the family's class (one line
+    """The family's pipeline pieces: ``STAGES`` in the ``stage_parts.py`` beside the family's class (one line
     naming the family when it has none)."""
     package = family_class.__module__.rsplit(".", 1)[0]
     try:
         return importlib.import_module(f"{package}.stage_parts").STAGES
     except ModuleNotFoundError:
         raise ValueError(f"pipeline_stages: family {getattr(family_class.spec, 'name', family_class.__name__)} "
-                         f"cannot be split into stages yet ({package}/stages.py does not exist; covered: "
+                         f"cannot be split into stages yet ({package}/stage_parts.py does not exist; covered: "
                          "qwen_image)") from None
 
 
