@@ -42,14 +42,15 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def family_stages(family_class: type) -> Any:
-    """The family's pipeline pieces: ``STAGES`` in the ``stages.py`` beside the family's class (one line
+    """The family's pipeline pieces: ``STAGES`` in the ``stage_parts.py`` beside the family's class (one line
     naming the family when it has none)."""
     package = family_class.__module__.rsplit(".", 1)[0]
     try:
         return importlib.import_module(f"{package}.stage_parts").STAGES
     except ModuleNotFoundError:
+        folder = package.replace(".", "/")
         raise ValueError(f"pipeline_stages: family {getattr(family_class.spec, 'name', family_class.__name__)} "
-                         f"cannot be split into stages yet ({package}/stages.py does not exist; covered: "
+                         f"cannot be split into stages yet ({folder}/stage_parts.py does not exist; covered: "
                          "qwen_image)") from None
 
 
