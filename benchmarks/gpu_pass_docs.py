@@ -220,7 +220,7 @@ def tests_md(p: Pass, only: Optional[Sequence[str]] = None) -> str:
 
 STEP_COLUMNS_NOTE = """\
 LoRA rank 16 (the families' `attention` preset), AdamW, bf16 autocast, batch 1. How to read a row (the
-arithmetic is `tests/gpu/step_anatomy.py`, unit-tested on the CPU):
+arithmetic is `benchmarks/step_anatomy.py`, unit-tested on the CPU):
 
 - *s/step*: the median interval between two reads of the loss as the engine runs (the host queues step N+1
   while the GPU runs step N), after two warm-up steps (the first includes the compilation) and **without the

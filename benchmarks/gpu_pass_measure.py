@@ -4,7 +4,7 @@
 
 Each result is appended to ``DIR/results.jsonl`` the moment it exists and echoed as a ``RESULT`` line,
 so a stage stopped at its time limit keeps what it measured. On a GPU the models are full-size
-random-weight transformers (``tests/gpu/harness.py``: nothing downloaded) at 1024^2; ``--dry-run``
+random-weight transformers (``benchmarks/harness.py``: nothing downloaded) at 1024^2; ``--dry-run``
 runs the same code on tiny models at 64^2 on the CPU.
 """
 
@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "tests" / "gpu"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+if str(ROOT) not in sys.path:  # run as a script: the repository root is not on the path
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
@@ -43,7 +42,7 @@ LIGHT = ("machine", "quanto_build")
 
 def load_project() -> None:
     global harness, gpu_report
-    import harness as harness_module
+    from benchmarks import harness as harness_module
     from benchmarks import gpu_report as report_module
 
     harness, gpu_report = harness_module, report_module

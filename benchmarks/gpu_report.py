@@ -11,7 +11,7 @@ target family is slower than the H100 goal of 0.45 s/step), peak memory and step
 block swap), attention backends, fp8 training against bf16, load time per loader, and the start-up of
 a tiny run of train.py.
 The models are full-size random-weight transformers built on the meta device and materialised on the
-GPU block by block (``tests/gpu/harness.py``); nothing is downloaded.
+GPU block by block (``benchmarks/harness.py``); nothing is downloaded.
 
 The report goes to ``--out`` (default ``output/gpu_report/GPU_REPORT-<time>.md``), never into docs/:
 ``docs/GPU_RESULTS.md`` has one writer, ``benchmarks/gpu_pass_docs.py --apply``, fed by the GPU pass
@@ -39,13 +39,12 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "tests" / "gpu"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+if str(ROOT) not in sys.path:  # run as a script: the repository root is not on the path
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import harness  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.gpu_pass_stages import TARGET_S_PER_STEP  # noqa: E402,F401  (re-exported: gpu_report.TARGET_S_PER_STEP)
 from trainer.families import SPECS  # noqa: E402
 from utils import page_cache  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Dict, List, Set, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -71,6 +71,52 @@ def test_one_module_names_docs_gpu_results_as_a_file() -> None:
         if any(s in (DOC, f"docs/{DOC}") for s in strings):
             naming.append(path.name)
     assert naming == ["gpu_pass_docs.py"]
+
+
+TEST_MODULES = {p.stem for p in (ROOT / "tests").rglob("*.py")} - {"__init__"}
+
+
+def reaches_into_tests(source: str) -> List[str]:
+    """What a benchmark's source takes from tests/: an import of ``tests.*`` or of a module named like one of
+    tests/ (``import harness`` with tests/gpu on the path), or a path built onto ``"tests"`` (a sys.path entry)."""
+    found: List[Tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+        found += [(node.lineno, f"import {n}") for n in names
+                  if n.split(".")[0] == "tests" or n.split(".")[0] in TEST_MODULES]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant) \
+                and node.right.value == "tests":
+            found.append((node.lineno, "a path into tests/"))
+    return [f"line {line}: {what}" for line, what in sorted(found)]
+
+
+def test_the_tests_check_finds_an_import_from_tests() -> None:
+    source = ("import sys\nsys.path.insert(0, str(ROOT / 'tests' / 'gpu'))\nimport harness\n"
+              "from tests.gpu import step_anatomy\nfrom benchmarks import harness\nimport torch\n")
+    assert reaches_into_tests(source) == ["line 2: a path into tests/", "line 3: import harness",
+                                          "line 4: import tests.gpu"]
+
+
+def test_benchmarks_import_nothing_from_tests() -> None:
+    """Imports run tests -> benchmarks (the GPU harness is ``benchmarks/harness.py``; tests/gpu re-exports it),
+    never benchmarks -> tests."""
+    found = {path.name: hits for path in sorted(BENCHMARKS.glob("*.py"))
+             if (hits := reaches_into_tests(path.read_text(encoding="utf-8")))}
+    assert "harness" in TEST_MODULES and (BENCHMARKS / "harness.py").is_file()  # the shim is there, so is the check
+    assert not found, found
+
+
+def test_the_tests_old_harness_paths_are_the_benchmarks_modules() -> None:
+    """``import harness`` / ``import step_anatomy`` in tests/gpu give the benchmarks' modules themselves."""
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.path.insert(0, 'tests/gpu')\nimport harness, step_anatomy\n"
+              "import benchmarks.harness, benchmarks.step_anatomy\n"
+              "assert harness is benchmarks.harness and step_anatomy is benchmarks.step_anatomy\n"
+              "assert harness.StepAnatomy is step_anatomy.StepAnatomy\n")
+    subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True)
 
 
 def test_gpu_report_writes_its_own_file_not_the_doc() -> None:
