@@ -375,7 +375,8 @@ def int8_md(p: Pass) -> str:
 
 
 def markdown_md(p: Pass) -> str:
-    """gpu_report sections (loading, fp8), their headings moved under this pass's."""
+    """The report's markdown sections (the loading and fp8 stages, the report stage), their headings moved under
+    this pass's."""
     out = ""
     for r in p.of("markdown"):
         text = r.get("text", "").replace("\n## ", "\n#### ").strip()

@@ -60,7 +60,7 @@ import torch  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from trainer.model.block_swap import inner_tensors  # noqa: E402
 from trainer.families import SPECS  # noqa: E402
-from benchmarks.gpu_report import quiet_logs  # noqa: E402
+from benchmarks.report_sections import quiet_logs  # noqa: E402
 import trainer.model.quantized_linear as ql  # noqa: E402
 from trainer.model.quantization import QuantizationChoice, quantize_module  # noqa: E402
 from utils.memory_monitor import get_memory_stats, reset_peak_memory_stats  # noqa: E402

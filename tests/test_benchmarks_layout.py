@@ -127,6 +127,55 @@ def test_gpu_report_writes_its_own_file_not_the_doc() -> None:
     assert out.resolve() != (ROOT / "docs" / DOC).resolve()
 
 
+def called_names(path: Path) -> Set[str]:
+    """Every name a module calls (``f(...)``, ``m.f(...)``, ``TABLE[k](...)`` as ``TABLE``)."""
+    names: Set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call):
+            func = node.func.value if isinstance(node.func, ast.Subscript) else node.func
+            names.add(func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", ""))
+    return names
+
+
+def test_one_program_runs_measurements() -> None:
+    """gpu_report.py measures nothing itself: it calls the pass (``gpu_pass.main``) and none of the sections;
+    the measuring process (gpu_pass_measure.py) is started by the pass alone."""
+    from benchmarks import report_sections
+
+    measuring = {f.__name__ for f in report_sections.BUILDERS.values()} | {"BUILDERS", "measure_steps"}
+    assert {"machine_section", "steps_section", "startup_section"} <= measuring
+    calls = called_names(BENCHMARKS / "gpu_report.py")
+    assert "main" in calls and not calls & measuring, calls & measuring
+    starting = [path.name for path in sorted(BENCHMARKS.glob("*.py"))
+                if any(isinstance(n, ast.Constant) and n.value == "benchmarks/gpu_pass_measure.py"
+                       for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))))]
+    assert starting == ["gpu_pass.py"]
+
+
+def test_the_report_stage_runs_only_when_named() -> None:
+    from benchmarks import gpu_pass
+
+    whole = [s.name for s in gpu_pass.selected_stages(gpu_pass.parse_args([]))]
+    assert "report" not in whole and "qwen_step" in whole and len(whole) == len(gpu_pass.STAGES) - 1
+    assert [s.name for s in gpu_pass.selected_stages(gpu_pass.parse_args(["--stages", "report"]))] == ["report"]
+
+
+def test_gpu_report_stops_in_one_line_when_the_stage_failed(tmp_path: Path) -> None:
+    import pytest
+    from benchmarks import gpu_report
+
+    ok = [{"kind": "stage", "stage": "report", "status": "ok"},
+          {"kind": "markdown", "stage": "report", "section": "machine", "text": "## Machine"},
+          {"kind": "markdown", "stage": "fp8", "section": "fp8", "text": "## not the report's"}]
+    assert gpu_report.sections_of(ok, tmp_path) == ["## Machine"]
+    failed = [{"kind": "error", "stage": "report", "error": "RuntimeError: boom"},
+              {"kind": "stage", "stage": "report", "status": "failed"}]
+    with pytest.raises(SystemExit, match=r"report stage failed: RuntimeError: boom \(its log: .*pass.log\)$"):
+        gpu_report.sections_of(failed, tmp_path)
+    with pytest.raises(SystemExit, match="report stage failed: stage timed out after 1800 s"):
+        gpu_report.sections_of([{"kind": "stage", "stage": "report", "status": "timed out after 1800 s"}], tmp_path)
+
+
 def test_the_fault_scan_is_a_script_not_a_benchmark() -> None:
     assert not (BENCHMARKS / "disk_full_scan.sh").exists()
     text = (ROOT / "scripts" / "disk_full_scan.sh").read_text(encoding="utf-8")
