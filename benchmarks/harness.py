@@ -39,7 +39,8 @@ import torch
 from benchmarks.step_anatomy import Breakdown, StepAnatomy, Utilisation, breakdown_from_events, median_ms, name_category, \
     recompute_fraction, steady_intervals
 from trainer.assembly import build_model, build_optimization
-from trainer.step.async_step import StepReadout, arm_device_skip, device_skip_supported, step_values
+from trainer.step import optimizer_step as shared_step
+from trainer.step.async_step import StepReadout, device_skip_supported, skips_on_device, step_values
 from trainer.model.block_swap import BlockSwapper
 from trainer.config import TrainConfig, load_config
 from trainer.families import SPECS
@@ -444,19 +445,13 @@ def step_loss(rig: Rig, batch: Batch, gen: torch.Generator, noise: Optional[torc
 
 
 def optimizer_step(rig: Rig, loss: torch.Tensor) -> torch.Tensor:
-    """Clip (as the engine, ``max_grad_norm``), step, zero the gradients; returns the step's
-    ``[loss, grad norm]`` on the device. As in the engine, an optimizer that can skips a non-finite
-    step on the device, so nothing is read back here."""
-    grad_norm = None
-    if rig.cfg.max_grad_norm > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(rig.params, rig.cfg.max_grad_norm)
-    values = step_values(loss.detach(), grad_norm)
-    if device_skip_supported(rig.optimizer):
-        arm_device_skip(rig.optimizer, values)
-    rig.optimizer.step()
-    if rig.lr_scheduler is not None:
-        rig.lr_scheduler.step()
-    rig.optimizer.zero_grad(set_to_none=True)
+    """The engine's own optimizer step (``trainer/step/optimizer_step.py``): clip at ``max_grad_norm``, the NaN
+    guard, step the optimizer and schedule, clear the gradients; returns the step's ``[loss, grad norm]`` on the
+    device. Where the optimizer skips a non-finite step on the device (fused AdamW on a GPU), nothing is read back,
+    as in the engine; elsewhere the engine reads the step's numbers first, and so does this."""
+    values = step_values(loss.detach(), shared_step.clip_gradients(rig.params, rig.cfg.max_grad_norm))
+    shared_step.guarded_step(rig.optimizer, rig.lr_scheduler, values, skips_on_device(rig.optimizer, rig.device),
+                             lambda: bool(torch.isfinite(values).all()))
     return values
 
 
@@ -466,7 +461,7 @@ def queue_step(rig: Rig, batch: Batch, gen: torch.Generator, noise: Optional[tor
     ``[loss, grad norm]`` without waiting for it."""
     with sdpa_context(rig.attention):
         loss = step_loss(rig, batch, gen, noise, sigmas)
-        loss.backward()
+        shared_step.backward(loss)  # one process, no accumulation: torch's backward, as the engine's plain step
     return optimizer_step(rig, loss)
 
 
