@@ -169,7 +169,7 @@ class Trainer:
         """Every stateful part of the run, in the order a resume restores them (the table:
         ``trainer/run_folder/checkpointer.py``). New state is one more part here."""
         cfg, state = self.cfg, self.state
-        return [parts.StatePart("weights", write=self._write_weights, read=self._read_weights),
+        return [parts.weights_part(self.weights, self._model_to_read, write=self._write_weights),
                 parts.ema_part(self.ema, self.is_main),
                 parts.optimizer_settings_part(self.lr_scheduler, cfg),
                 parts.position_part(state, cfg.gradient_accumulation_steps),
@@ -185,9 +185,10 @@ class Trainer:
         if self.is_main:
             self.weights.save(model, folder, trained)
 
-    def _read_weights(self, folder: Path) -> None:
-        if not distributed.sharded(self.accelerator):  # FSDP / DeepSpeed: accelerate has restored it
-            self.weights.load(self.accelerator.unwrap_model(self.transformer), folder)
+    def _model_to_read(self) -> Optional[torch.nn.Module]:
+        if distributed.sharded(self.accelerator):  # FSDP / DeepSpeed: accelerate has restored it
+            return None
+        return self.accelerator.unwrap_model(self.transformer)
 
     # -- loop -------------------------------------------------------------------------------------
     def train(self) -> None:
