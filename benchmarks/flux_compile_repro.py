@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "tests" / "gpu"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+if str(ROOT) not in sys.path:  # run as a script: the repository root is not on the path
+    sys.path.insert(0, str(ROOT))
 
 # name -> (config keys, what it tells). Order: the failing configuration first, then what isolates it.
 VARIANTS: Dict[str, tuple] = {
@@ -46,7 +45,7 @@ def run_variant(name: str, dry_run: bool) -> Dict[str, Any]:
     """Two LoRA steps of the variant here; returns its result (never raises)."""
     import torch
 
-    import harness
+    from benchmarks import harness
     from benchmarks.gpu_pass_measure import Ctx, dry_run_compile
 
     keys, _ = VARIANTS[name]

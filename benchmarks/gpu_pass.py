@@ -89,6 +89,7 @@ class Pass:
     dry_run: bool
     t0: float  # wall-clock start of the pass (the shell wrapper's, when it set GPU_PASS_T0)
     python: str = sys.executable
+    report_args: str = ""  # the report stage's gpu_report.py options (one shell-quoted string)
     log: Optional[TextIO] = None
     build: Optional[subprocess.Popen] = None
     build_log: Optional[Path] = None
@@ -149,8 +150,9 @@ def commit_of_tree() -> str:
 
 
 def measure_command(p: Pass, name: str, *extra: str) -> List[str]:
+    report = ["--report-args", p.report_args] if name == "report" else []
     return [p.python, "benchmarks/gpu_pass_measure.py", name, "--out", str(p.out),
-            *(["--dry-run"] if p.dry_run else []), *extra]
+            *(["--dry-run"] if p.dry_run else []), *report, *extra]
 
 
 def tests_command(p: Pass, stage: Stage, timeout: float) -> List[str]:
@@ -453,7 +455,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="run a named selection of stages (levers: issue 45's step measurements and levers)")
     parser.add_argument("--list", action="store_true", help="print the stages and exit")
+    parser.add_argument("--report-args", default="",
+                        help="the report stage's options, as benchmarks/gpu_report.py takes them (one string)")
     return parser.parse_args(argv)
+
+
+def selected_stages(args: argparse.Namespace) -> List[Stage]:
+    """The stages named by --stages and --preset, in the pass's order; none named: the whole pass (every stage
+    but the on-demand ones)."""
+    wanted = set(args.stages or ()) | set(PRESETS.get(args.preset, ()))
+    return [s for s in STAGES if s.name in wanted or (not wanted and not s.on_demand)]
 
 
 def out_folder(args: argparse.Namespace) -> Path:
@@ -471,7 +482,8 @@ def list_stages() -> None:
     for s in STAGES:
         print(f"{s.name:<18} {s.group:>5} {s.estimate_s:>7.0f} {s.cap_s:>6.0f} {s.dry_estimate_s:>8.0f} "
               f"{s.dry_cap_s:>8.0f}  {s.title}")
-    print(f"sum of the estimates: {sum(s.estimate_s for s in STAGES):.0f} s (GPU); "
+    print(f"sum of the estimates: {sum(s.estimate_s for s in STAGES if not s.on_demand):.0f} s (GPU, on-demand "
+          "stages not counted); "
           f"budget {DEFAULT_BUDGET_S:.0f} s")
 
 
@@ -483,10 +495,10 @@ def main(argv: Optional[List[str]] = None) -> Path:
     out = out_folder(args)
     out.mkdir(parents=True, exist_ok=True)
     t0 = float(os.environ.get("GPU_PASS_T0") or time.time())
-    p = Pass(out, Path(tempfile.mkdtemp(prefix="gpu-pass-work-")), args.budget, args.dry_run, t0)
+    p = Pass(out, Path(tempfile.mkdtemp(prefix="gpu-pass-work-")), args.budget, args.dry_run, t0,
+             report_args=args.report_args)
     p.log = open(out / LOG, "a", encoding="utf-8")
-    wanted = set(args.stages or ()) | set(PRESETS.get(args.preset, ()))
-    selected = [s for s in STAGES if not wanted or s.name in wanted]
+    selected = selected_stages(args)
     p.record("pass", event="start", commit=commit_of_tree(), budget_s=args.budget, dry_run=args.dry_run,
              argv=sys.argv[1:] if argv is None else argv, python=sys.version.split()[0],
              when=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -220,7 +220,7 @@ def tests_md(p: Pass, only: Optional[Sequence[str]] = None) -> str:
 
 STEP_COLUMNS_NOTE = """\
 LoRA rank 16 (the families' `attention` preset), AdamW, bf16 autocast, batch 1. How to read a row (the
-arithmetic is `tests/gpu/step_anatomy.py`, unit-tested on the CPU):
+arithmetic is `benchmarks/step_anatomy.py`, unit-tested on the CPU):
 
 - *s/step*: the median interval between two reads of the loss as the engine runs (the host queues step N+1
   while the GPU runs step N), after two warm-up steps (the first includes the compilation) and **without the
@@ -375,7 +375,8 @@ def int8_md(p: Pass) -> str:
 
 
 def markdown_md(p: Pass) -> str:
-    """gpu_report sections (loading, fp8), their headings moved under this pass's."""
+    """The report's markdown sections (the loading and fp8 stages, the report stage), their headings moved under
+    this pass's."""
     out = ""
     for r in p.of("markdown"):
         text = r.get("text", "").replace("\n## ", "\n#### ").strip()

@@ -4,7 +4,7 @@
 
 Each result is appended to ``DIR/results.jsonl`` the moment it exists and echoed as a ``RESULT`` line,
 so a stage stopped at its time limit keeps what it measured. On a GPU the models are full-size
-random-weight transformers (``tests/gpu/harness.py``: nothing downloaded) at 1024^2; ``--dry-run``
+random-weight transformers (``benchmarks/harness.py``: nothing downloaded) at 1024^2; ``--dry-run``
 runs the same code on tiny models at 64^2 on the CPU.
 """
 
@@ -16,6 +16,7 @@ import functools
 import importlib.metadata
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -26,9 +27,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "tests" / "gpu"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+if str(ROOT) not in sys.path:  # run as a script: the repository root is not on the path
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
@@ -37,16 +37,16 @@ from benchmarks.gpu_pass_stages import MACHINE, RESULTS, TARGET_S_PER_STEP, appe
 # The project (engine, harness, diffusers) is imported only by the measurements that need it, so the
 # machine record and quanto's build still happen where an import of the project fails.
 harness: Any = None
-gpu_report: Any = None
+sections: Any = None  # benchmarks/report_sections.py: gpu_report.py's sections, measured here
 LIGHT = ("machine", "quanto_build")
 
 
 def load_project() -> None:
-    global harness, gpu_report
-    import harness as harness_module
-    from benchmarks import gpu_report as report_module
+    global harness, sections
+    from benchmarks import harness as harness_module
+    from benchmarks import report_sections as sections_module
 
-    harness, gpu_report = harness_module, report_module
+    harness, sections = harness_module, sections_module
 
 
 TARGET_S = TARGET_S_PER_STEP  # s/step, stated for an H100
@@ -68,6 +68,7 @@ class Ctx:
     resolution: int
     steps: int
     t0: float
+    report_args: str = ""  # the report stage's gpu_report.py options
 
     def emit(self, kind: str, **fields: Any) -> None:
         append_record(self.out / RESULTS, {"kind": kind, "stage": self.name, "t": round(time.time() - self.t0, 1),
@@ -79,10 +80,10 @@ class Ctx:
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
-    def report_run(self, section: str, families: List[str]) -> gpu_report.Run:
-        """A ``gpu_report.Run`` for reusing one of its sections at this process's size."""
+    def report_run(self, section: str, families: List[str]) -> sections.Run:
+        """A report ``Run`` for one of its sections at this process's size."""
         argv = ["--sections", section, "--families", *families] + (["--dry-run"] if self.dry_run else [])
-        return gpu_report.Run(self.device, self.scale, self.resolution, self.steps, families, self.dry_run,
+        return sections.Run(self.device, self.scale, self.resolution, self.steps, families, self.dry_run,
                               12, None, argv)
 
 
@@ -207,7 +208,7 @@ def step(ctx: Ctx, family: str, compile: str = "auto", attention: str = "auto", 
                  load_peak_gib=rig.load_peak_gib, compiled=rig.compiled, attention=rig.attention.name,
                  attention_reason=rig.attention.reason)
         report = harness.run_steps(rig, ctx.steps, ctx.resolution)
-        targeted = family in gpu_report.TARGET_FAMILIES and compile == "auto" and checkpointing and not extra
+        targeted = family in sections.TARGET_FAMILIES and compile == "auto" and checkpointing and not extra
         emit_step(ctx, rig, report, family, variant=variant or ("today" if targeted else ""), compile=compile,
                   target_s=TARGET_S if targeted else None, settings=overrides)
 
@@ -218,7 +219,7 @@ def emit_step(ctx: Ctx, rig: harness.Rig, report: harness.StepReport, family: st
     (the profile's summary: the breakdown and the top kernels), each written as it comes."""
     seconds = report.median_step_s
     timing = harness.step_anatomy(rig, report).fields()  # host ms, MFU, HFU: no profile needed
-    ctx.emit("step", family=family, title=gpu_report.FAMILY_NAMES[family], variant=variant,
+    ctx.emit("step", family=family, title=sections.FAMILY_NAMES[family], variant=variant,
              checkpointing=rig.cfg.gradient_checkpointing, compiled=rig.compiled,
              compile_mode=rig.cfg.compile_mode, first_step_s=round(report.step_times[0], 2),
              step_times=[round(t, 4) for t in report.step_times], host_times=[round(t, 4) for t in report.host_times],
@@ -229,9 +230,9 @@ def emit_step(ctx: Ctx, rig: harness.Rig, report: harness.StepReport, family: st
              **{k: v for k, v in timing.items() if k not in ("gpu_busy_ms", "gpu_busy_of_step", "bound")}, **fields)
     profile = harness.profile_step(rig, ctx.resolution, warmup=False)  # after the timed steps: warm already
     anatomy = harness.step_anatomy(rig, report, profile)
-    ctx.emit("anatomy", family=family, title=gpu_report.FAMILY_NAMES[family], variant=variant,
+    ctx.emit("anatomy", family=family, title=sections.FAMILY_NAMES[family], variant=variant,
              device=ctx.device_name, **anatomy.fields())
-    ctx.emit("profile", family=family, title=gpu_report.FAMILY_NAMES[family], variant=variant,
+    ctx.emit("profile", family=family, title=sections.FAMILY_NAMES[family], variant=variant,
              s_per_step=round(seconds, 4), **profile.summary())
 
 
@@ -287,13 +288,13 @@ def memory(ctx: Ctx, profile: str, steps: int) -> None:
 
 def attention(ctx: Ctx) -> None:
     """Each SDPA kernel forced alone on Qwen-Image's and FLUX.1-dev's attention at 1024^2."""
-    for family in gpu_report.one_per_transformer(["qwen_image", "flux"]):
+    for family in sections.one_per_transformer(["qwen_image", "flux"]):
         rep = harness.compare_attention_backends(family, ctx.device, torch.bfloat16, ctx.resolution, scale=ctx.scale)
-        ctx.emit("attention", family=family, title=gpu_report.FAMILY_NAMES[family], shape=list(rep.shape),
+        ctx.emit("attention", family=family, title=sections.FAMILY_NAMES[family], shape=list(rep.shape),
                  auto=rep.auto, fastest=rep.fastest, auto_is_fastest=rep.auto_is_fastest(), device=ctx.device_name,
                  results=[{"name": r.name, "ms": r.ms, "out_error": r.out_error, "grad_error": r.grad_error,
                            "correct": r.correct(rep.tolerance), "failure": r.failure} for r in rep.results])
-        gpu_report.free_memory()
+        sections.free_memory()
 
 
 def startup(ctx: Ctx) -> None:
@@ -307,16 +308,33 @@ def startup(ctx: Ctx) -> None:
         model = build_tiny_pipeline("qwen_image", Path(tmp) / "model", seed=0)
         data = make_sample_dataset(Path(tmp) / "data", size=64, count=6)
         for cache in ("first run", "cache on disk"):
-            wall, summary = gpu_report.tiny_train_run([sys.executable], Path(tmp), model, data, precision)
+            wall, summary = sections.tiny_train_run([sys.executable], Path(tmp), model, data, precision)
             phases = summary.get("wall_seconds", {})
             ctx.emit("startup", launcher="python", cache=cache, wall_s=round(wall, 1), device=ctx.device_name,
                      first_step_s=summary.get("first_step_s"),
-                     phases={k: phases.get(k) for k in gpu_report.STARTUP_PHASES})
+                     phases={k: phases.get(k) for k in sections.STARTUP_PHASES})
 
 
-def report_section(ctx: Ctx, section: str, build: Callable[[gpu_report.Run], str]) -> None:
-    """One of gpu_report's sections, as the markdown it writes."""
+def report_section(ctx: Ctx, section: str, build: Callable[[Any], str]) -> None:
+    """One of the report's sections, as the markdown it writes."""
     ctx.emit("markdown", section=section, device=ctx.device_name, text=build(ctx.report_run(section, ["qwen_image"])))
+
+
+def report(ctx: Ctx) -> None:
+    """The sections ``benchmarks/gpu_report.py`` asked for (its options: ``--report-args``), one markdown
+    record each, in the report's order, each the moment it is written."""
+    argv = shlex.split(ctx.report_args)
+    args = sections.parse_args(argv)
+    if args.dry_run != ctx.dry_run:
+        raise SystemExit(f"report: --report-args {ctx.report_args!r} and the pass disagree on --dry-run")
+    run = sections.make_run(args, argv)
+    sections.quiet_logs()
+    for name in sections.SECTIONS:
+        if name in args.sections:
+            start = time.perf_counter()
+            text = sections.BUILDERS[name](run)
+            ctx.emit("markdown", section=name, device=ctx.device_name, text=text,
+                     seconds=round(time.perf_counter() - start, 1))
 
 
 MEASUREMENTS: Dict[str, Callable[[Ctx], None]] = {
@@ -342,8 +360,9 @@ MEASUREMENTS: Dict[str, Callable[[Ctx], None]] = {
     "qwen_eager": lambda ctx: step(ctx, "qwen_image", "off"),
     "edit_step": lambda ctx: step(ctx, "qwen_image_edit", "auto"),
     "startup": startup,
-    "loading": lambda ctx: report_section(ctx, "loading", gpu_report.loading_section),
-    "fp8": lambda ctx: report_section(ctx, "fp8", gpu_report.fp8_section),
+    "loading": lambda ctx: report_section(ctx, "loading", sections.loading_section),
+    "fp8": lambda ctx: report_section(ctx, "fp8", sections.fp8_section),
+    "report": report,
 }
 
 
@@ -353,9 +372,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--status", type=Path, help="quanto_build: the status file to write")
+    parser.add_argument("--report-args", default="", help="report: benchmarks/gpu_report.py's options (one string)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = context(args.name, args.out, args.dry_run)
+    ctx.report_args = args.report_args
     try:
         if args.name == "quanto_build":
             quanto_build(ctx, args.status)

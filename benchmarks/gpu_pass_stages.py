@@ -35,6 +35,7 @@ class Stage:
     dry_cap_s: float
     kind: str = "measure"  # measure (gpu_pass_measure.py NAME) | tests | int8 | repro (flux_compile_repro.py)
     needs_quanto: bool = False
+    on_demand: bool = False  # run only when named (--stages): not part of the whole pass
 
 
 # Estimates from what an H100 showed at f24b9c6 (../shared/gpu-runs) and the 16-core machine:
@@ -91,6 +92,10 @@ STAGES: Sequence[Stage] = (
     Stage("startup", 5, "start-up of a tiny train.py run", 45, 90, 30, 120),
     Stage("loading", 5, "load time per loader (12 full-width Qwen-Image blocks)", 75, 120, 20, 120),
     Stage("fp8", 5, "torchao float8 vs bf16, both compiled", 110, 150, 15, 60),
+    # benchmarks/gpu_report.py's sections (its --report-args choose them), one markdown record each; every family
+    # with three step variants at full size takes most of an hour, so only named, never in the whole pass.
+    Stage("report", 6, "gpu_report.py's sections (machine, steps, memory, attention, fp8, loading, startup)",
+          1800, 4 * 3600, 120, 1800, on_demand=True),
 )
 STAGE_NAMES = [s.name for s in STAGES]
 # Named selections of stages (--preset): issue 45's pass, the measurements that explain the step and its levers.

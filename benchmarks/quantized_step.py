@@ -19,7 +19,7 @@ so far, and one JSON line per row is appended to ``FILE.jsonl`` and printed):
   ``--resolution``; eager, and compiled too on CUDA (with ``--compile on``: compiled only). Each row also
   has its relative error against fp32 for the output and the input gradient (the check that the device's
   kernel returns right numbers) and the kernel the layer ran; *x bf16* divides by the bf16 row.
-* **model**: ``--steps`` LoRA steps of each family's transformer (random weights, ``tests/gpu/harness.py``:
+* **model**: ``--steps`` LoRA steps of each family's transformer (random weights, ``benchmarks/harness.py``:
   full size on a GPU, the tiny architecture on the CPU) set up by the engine's own
   ``prepare_transformer`` with each weight format, bf16 autocast, gradient checkpointing as the
   low-memory profiles run it; s/step is the median after two warm-up steps. Peak memory: on CUDA
@@ -52,16 +52,15 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "tests" / "gpu"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+if str(ROOT) not in sys.path:  # run as a script: the repository root is not on the path
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import harness  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from trainer.model.block_swap import inner_tensors  # noqa: E402
 from trainer.families import SPECS  # noqa: E402
-from benchmarks.gpu_report import quiet_logs  # noqa: E402
+from benchmarks.report_sections import quiet_logs  # noqa: E402
 import trainer.model.quantized_linear as ql  # noqa: E402
 from trainer.model.quantization import QuantizationChoice, quantize_module  # noqa: E402
 from utils.memory_monitor import get_memory_stats, reset_peak_memory_stats  # noqa: E402

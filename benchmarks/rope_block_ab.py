@@ -6,7 +6,7 @@ gradients against diffusers' eager block, and the complex-dtype values in the co
     python benchmarks/rope_block_ab.py --family qwen_image                      # CPU smoke (not a claim)
     python benchmarks/rope_block_ab.py --family qwen_image --backend inductor   # minutes on a CPU
 
-For the GPU pass: build the transformer and a batch as it does (``tests/gpu/harness.py``), then
+For the GPU pass: build the transformer and a batch as it does (``benchmarks/harness.py``), then
 ``block_ab(transformer, family.real_rope, lambda: family.predict(transformer, ...))`` (CUDA events on a GPU).
 Eagerly both processors run the same complex product (``real_rope.rotate``), so the A/B is of compiled blocks.
 """
@@ -26,9 +26,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "tests" / "gpu"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+if str(ROOT) not in sys.path:  # run as a script: the repository root is not on the path
+    sys.path.insert(0, str(ROOT))
 
 from trainer.families.real_rope import RealRope, install, is_installed, real_tables, restore  # noqa: E402
 
@@ -249,7 +248,7 @@ def _elapsed_ms(start: Any, device: torch.device) -> float:
 def smoke_batch(family: Any, transformer: torch.nn.Module) -> Tuple[torch.Tensor, Dict[str, Any], List[torch.Tensor]]:
     """Random 8x8 latents (the VAE's channels), a random 12-token text condition of the family's shapes (the GPU
     harness's), and one reference of the same size where the family needs references (Edit)."""
-    import harness
+    from benchmarks import harness
 
     gen = torch.Generator().manual_seed(0)
     channels = int(family.vae_config.get("z_dim") or family.vae_config["latent_channels"])

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
-from trainer.families.qwen_image.model import QwenImageFamily  # noqa: E402
+from trainer.families.qwen_image.family import QwenImageFamily  # noqa: E402
 from trainer.model.adapters import adapter_parameters, lora_metadata, lora_state_dict  # noqa: E402
 from trainer.run_folder.checkpoint import save_lora_file  # noqa: E402
 from trainer import pipeline_stages as ps  # noqa: E402

@@ -48,7 +48,7 @@ def named_paths() -> Set[str]:
 
 
 def runtime_classes() -> Dict[str, type]:
-    return {name: getattr(importlib.import_module(f"trainer.families.{name}.model"), s.runtime)
+    return {name: getattr(importlib.import_module(f"trainer.families.{name}.family"), s.runtime)
             for name, s in SPECS.items()}
 
 
@@ -64,6 +64,17 @@ def test_every_file_the_guide_names_exists() -> None:
         if "<" in real or not (ROOT / real).exists():
             missing.append(path)
     assert not missing, f"docs/ADDING_A_FAMILY.md names files that are not there: {missing}"
+
+
+def test_each_step_names_a_file_every_family_has() -> None:
+    """The file a step's heading names (``spec.py``, ``family.py``, ``tiny.py``) is in every family's package, and
+    no family keeps a runtime under the old name ``model.py`` ("model" is the trainable transformer's name)."""
+    headings = re.findall(r"^## \d+\. `(\w+\.py)`", TEXT, re.M)
+    assert headings[:3] == ["spec.py", "family.py", "tiny.py"], headings
+    missing = [f"{name}/{file}" for name in SPECS for file in headings
+               if not (ROOT / "trainer" / "families" / name / file).is_file()]
+    assert not missing, f"docs/ADDING_A_FAMILY.md names files these families do not have: {missing}"
+    assert not list((ROOT / "trainer" / "families").glob("*/model.py"))
 
 
 def test_the_guide_points_nowhere_outside_the_repository() -> None:

@@ -14,7 +14,7 @@ from diffusers import FluxPipeline
 
 from conftest import lora_keys_match, train_in_process
 from trainer.engine import Trainer
-from trainer.families.flux.model import FluxFamily
+from trainer.families.flux.family import FluxFamily
 
 pytestmark = pytest.mark.e2e
 QUICKSTART = "train_configs/quickstart_flux_tiny.yaml"

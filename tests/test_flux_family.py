@@ -15,7 +15,7 @@ from diffusers import FluxPipeline
 
 from conftest import family_pipeline
 from trainer.config import TrainConfig
-from trainer.families.flux.model import FluxFamily, _image_ids
+from trainer.families.flux.family import FluxFamily, _image_ids
 from trainer.step.flow_matching import apply_shift
 
 PROMPT = "a red circle on a yellow background"

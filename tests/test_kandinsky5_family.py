@@ -13,7 +13,7 @@ from diffusers import Kandinsky5T2IPipeline
 from conftest import family_pipeline
 from trainer.config import TrainConfig
 from trainer.families import SPECS
-from trainer.families.kandinsky5.model import Kandinsky5Family
+from trainer.families.kandinsky5.family import Kandinsky5Family
 from trainer.step.flow_matching import apply_shift
 from trainer.families.kandinsky5.tiny import KANDINSKY5_TEMPLATE
 

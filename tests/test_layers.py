@@ -153,7 +153,7 @@ TRAINER_FLOORS = (
     "precision", "signals",  # what applies to the whole process, read from the environment
     "config",  # the typed config: its schema checks values against the facts
     "quantization",  # frozen weights in fewer bits: the families quantize text encoders with it
-    "families",  # the families' runtimes (base.py, each <name>/model.py): they load, encode, predict
+    "families",  # the families' runtimes (base.py, each <name>/family.py): they load, encode, predict
     "platform",  # attention, compile, fp8: decisions about the device, per family
     "step",  # one optimizer step
     "data",  # the engine's side of data: the mix, the feature cache
@@ -169,7 +169,8 @@ TRAINER_FLOORS = (
     "judge", "engine",
     "cli", "launch",
 )
-FAMILY_FACTS = ("spec", "components", "model_index", "comfyui_names")  # modules of trainer/families/ on the facts floor, besides
+# modules of trainer/families/ on the facts floor, besides
+FAMILY_FACTS = ("spec", "components", "model_index", "comfyui_names", "old_paths")
 # every package's __init__ (the registry, trainer.families, and each family's, which its spec imports)
 
 
@@ -263,7 +264,7 @@ def test_the_floor_checks_can_fail() -> None:
     arrows = room_imports({"trainer.config.schema": {"trainer.step.optim": 26},
                            "trainer.step.optim": {"trainer.config": 24},
                            "trainer.families.wan.spec": {"trainer.families.base": 3},
-                           "trainer.families.wan.model": {"trainer.families.wan.spec": 9}})
+                           "trainer.families.wan.family": {"trainer.families.wan.spec": 9}})
     assert mutual_pairs(arrows) == [("config", "step"), ("facts", "families")]  # a spec is facts, its model is not
     assert back_up(arrows) == ["trainer/config/schema.py:26 imports trainer.step.optim (config -> step)",
                                "trainer/families/wan/spec.py:3 imports trainer.families.base (facts -> families)"]
@@ -290,7 +291,8 @@ def test_old_import_paths_are_their_new_modules() -> None:
 
 def test_file_names_say_one_thing_across_trainer() -> None:
     """A file name names one kind of thing: two files of trainer/ share a name only as the same part of two
-    families (``families/<name>/spec.py``, ``model.py``, ``tiny.py``, ``attention.py``) or as an old import path."""
+    families (``families/<name>/spec.py``, ``family.py``, ``tiny.py``, ``attention.py``) or as an old import path.
+    "model" names the trainable transformer (``trainer/model/``) only: a family's runtime is its ``family.py``."""
     files = [path.relative_to(ROOT).as_posix() for path in (ROOT / "trainer").rglob("*.py")
              if path.name not in ("__init__.py", "__main__.py")]
     by_name: Dict[str, List[str]] = {}
@@ -300,8 +302,39 @@ def test_file_names_say_one_thing_across_trainer() -> None:
     one_family_part = re.compile(r"trainer/families/[a-z0-9_]+/[a-z0-9_]+\.py")
     shared = {base: names for base, names in by_name.items()
               if len(names) > 1 and not all(one_family_part.fullmatch(n) for n in names)}
-    assert "model.py" in by_name and len(by_name["model.py"]) >= 8, "the walk must see the families' files"
+    assert "family.py" in by_name and len(by_name["family.py"]) >= 8, "the walk must see the families' files"
     assert not shared, f"file names shared by different things in trainer/: {shared}"
+    assert not runtimes_named_model(files), f"a family's runtime is its family.py: {runtimes_named_model(files)}"
+
+
+def runtimes_named_model(files: List[str]) -> List[str]:
+    """The files of trainer/families/ named model.py or model/ (the name is the trainable transformer's)."""
+    return [name for name in files if re.fullmatch(r"trainer/families/.*\bmodel(\.py|/.*)", name)]
+
+
+def test_the_model_name_check_can_fail() -> None:
+    """A family's model.py coming back is found; trainer/model/ and the families' family.py are not."""
+    assert runtimes_named_model(["trainer/families/flux/model.py", "trainer/families/flux/family.py",
+                                 "trainer/model/adapters.py", "trainer/families/model_index.py"]) == \
+        ["trainer/families/flux/model.py"]
+
+
+def test_old_family_runtime_paths_are_their_new_modules() -> None:
+    """``trainer.families.<name>.model`` (each family's runtime before it became ``family.py``) is the same module
+    object as ``<name>.family`` for every family of the registry, in import, attribute and from-import forms."""
+    script = ("import importlib\nfrom trainer.families import SPECS\nimport trainer.families.qwen_image.model as m\n"
+              "from trainer.families.krea2.model import Krea2Family\n"
+              "assert m is importlib.import_module('trainer.families.qwen_image.family')\n"
+              "assert Krea2Family is importlib.import_module('trainer.families.krea2.family').Krea2Family\n"
+              "for name, spec in SPECS.items():\n"
+              "    new = importlib.import_module(f'trainer.families.{name}.family')\n"
+              "    assert importlib.import_module(f'trainer.families.{name}.model') is new, name\n"
+              "    assert new.__spec__.name == new.__name__ == f'trainer.families.{name}.family', new.__spec__\n"
+              "    assert getattr(new, spec.runtime).__module__ == new.__name__, name\n"
+              "print(len(SPECS))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) >= 9
 
 
 MAX_LINES = 500

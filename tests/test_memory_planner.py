@@ -729,7 +729,7 @@ def test_host_estimate_matches_the_measured_tiny_cpu_run(tiny_qwen_image: Path, 
     # The process baseline depends on the environment (library builds, allocator): measure it here,
     # the same way the constant was measured, and check the planner's model-dependent part on top.
     # The probe imports what the run imports (the family's runtime, peft), not only the engine.
-    probe = subprocess.run([sys.executable, "-c", "import re, trainer.engine, trainer.families.qwen_image.model, peft; "
+    probe = subprocess.run([sys.executable, "-c", "import re, trainer.engine, trainer.families.qwen_image.family, peft; "
                             "print(re.search(r'VmRSS:\\s+(\\d+)', "
                             "open('/proc/self/status').read()).group(1))"], cwd=ROOT, capture_output=True, text=True,
                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})

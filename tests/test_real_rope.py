@@ -357,7 +357,7 @@ def test_every_complex_rope_family_has_real_rope() -> None:
 
     with_real_rope, complex_processors = set(), set()
     for spec in SPECS.values():
-        cls = getattr(importlib.import_module(f"trainer.families.{spec.name}.model"), spec.runtime)
+        cls = getattr(importlib.import_module(f"trainer.families.{spec.name}.family"), spec.runtime)
         if cls.real_rope is not None:
             with_real_rope.add(spec.name)
         if "view_as_complex" in inspect.getsource(inspect.getmodule(cls.transformer_class)):

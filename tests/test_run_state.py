@@ -144,6 +144,28 @@ def test_each_key_of_trainer_state_has_one_declared_owner(tmp_path: Path, clash:
     assert not (tmp_path / "checkpoint-1").exists() and not list(tmp_path.glob(".checkpoint-*"))
 
 
+def test_the_judge_reads_a_checkpoints_weights_through_the_weights_part(tmp_path: Path) -> None:
+    """The judge's reader is a Checkpointer holding the run's weights part: it loads the weights file of the
+    folder it is given into its model, nothing else; a folder pruned meanwhile is skipped, said, not an error."""
+    from trainer.judge import checkpoint_reader, load_checkpoint
+
+    loaded: List[Any] = []
+
+    class Weights:  # the run's weights (model/adapters.py) as the part sees them
+        def load(self, model: Any, folder: Path) -> None:
+            loaded.append((model, json.loads((folder / "weights.json").read_text())))
+
+    model = object()
+    reader = checkpoint_reader(Weights(), model)
+    assert [part.name for part in reader.parts] == ["weights"] and reader.resume_point is None
+    for step in (2, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "weights.json").write_text(json.dumps({"step": step}))
+    assert load_checkpoint(reader, tmp_path / "checkpoint-4") and loaded == [(model, {"step": 4})]
+    assert not load_checkpoint(reader, tmp_path / "checkpoint-6")  # removed by the run (checkpoints_total_limit)
+    assert loaded == [(model, {"step": 4})]
+
+
 def test_a_part_registered_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="registered twice: \\['position'\\]"):
         Checkpointer(lambda: None).attach(FakeAccelerator(), [position_part(RunState(), 1)] * 2)

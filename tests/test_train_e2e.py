@@ -54,7 +54,7 @@ def test_overfit_one_image_lowers_the_loss(tiny_qwen_image: Path, sample_data: P
 
 def test_encoders_run_once_then_never_during_training(tiny_qwen_image: Path, sample_data: Path,
                                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer.families.qwen_image.model import QwenImageFamily
+    from trainer.families.qwen_image.family import QwenImageFamily
 
     calls = {"text": [], "image": 0}
     real_prompts, real_images = QwenImageFamily.encode_prompts, QwenImageFamily.encode_images

@@ -13,7 +13,7 @@ from diffusers import ZImagePipeline
 from conftest import family_pipeline
 from trainer.config import TrainConfig
 from trainer.families.base import pad_sequences
-from trainer.families.z_image.model import ZImageFamily
+from trainer.families.z_image.family import ZImageFamily
 from trainer.step.flow_matching import add_noise, apply_shift, velocity_target
 
 PROMPT = "a red circle on a yellow background"

@@ -1,5 +1,5 @@
 """How a run is put together from its config: the one place, shared by the engine, the judge
-(``trainer/judge.py``), the GPU harness (``tests/gpu/harness.py``) and the benchmarks that use it.
+(``trainer/judge.py``), the GPU harness (``benchmarks/harness.py``) and the benchmarks that use it.
 
     accelerator (``build_accelerator``) -> dtypes (``compute_dtype``, ``master_dtype``, ``autocast_for``)
     -> data (``assemble_data``: samples, held-out split, cache pass, live encoders, loader)

@@ -27,7 +27,8 @@ from trainer import distributed, signals, stage_training
 from trainer.assembly import (RunData, RunEnv, RunModel, assemble_data, attention_tokens, autocast_for,
                               build_accelerator, build_model, build_optimization, compute_dtype, wrap_for_training)
 from trainer.model.adapters import final_weights_name
-from trainer.step.async_step import StepRecord, arm_device_skip, step_values
+from trainer.step import optimizer_step
+from trainer.step.async_step import StepRecord, step_values
 from trainer.config import TrainConfig
 from trainer.evaluation.held_out import STATE_KEY as EVAL_STATE
 from utils.errors import ProcessLost, TrainingDiverged, TrainingInterrupted, from_loader_worker
@@ -183,7 +184,7 @@ class Trainer:
         ``trainer/run_folder/checkpointer.py``). New state is one more part here."""
         cfg, state = self.cfg, self.state
         weights = stage_training.stage_state_part(self.model, self.is_main) if self.stages is not None else \
-            parts.StatePart("weights", write=self._write_weights, read=self._read_weights)
+            parts.weights_part(self.weights, self._model_to_read, write=self._write_weights)
         return [weights,
                 parts.ema_part(self.ema, self.is_main),
                 parts.optimizer_settings_part(self.lr_scheduler, cfg),
@@ -200,9 +201,10 @@ class Trainer:
         if self.is_main:
             self.weights.save(model, folder, trained)
 
-    def _read_weights(self, folder: Path) -> None:
-        if not distributed.sharded(self.accelerator):  # FSDP / DeepSpeed: accelerate has restored it
-            self.weights.load(self.accelerator.unwrap_model(self.transformer), folder)
+    def _model_to_read(self) -> Optional[torch.nn.Module]:
+        if distributed.sharded(self.accelerator):  # FSDP / DeepSpeed: accelerate has restored it
+            return None
+        return self.accelerator.unwrap_model(self.transformer)
 
     # -- loop -------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -304,18 +306,17 @@ class Trainer:
     def _backward(self, loss: torch.Tensor) -> None:
         """accelerate's backward, which divides the loss by the accumulation steps first: with one
         step and a plain step (no scaler, DeepSpeed or FSDP) that division is all it adds."""
-        if self.plain_step and self.cfg.gradient_accumulation_steps == 1:
-            loss.backward()
-        else:
-            self.accelerator.backward(loss)
+        direct = self.plain_step and self.cfg.gradient_accumulation_steps == 1
+        optimizer_step.backward(loss, None if direct else self.accelerator)
 
     def _clip_gradients(self) -> Optional[torch.Tensor]:
-        """Clip at ``max_grad_norm``; the norm stays on the device (read with the loss)."""
-        if not self.accelerator.sync_gradients or self.cfg.max_grad_norm <= 0:
+        """Clip at ``max_grad_norm`` (``trainer/step/optimizer_step.py``, the harness's too)."""
+        if not self.accelerator.sync_gradients:
             return None
         if self.plain_step:
-            return torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
-        return distributed.host_norm(self.accelerator.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+            return optimizer_step.clip_gradients(self.params, self.cfg.max_grad_norm)
+        norm = optimizer_step.clip_gradients(self.params, self.cfg.max_grad_norm, self.accelerator.clip_grad_norm_)
+        return None if norm is None else distributed.host_norm(norm)
 
     def _all_finite(self, loss: torch.Tensor) -> bool:
         return bool(torch.isfinite(self.accelerator.gather(loss.detach())).all())
@@ -333,26 +334,19 @@ class Trainer:
         values = step_values(loss, grad_norm)
         known = dict(step=self.state.step + 1, epoch=self.state.epoch, lr=step_size(self.raw_optimizer))
         self.dataset_losses.end_step(known["step"])
-        if self.skip_on_device:
-            arm_device_skip(self.raw_optimizer, values)
-            self._optimizer_step(ok=True)
-            return self.readout.push(values, **known)
-        records = self.readout.push(values, **known)
-        self._optimizer_step(ok=records[-1].finite)
-        return records
+        records: List[StepRecord] = []
 
-    def _optimizer_step(self, ok: bool) -> None:
+        def read_finite() -> bool:  # the host reads the step's numbers before it steps
+            records.extend(self.readout.push(values, **known))
+            return records[-1].finite
+
         # Called on optimizer-step micro-batches only, so accelerate's wrappers would step as torch's
         # do (its scheduler steps once per process: once here, after a per-step state lookup).
-        optimizer = self.raw_optimizer if self.plain_step else self.optimizer
         single = self.plain_step and self._data_shards() == 1
         scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler) if single else self.lr_scheduler
-        if ok:
-            optimizer.step()
-            scheduler.step()
-            if self.ema is not None:
-                self.ema.step(self.params)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step.guarded_step(self.raw_optimizer if self.plain_step else self.optimizer, scheduler, values,
+                                    self.skip_on_device, read_finite, self.ema, self.params)
+        return records or self.readout.push(values, **known)  # on the device: read after queueing the step
 
     def _account(self, records: List[StepRecord], progress: tqdm) -> None:
         """Log steps whose numbers have reached the host; stop after too many non-finite ones in a row."""

@@ -163,10 +163,11 @@ def evaluate_checkpoints(run_dir: Path, holdout: Path, steps: Sequence[int]) -> 
     dataset = cached_dataset(cfg, features.reader(), samples)
     evaluator = Evaluator(cfg, family, features, dataset, 0, samples, default_levels(cfg, family, training))
     model = build_model(cfg, family, device, dtype)  # as the run built it: adapters, placement, block swap
+    checkpoints = checkpoint_reader(model.weights, model.transformer)
     autocast = autocast_for(accelerator)
     results = {}
     for step in steps:
-        if not load_checkpoint(model.weights, model.transformer, run_dir / f"checkpoint-{step}"):
+        if not load_checkpoint(checkpoints, run_dir / f"checkpoint-{step}"):
             continue
         result = evaluator.evaluate(model.transformer, dtype, autocast, after_forward=model.ready.swapper.release_all)
         results[step] = {k: v for k, v in result.fields().items() if k != "eval_seconds"}
@@ -174,11 +175,21 @@ def evaluate_checkpoints(run_dir: Path, holdout: Path, steps: Sequence[int]) -> 
     return results
 
 
-def load_checkpoint(weights: Any, model: Any, folder: Path) -> bool:
-    """Load ``folder``'s trained weights into ``model``; False (said) when the run pruned it meanwhile
-    (checkpoints_total_limit: a run in progress deletes old ones while the judge loads the model)."""
+def checkpoint_reader(weights: Any, model: Any) -> Any:
+    """A ``Checkpointer`` with the run's weights part (as the engine registers it) reading into ``model``."""
+    from trainer.run_folder.checkpointer import Checkpointer, weights_part
+
+    reader = Checkpointer(lambda: None)  # resumes nothing: it reads checkpoints' weights
+    reader.attach(None, [weights_part(weights, lambda: model)])
+    return reader
+
+
+def load_checkpoint(checkpoints: Any, folder: Path) -> bool:
+    """Load ``folder``'s trained weights through ``checkpoints`` (``checkpoint_reader``); False (said) when the
+    run pruned it meanwhile (checkpoints_total_limit: a run in progress deletes old ones while the judge loads
+    the model)."""
     try:
-        weights.load(model, folder)
+        checkpoints.read_files(folder)
     except OSError as exc:
         if folder.is_dir():
             raise UserError(f"{folder}: cannot read its weights ({exc})") from None

@@ -47,8 +47,9 @@ def family_stages(family_class: type) -> Any:
     try:
         return importlib.import_module(f"{package}.stage_parts").STAGES
     except ModuleNotFoundError:
+        folder = package.replace(".", "/")
         raise ValueError(f"pipeline_stages: family {getattr(family_class.spec, 'name', family_class.__name__)} "
-                         f"cannot be split into stages yet ({package}/stage_parts.py does not exist; covered: "
+                         f"cannot be split into stages yet ({folder}/stage_parts.py does not exist; covered: "
                          "qwen_image)") from None
 
 

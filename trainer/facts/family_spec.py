@@ -1,7 +1,7 @@
 """What is known about a model family without loading it: the fields of the light half of a family package.
 
 Each family package (``trainer/families/<name>/``) holds a ``spec.py`` with one ``FamilySpec`` (built from the
-parts defined here) and a ``model.py`` with the runtime class (which imports diffusers). Everything that needs a
+parts defined here) and a ``family.py`` with the runtime class (which imports diffusers). Everything that needs a
 family fact without running the model reads the spec through ``trainer.families.SPECS``: the config checks, the
 memory planner, the dataset checker, inference, the platform's fp8 choice, the GPU harness and the
 tiny-model builders. This module imports neither torch nor diffusers: it is on ``trainer/``'s ground floor
@@ -164,7 +164,7 @@ class FamilySpec:
     entry_script: str  # the script that trains it ("train.py", "train_flux_lora.py", ...)
     lora_presets: Mapping[str, TargetSpec]  # lora_target -> peft target_modules (see ``lora_presets()``)
     blocks: Tuple[BlockGroup, ...]  # the repeated blocks, in execution order
-    runtime: str  # the ModelFamily class in the package's model.py, imported only when a run needs it
+    runtime: str  # the ModelFamily class in the package's family.py, imported only when a run needs it
     # hub id -> {file in that repository: its JSON}: configs of the published checkpoints, for planning
     # without a download (files found locally or in the HF cache win), and the source of ``pipelines`` and
     # ``transformer``. The first is the family's reference checkpoint; "_shards" gives the transformer's

@@ -1,4 +1,4 @@
-"""The model families: one package each (``<name>/spec.py`` facts, ``<name>/model.py`` runtime,
+"""The model families: one package each (``<name>/spec.py`` facts, ``<name>/family.py`` runtime,
 ``<name>/tiny.py`` its tiny test model: the spec's published configs with shrink overrides).
 
 ``SPECS`` is the one registry. It imports only the light spec modules, so config checks, the memory
@@ -16,6 +16,7 @@ from trainer.families.flux2.spec import SPEC as FLUX2
 from trainer.families.kandinsky5.spec import SPEC as KANDINSKY5
 from trainer.families.krea2.spec import SPEC as KREA2
 from trainer.families.model_index import read_model_index
+from trainer.families.old_paths import install as install_old_runtime_paths
 from trainer.families.qwen_image.spec import SPEC as QWEN_IMAGE
 from trainer.families.qwen_image_edit.spec import SPEC as QWEN_IMAGE_EDIT
 from trainer.families.qwen_image21.spec import SPEC as QWEN_IMAGE21
@@ -25,6 +26,7 @@ from trainer.families.z_image.spec import SPEC as Z_IMAGE
 
 SPECS: Dict[str, FamilySpec] = {spec.name: spec for spec in (QWEN_IMAGE, QWEN_IMAGE_EDIT, FLUX, FLUX2, KANDINSKY5,
                                                               Z_IMAGE, KREA2, QWEN_IMAGE21, WAN)}
+install_old_runtime_paths(SPECS)  # trainer.families.<name>.model, the runtime's old path, is <name>.family
 
 
 def family_spec(name: str) -> FamilySpec:

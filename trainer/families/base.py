@@ -281,10 +281,10 @@ class ShiftScaleLatents:
 
 def load_family(cfg: Any) -> ModelFamily:
     """The runtime family named by ``cfg.family``, for the checkpoint ``cfg.pretrained_model_name_or_path``: the
-    class its spec names in the package's model.py, imported now (it imports diffusers)."""
+    class its spec names in the package's family.py, imported now (it imports diffusers)."""
     check_pipeline(cfg.family, cfg.pretrained_model_name_or_path, cfg.revision)
     spec = family_spec(cfg.family)
-    return getattr(importlib.import_module(f"trainer.families.{spec.name}.model"), spec.runtime)(cfg)
+    return getattr(importlib.import_module(f"trainer.families.{spec.name}.family"), spec.runtime)(cfg)
 
 
 def resolve_model_path(name_or_path: str) -> str:

@@ -31,7 +31,9 @@ A resume reads ``trainer_state.json`` once: ``choose_checkpoint`` (the explicit 
 the newest whose files match their manifest, an older one when the newest is damaged) keeps what it
 read in a ``ResumePoint``; ``Checkpointer.refuse_incompatible`` checks it before anything loads, and
 ``Checkpointer.restore`` loads the files and hands each part its slice. A new kind of state is one more
-part in the engine's list; ``tests/test_run_state.py`` checks the round trip and the single read.
+part in the engine's list; ``tests/test_run_state.py`` checks the round trip and the single read. The judge
+(``trainer/judge.py``) reads each checkpoint's weights through a ``Checkpointer`` holding the same weights part
+(``weights_part``, ``read_files``), not by a reader of its own.
 """
 
 from __future__ import annotations
@@ -97,14 +99,16 @@ class Checkpointer:
         return names[:at] + list(ACCELERATE_PARTS) + names[at:]
 
     def attach(self, accelerator: Any, parts: Iterable[Optional[StatePart]]) -> None:
-        """The run's parts (None: a part this run does not have, e.g. no EMA), in restore order."""
+        """The run's parts (None: a part this run does not have, e.g. no EMA), in restore order.
+        ``accelerator`` None: a reader of checkpoints (the judge), which loads the parts' files only."""
         self.accelerator = accelerator
         self.parts = [part for part in parts if part is not None]
         names = [part.name for part in self.parts]
         if len(set(names)) < len(names):
             raise ValueError(f"state parts registered twice: {sorted({n for n in names if names.count(n) > 1})}")
-        accelerator.register_save_state_pre_hook(self._write_files)
-        accelerator.register_load_state_pre_hook(self._read_files)
+        if accelerator is not None:
+            accelerator.register_save_state_pre_hook(self._write_files)
+            accelerator.register_load_state_pre_hook(self._read_files)
 
     # -- save ---------------------------------------------------------------------------------------
     def record(self) -> Dict[str, Any]:
@@ -156,10 +160,15 @@ class Checkpointer:
 
     def _read_files(self, models: List[Any], input_dir: str) -> None:
         """accelerate's load hook: the parts read their files instead of accelerate's model file."""
+        self.read_files(Path(input_dir))
+        models.clear()
+
+    def read_files(self, folder: Path) -> None:
+        """The parts' own files of checkpoint ``folder`` (the weights, the EMA), without accelerate's state
+        or ``trainer_state.json``: what a reader of a checkpoint (the judge) loads."""
         for part in self.parts:
             if part.read is not None:
-                part.read(Path(input_dir))
-        models.clear()
+                part.read(folder)
 
 
 # -- choosing the checkpoint to resume from ---------------------------------------------------------
@@ -199,6 +208,18 @@ def explicit_checkpoint(path: Path) -> ResumePoint:
 
 
 # -- the parts whose state lives in trainer_state.json ----------------------------------------------
+def weights_part(weights: Any, model: Callable[[], Any], write: Optional[Callable[[Path], None]] = None) -> StatePart:
+    """What trains (the LoRA file, or the full transformer), read by ``weights`` (``model/adapters.py``) into
+    ``model()``; ``model()`` None: accelerate restored it itself (FSDP, DeepSpeed). ``write``: the run's save."""
+
+    def read(folder: Path) -> None:
+        target = model()
+        if target is not None:
+            weights.load(target, folder)
+
+    return StatePart("weights", write=write, read=read)
+
+
 def position_part(state: Any, accumulation: int) -> StatePart:
     """The loop position and smoothed loss (``position.RunState``); ``accumulation`` reads a checkpoint
     that counted optimizer steps."""

@@ -1,1 +1,1 @@
-"""FLUX.1-dev: ``spec.py`` (facts, light) and ``model.py`` (the runtime family, imports diffusers)."""
+"""FLUX.1-dev: ``spec.py`` (facts, light) and ``family.py`` (the runtime family, imports diffusers)."""

@@ -1,1 +1,1 @@
-"""Kandinsky 5 image: ``spec.py`` (facts, light) and ``model.py`` (the runtime family, imports diffusers)."""
+"""Kandinsky 5 image: ``spec.py`` (facts, light) and ``family.py`` (the runtime family, imports diffusers)."""

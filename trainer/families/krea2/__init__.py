@@ -1,1 +1,1 @@
-"""Krea 2 (Raw and Turbo): see spec.py for its facts, model.py for the runtime."""
+"""Krea 2 (Raw and Turbo): see spec.py for its facts, family.py for the runtime."""

@@ -1,1 +1,1 @@
-"""Qwen-Image: ``spec.py`` (facts, light) and ``model.py`` (the runtime family, imports diffusers)."""
+"""Qwen-Image: ``spec.py`` (facts, light) and ``family.py`` (the runtime family, imports diffusers)."""

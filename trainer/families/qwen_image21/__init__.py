@@ -1,1 +1,1 @@
-"""Qwen-Image-2.1: see spec.py for its facts, model.py for the runtime."""
+"""Qwen-Image-2.1: see spec.py for its facts, family.py for the runtime."""

@@ -1,1 +1,1 @@
-"""Z-Image: ``spec.py`` (facts, light) and ``model.py`` (the runtime family, imports diffusers)."""
+"""Z-Image: ``spec.py`` (facts, light) and ``family.py`` (the runtime family, imports diffusers)."""

@@ -35,7 +35,7 @@ from utils.device_copy import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, RealRope, Tensors, from_pretrained
 from trainer.facts.family_spec import vae_scale_factor
-from trainer.families.qwen_image.model import QwenImageFamily
+from trainer.families.qwen_image.family import QwenImageFamily
 from trainer.families.qwen_image21.attention import QWEN_IMAGE21_ROPE
 from trainer.families.qwen_image21.spec import REFERENCE_AREA, SPEC
 from utils.errors import ConfigError

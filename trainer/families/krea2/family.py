@@ -30,7 +30,7 @@ from utils.device_copy import to_device
 from trainer.config import TrainConfig
 from trainer.families.base import FamilyBase, FamilySpec, Tensors, from_pretrained
 from trainer.families.krea2.spec import DISTILLED_MU, PUBLISHED_TEXT_TAPS, SHIFT_DEFAULTS, SPEC
-from trainer.families.qwen_image.model import QwenImageFamily
+from trainer.families.qwen_image.family import QwenImageFamily
 from utils.errors import ConfigError
 
 

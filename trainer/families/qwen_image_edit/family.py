@@ -22,7 +22,7 @@ from PIL import Image
 from trainer.config import TrainConfig
 from utils.errors import ConfigError
 from trainer.families.base import FamilySpec, Tensors, from_pretrained
-from trainer.families.qwen_image.model import QwenImageFamily
+from trainer.families.qwen_image.family import QwenImageFamily
 from trainer.families.qwen_image_edit.spec import SPEC
 from utils.qwen_processor import load_qwen_vl_processor
 
