@@ -178,8 +178,8 @@ class FakeAccelerator:
 
 
 def test_a_launch_the_stages_cannot_train_is_refused_in_one_line(tmp_path: Path) -> None:
-    from trainer.families.flux.model import FluxFamily
-    from trainer.families.qwen_image.model import QwenImageFamily
+    from trainer.families.flux.family import FluxFamily
+    from trainer.families.qwen_image.family import QwenImageFamily
     from trainer.stage_training import check_launch
 
     cfg = load_config(str(ROOT / "train_configs" / "quickstart_tiny.yaml"),
@@ -203,7 +203,7 @@ def test_the_stage_blocks_are_checkpointed_as_the_engine_asks(tiny_qwen_image: P
     from diffusers import QwenImageTransformer2DModel
 
     from trainer import pipeline_stages as ps
-    from trainer.families.qwen_image.model import QwenImageFamily
+    from trainer.families.qwen_image.family import QwenImageFamily
 
     hooks = ps.family_stages(QwenImageFamily)
     model, blocks = ps.build_stage_model(QwenImageTransformer2DModel, tiny_qwen_image / "transformer", hooks, 0, 1)
