@@ -17,6 +17,10 @@ from loguru import logger
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# The suite is offline, in this process too (as run_entry's subprocesses are): a hub id that is not cached fails at
+# once instead of after the network's retries and timeouts (48 s for one caption.py mistake on a machine without
+# network). Read by huggingface_hub when imported, so set before the imports below. HF_HUB_OFFLINE=0 overrides it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from image_datasets.sample_data import make_edit_dataset, make_sample_dataset  # noqa: E402
 from utils.tiny_models import FAMILIES as TINY_BUILDERS, build_tiny_pipeline  # noqa: E402

@@ -134,6 +134,23 @@ def test_overrides_apply_with_types(data_dir: Path) -> None:
     assert cfg.lora_target_modules == ["to_q", "to_k"]
 
 
+def test_loads_share_one_schema_config_and_never_change_it(data_dir: Path) -> None:
+    """The schema config built once per dataclass (``merged_with_schema``) is merged *into*, never changed: after
+    loads that override nested keys and lists, and after a mistake, it equals a fresh ``OmegaConf.structured``,
+    and the next load sees the defaults again."""
+    from trainer.config.loading import _structured_once
+
+    fresh = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
+    load_config(None, base(data_dir) + ["rank=4", "data_config.img_size=512", "lora_target_modules=[to_q]",
+                                        "validation.prompts=[a cat]"])
+    with pytest.raises(ConfigError):
+        load_config(None, base(data_dir) + ["rank=zero"])
+    assert OmegaConf.to_container(_structured_once(TrainConfig)) == fresh
+    cfg = load_config(None, base(data_dir))
+    assert (cfg.rank, cfg.data_config.img_size, cfg.lora_target_modules) == \
+        (TrainConfig.rank, fresh["data_config"]["img_size"], fresh["lora_target_modules"])
+
+
 def test_unknown_key_names_it_and_the_closest(data_dir: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, base(data_dir) + ["learning_rat=1e-4", "data_config.img_siz=512"])

@@ -43,7 +43,7 @@ def test_train_4090_quantized_lora_reloads_unquantized(tiny_qwen_image: Path, sa
                                                        tmp_path: Path) -> None:
     out = tmp_path / "q"
     result = run_entry("train_4090.py", QUICKSTART, base_args(tiny_qwen_image, sample_data, out) + [
-        "max_train_steps=6", "learning_rate=5e-3"])
+        "max_train_steps=6", "learning_rate=5e-3"], launcher=False)  # the launcher: tests/test_family_e2e.py
     assert result.returncode == 0, result.stderr[-3000:]
     assert "quantized to qfloat8 with quanto" in result.stderr, "the 24 GB policy quantizes by default"
     assert "block inputs in host memory" in result.stderr, "and offloads the checkpointed inputs"

@@ -110,7 +110,7 @@ def test_both_experts_train_and_each_file_loads_into_its_own_expert(tiny_wan22_a
         f"pretrained_model_name_or_path={tiny_wan22_a14b}", "data_config.img_dir=''",
         f"data_config.video_dir={sample_videos}", f"output_dir={out}", "max_train_steps=4", "checkpointing_steps=4",
         "report_to=none", "data_config.train_batch_size=2", "timestep_sampling=uniform", "learning_rate=1e-2",
-        "lr_warmup_steps=0"])
+        "lr_warmup_steps=0"], launcher=False)  # the launcher: tests/test_family_e2e.py
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 4 and all(np.isfinite(losses))

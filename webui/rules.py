@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from trainer.config import TrainConfig
 from trainer.config.interpolation import interpolations, no_resolvers, strings
+from trainer.config.loading import merged_with_schema
 from utils.errors import ConfigError
 
 SHOWN_CHARS = 60  # of a refused value, so that a huge one is not sent back
@@ -87,8 +88,8 @@ def resolved(text: str, overrides: Sequence[str], *keys: str) -> Dict[str, Optio
     when neither gives the key, or when the config does not parse or resolve (the CLI's check names that)."""
     try:
         with no_resolvers():
-            merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.create(text or "{}"),
-                                     OmegaConf.from_dotlist(list(overrides)))  # a reference may name a default
+            merged = merged_with_schema(TrainConfig, OmegaConf.create(text or "{}"),
+                                        OmegaConf.from_dotlist(list(overrides)))  # a reference may name a default
             data = OmegaConf.to_container(merged, resolve=True)
     except Exception:  # not YAML, not a mapping, or a reference to nothing
         data = {}

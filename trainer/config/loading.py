@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import os
 import re
 from pathlib import Path
@@ -153,8 +154,21 @@ def _finish(cfg: TrainConfig, default_family: Optional[str]) -> None:
         cfg.mixed_precision = "no"
 
 
+def merged_with_schema(schema: type, *configs: Any) -> DictConfig:
+    """``OmegaConf.merge(OmegaConf.structured(schema), *configs)``, from a schema config built once per
+    dataclass: building ``TrainConfig``'s takes ~20 ms of CPU, and a load builds it several times (one per
+    type-error round; the web page checks every request with one). ``OmegaConf.merge`` copies its first
+    argument, so the shared one is never changed."""
+    return OmegaConf.merge(_structured_once(schema), *configs)
+
+
+@functools.lru_cache(maxsize=None)
+def _structured_once(schema: type) -> DictConfig:
+    return OmegaConf.structured(schema)
+
+
 def _typed_config(raw: Dict[str, Any]) -> TrainConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), raw))  # type: ignore[return-value]
+    return OmegaConf.to_object(merged_with_schema(TrainConfig, raw))  # type: ignore[return-value]
 
 
 def _dropping_type_errors(build: Callable[[Dict[str, Any]], T], raw: Dict[str, Any],
@@ -232,7 +246,7 @@ def flymyai_compat(raw: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
     raw = copy.deepcopy(raw)
     given = {key: raw.pop(key) for key in FLYMYAI_KEYS if key in raw}
     old: FlyMyAIKeys = OmegaConf.to_object(  # type: ignore[assignment]
-        OmegaConf.merge(OmegaConf.structured(FlyMyAIKeys), given))
+        merged_with_schema(FlyMyAIKeys, given))
     problems: List[str] = []
     data = raw.get("data_config") if isinstance(raw.get("data_config"), dict) else {}
     batch = data.get("train_batch_size", DataConfig.train_batch_size)
@@ -408,7 +422,7 @@ def _typed_items(raw: Dict[str, Any], problems: List[Problem]) -> Dict[str, Any]
 
 def _typed(schema: type, values: Dict[str, Any]) -> Any:
     """``values`` as an instance of the dataclass ``schema`` (OmegaConf's type conversion and checks)."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+    return OmegaConf.to_object(merged_with_schema(schema, values))
 
 
 def _name_datasets(entries: List[DatasetEntry]) -> None:
