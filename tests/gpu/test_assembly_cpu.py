@@ -95,6 +95,14 @@ def test_the_harness_step_and_the_engines_give_the_same_weights(optimizer: str, 
     with harness.rig_session("qwen_image", CPU, torch.float32, model_dir=tiny_qwen_image, overrides=overrides,
                              resolution=64) as rig, engine_trainer(cfg) as trainer:
         model = trainer.accelerator.unwrap_model(trainer.transformer)
+        # LoRA B starts at zero, so A's first gradients are nearly rank-deficient and Muon's orthogonalisation
+        # blows their float rounding (two equal computations on two model instances) up to 1e-4: start from a
+        # non-zero B, as a LoRA is a few steps in.
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(7)
+            for name, param in rig.transformer.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
         start = trainable(rig.transformer)
         # the same start: the harness's weights are random (its base and LoRA), the engine's model takes them all
         missing, unexpected = model.load_state_dict(rig.transformer.state_dict(), strict=False)
@@ -118,5 +126,8 @@ def test_the_harness_step_and_the_engines_give_the_same_weights(optimizer: str, 
         assert min(norms) > max_norm, "every step clipped"
         moved = max(float((harnessed[n] - start[n]).abs().max()) for n in start)
         diff = max(float((harnessed[n] - engine[n]).abs().max()) for n in start)
-        assert moved > 1e-4 and diff <= 1e-6 * max(1.0, moved), (moved, diff)
+        # torch's Muon orthogonalises in bfloat16: a rounding-level difference between the two forwards (two model
+        # instances) can flip a bf16 rounding, so its steps agree to bf16's precision (2^-7 of the move), AdamW's to 1e-6.
+        tolerance = 1e-6 * max(1.0, moved) if optimizer == "adamw" else 2 ** -7 * moved
+        assert moved > 1e-4 and diff <= tolerance, (moved, diff)
         assert rig.lr_scheduler.get_last_lr() == trainer.lr_scheduler.get_last_lr() != [0.0] * len(norms[:1])
