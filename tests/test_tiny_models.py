@@ -16,6 +16,7 @@ from diffusers import (
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
+    WanImageToVideoPipeline,
     WanPipeline,
     ZImagePipeline,
 )
@@ -47,6 +48,8 @@ PIPELINES = {
     "wan": WanPipeline,
     "wan22_ti2v": WanPipeline,
     "wan22_a14b": WanPipeline,  # two experts: transformer and transformer_2
+    "wan22_i2v_a14b": WanImageToVideoPipeline,  # two experts taking the first frame
+    "wan21_i2v": WanImageToVideoPipeline,  # with a tiny CLIP image encoder
 }
 QWEN_FAMILIES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
 SPEC_OF_TINY = {"qwen_image_edit_plus": "qwen_image_edit"}  # a tiny model of another checkpoint of a family

@@ -320,6 +320,7 @@ class TrainConfig:
     # the expert it trains; set on a checkpoint of one transformer: refused.
     train_expert: Optional[str] = one_of(None, ("both", "high_noise", "low_noise"),
                                          "both (unset), or only the high-noise or the low-noise expert")
+    task: Optional[str] = one_of(None, ("t2v", "i2v"), "Wan: i2v, the first frame conditions the clip (docs/WAN.md)")
 
     # Data and caching
     data_config: DataConfig = field(default_factory=DataConfig)

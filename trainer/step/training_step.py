@@ -72,4 +72,5 @@ def flow_matching_step(
     noisy = add_noise(latents, noise, sigmas).to(compute_dtype)
     with autocast():
         prediction = family.predict(transformer, noisy, sigmas, text, references)
-    return flow_matching_loss(prediction, velocity_target(latents, noise), sigmas, cfg.loss_weighting)
+    return flow_matching_loss(prediction, velocity_target(latents, noise), sigmas, cfg.loss_weighting,
+                              family.loss_mask(latents, references))
