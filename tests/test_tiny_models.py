@@ -85,7 +85,7 @@ def render(family: str, pipe, height: int = 64, width: int = 64) -> np.ndarray:
     kwargs["generator"] = torch.Generator().manual_seed(0)
     if family == "flux":
         kwargs.update(guidance_scale=3.5, max_sequence_length=32)
-    if "edit" in family:
+    if "edit" in family or PIPELINES[family] is WanImageToVideoPipeline:  # a reference; image-to-video: first frame
         kwargs["image"] = reference_image()
     if family.startswith("wan"):  # a video pipeline: a 5-frame clip, its first frame checked
         kwargs["num_frames"] = 5
