@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Dict, List
 
 import numpy as np
@@ -228,3 +229,40 @@ def test_wan21_i2v_feeds_the_pipelines_condition_and_image_embeds(tiny_wan21_i2v
         torch.testing.assert_close(embeds[:1].float(), pipe.encode_image(image, CPU), atol=1e-5, rtol=1e-5)
     assert kinds == {True, False}, "clips and stills both reached the step"
     _assert_loads_in_the_i2v_pipeline(tiny_wan21_i2v, tmp_path / "run", {HIGH_NOISE_FILE: "transformer"})
+
+
+def test_ti2v_i2v_trains_with_the_first_frame_cached_under_its_own_key(tiny_wan22_ti2v: Path, sample_data: Path,
+                                                                      sample_videos: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """TI2V-5B with ``task: i2v`` in the engine: each clip's batch carries its first frame's latents (the clip's
+    own first latent frame: the VAE is causal), a still carries none (it trains text-to-video); the latents'
+    cache key of an i2v run differs from a t2v run's (never read across), and a t2v run's keys are unchanged."""
+    seen = _record_references(monkeypatch)
+    trainer = train_in_process(QUICKSTART, "wan", f"pretrained_model_name_or_path={tiny_wan22_ti2v}", "task=i2v",
+                               f"data_config.img_dir={sample_data}", f"data_config.video_dir={sample_videos}",
+                               f"output_dir={tmp_path / 'run'}", "max_train_steps=4", "report_to=none")
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 4 and all(np.isfinite(losses))
+    family, kinds = trainer.family, set()
+    family.load_vae(CPU, torch.float32)
+    for record in seen:
+        sample = trainer.samples[record["index"][0]]
+        kinds.add(sample.frames > 0)
+        if not sample.frames:
+            assert record["references"] == [], "a still trains text-to-video"
+            continue
+        (condition,) = record["references"]
+        clip = read_clip(sample.image_path, sample.frames, sample.size, sample.frame_positions)[None]
+        assert condition.shape[2] == 1
+        torch.testing.assert_close(condition[:1].float(), family.encode_images(clip)[:, :, :1], atol=1e-5, rtol=1e-5)
+    assert kinds == {True, False}, "clips and stills both reached the step"
+
+    sample, keys, stores = next(s for s in trainer.samples if s.frames), {}, {}
+    for task in ("i2v", "t2v"):
+        stores[task] = FeatureStore(trainer.cfg, _family(tiny_wan22_ti2v, task=task), [sample],
+                                    SimpleNamespace(device=CPU), torch.float32, keep_encoders=False)
+        keys[task] = stores[task].image_key(sample.image_path, sample.size, sample.frames, sample.frame_positions)
+    assert keys["i2v"] != keys["t2v"]
+    # The tag is all that differs: a text-to-video clip keeps the key it had before (caches on disk stay valid).
+    stores["i2v"].family.conditions_on_first_frame = False
+    assert stores["i2v"].image_key(sample.image_path, sample.size, sample.frames, sample.frame_positions) == keys["t2v"]
