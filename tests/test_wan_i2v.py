@@ -266,3 +266,23 @@ def test_ti2v_i2v_trains_with_the_first_frame_cached_under_its_own_key(tiny_wan2
     # The tag is all that differs: a text-to-video clip keeps the key it had before (caches on disk stay valid).
     stores["i2v"].family.conditions_on_first_frame = False
     assert stores["i2v"].image_key(sample.image_path, sample.size, sample.frames, sample.frame_positions) == keys["t2v"]
+
+
+def test_an_i2v_run_renders_only_from_one_first_frame(tiny_wan22_i2v_a14b: Path, sample_data: Path,
+                                                      tmp_path: Path) -> None:
+    """Validation on, no first frame (or two): refused in one line naming the key; off: nothing to check."""
+    from trainer.config.schema import ValidationConfig
+    from trainer.evaluation.validation import ValidationRenderer
+
+    image = str(sorted(sample_data.glob("*.png"))[0])
+    family = _family(tiny_wan22_i2v_a14b)
+    for images in ([], [image, image]):
+        cfg = TrainConfig(family="wan", pretrained_model_name_or_path=str(tiny_wan22_i2v_a14b),
+                          validation=ValidationConfig(every_n_steps=2, prompts=["x"], reference_images=images))
+        with pytest.raises(ConfigError, match=f"key 'validation.reference_images': .* not {len(images)}$"):
+            ValidationRenderer(cfg, family, tmp_path, [])
+    for validation in (ValidationConfig(every_n_steps=0, prompts=["x"]),
+                       ValidationConfig(every_n_steps=2, prompts=["x"], reference_images=[image])):
+        cfg = TrainConfig(family="wan", pretrained_model_name_or_path=str(tiny_wan22_i2v_a14b), validation=validation)
+        assert ValidationRenderer(cfg, family, tmp_path, []).renders[0].references == \
+            ((Path(image),) if validation.reference_images else ())
