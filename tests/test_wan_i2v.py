@@ -286,3 +286,19 @@ def test_an_i2v_run_renders_only_from_one_first_frame(tiny_wan22_i2v_a14b: Path,
         cfg = TrainConfig(family="wan", pretrained_model_name_or_path=str(tiny_wan22_i2v_a14b), validation=validation)
         assert ValidationRenderer(cfg, family, tmp_path, []).renders[0].references == \
             ((Path(image),) if validation.reference_images else ())
+
+
+def test_the_condition_encoded_live_trains_as_the_cached_one(tiny_wan21_i2v: Path, sample_data: Path,
+                                                             sample_videos: Path, tmp_path: Path) -> None:
+    """``precompute_image_embeddings: false`` encodes the first-frame condition (and CLIP embeddings) with each batch:
+    the same losses as the cached run, step by step."""
+    losses = {}
+    for cached in ("true", "false"):
+        out = tmp_path / f"cached-{cached}"
+        train_in_process(QUICKSTART, "wan", f"pretrained_model_name_or_path={tiny_wan21_i2v}",
+                         f"data_config.img_dir={sample_data}", f"data_config.video_dir={sample_videos}",
+                         f"output_dir={out}", "max_train_steps=3", "report_to=none", "learning_rate=1e-2",
+                         "lr_warmup_steps=0", f"precompute_image_embeddings={cached}")
+        losses[cached] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["true"]) == 3 and len(set(losses["true"])) > 1
+    np.testing.assert_allclose(losses["false"], losses["true"], rtol=1e-4)
