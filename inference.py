@@ -33,7 +33,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--family", choices=list(SPECS), help="default: from the model's model_index.json")
     p.add_argument("--image", action="append", type=Path, default=[],
                    help="reference image for Qwen-Image-Edit or Qwen-Image-2.1 (repeat for Edit-2509/2511 and "
-                        "2.1, up to 3)")
+                        "2.1, up to 3), or the first frame of an image-to-video model's clip (Wan I2V)")
     p.add_argument("--lora", help="LoRA file (pytorch_lora_weights.safetensors) or its folder")
     p.add_argument("--lora-scale", type=float, default=1.0)
     p.add_argument("--base-out", type=Path, default=None,
@@ -157,6 +157,10 @@ def reference_images(pipe, paths: List[Path]):
     name = type(pipe).__name__
     spec = spec_for_pipeline(name)
     facts = spec.references.get(name) if spec is not None else None
+    if facts is None and _needs_an_image(pipe):  # image-to-video (WanImageToVideoPipeline): the first frame
+        if len(paths) != 1:
+            raise SystemExit(f"error: {name} takes one --image (the clip's first frame), got {len(paths)}")
+        return Image.open(paths[0]).convert("RGB")
     if facts is None:
         if paths:
             users = ", ".join(s.title for s in SPECS.values() if s.uses_references)
@@ -169,6 +173,12 @@ def reference_images(pipe, paths: List[Path]):
         return None
     images = [Image.open(p).convert("RGB") for p in paths]
     return images if limit > 1 else images[0]
+
+
+def _needs_an_image(pipe) -> bool:
+    """Whether the pipeline's ``__call__`` requires an ``image`` (an image-to-video pipeline's first frame)."""
+    image = inspect.signature(pipe.__call__).parameters.get("image")
+    return image is not None and image.default is inspect.Parameter.empty
 
 
 def main(argv: Optional[List[str]] = None) -> int:

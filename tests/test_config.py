@@ -466,7 +466,7 @@ def test_every_fixed_set_of_values_is_in_field_metadata() -> None:
         "family", "training_mode", "report_to", "lr_scheduler", "optimizer", "mixed_precision", "timestep_sampling",
         "timestep_shift", "loss_weighting", "adapter_type", "lora_init", "lora_target", "lora_export_formats",
         "attention_backend", "compile_mode", "data_config.bucket_mode", "data_config.clip_mode", "quantization.backend",
-        "quantization.weights", "train_expert"}
+        "quantization.weights", "train_expert", "task"}
     assert dict((key, f.metadata["choices"]) for key, _, f in choice_fields())["adapter_type"] == ("lora", "lokr", "loha")
 
 

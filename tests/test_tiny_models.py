@@ -16,6 +16,7 @@ from diffusers import (
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
+    WanImageToVideoPipeline,
     WanPipeline,
     ZImagePipeline,
 )
@@ -47,6 +48,8 @@ PIPELINES = {
     "wan": WanPipeline,
     "wan22_ti2v": WanPipeline,
     "wan22_a14b": WanPipeline,  # two experts: transformer and transformer_2
+    "wan22_i2v_a14b": WanImageToVideoPipeline,  # two experts taking the first frame
+    "wan21_i2v": WanImageToVideoPipeline,  # with a tiny CLIP image encoder
 }
 QWEN_FAMILIES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
 SPEC_OF_TINY = {"qwen_image_edit_plus": "qwen_image_edit"}  # a tiny model of another checkpoint of a family
@@ -82,7 +85,7 @@ def render(family: str, pipe, height: int = 64, width: int = 64) -> np.ndarray:
     kwargs["generator"] = torch.Generator().manual_seed(0)
     if family == "flux":
         kwargs.update(guidance_scale=3.5, max_sequence_length=32)
-    if "edit" in family:
+    if "edit" in family or PIPELINES[family] is WanImageToVideoPipeline:  # a reference; image-to-video: first frame
         kwargs["image"] = reference_image()
     if family.startswith("wan"):  # a video pipeline: a 5-frame clip, its first frame checked
         kwargs["num_frames"] = 5

@@ -316,10 +316,10 @@ class TrainConfig:
     trainable_modules: Optional[List[str]] = None  # full mode: regexes of parameter names to train
     max_shard_size: str = "5GB"  # full mode: shard size of saved transformer weights
     fused_backward: bool = False  # full mode: step each weight in backward and free its gradient
-    # A two-expert checkpoint (Wan 2.2 A14B): which expert trains. Unset: both, each step's drawn timestep picking
-    # the expert it trains; set on a checkpoint of one transformer: refused.
+    # Wan 2.2 A14B's experts: which trains (unset: both, each step's timestep picks one; one-transformer: refused)
     train_expert: Optional[str] = one_of(None, ("both", "high_noise", "low_noise"),
                                          "both (unset), or only the high-noise or the low-noise expert")
+    task: Optional[str] = one_of(None, ("t2v", "i2v"), "Wan: i2v, the first frame conditions the clip (docs/WAN.md)")
 
     # Data and caching
     data_config: DataConfig = field(default_factory=DataConfig)

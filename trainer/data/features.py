@@ -32,6 +32,7 @@ TextRequest = Tuple[str, Tuple[Path, ...]]  # a caption and the reference images
 # an image or clip file, the (width, height) it is encoded at, a clip's frames (0: a still image) and their
 # positions in the file (empty: its first frames)
 ImageRequest = Tuple[Path, Tuple[int, int], int, Tuple[int, ...]]
+CONDITION = "condition."  # an image-to-video entry's first-frame condition slots: condition.0, condition.1, ...
 
 
 def latent_shape(family: ModelFamily, size: Tuple[int, int], batch: int = 1, frames: int = 0) -> Tuple[int, ...]:
@@ -74,8 +75,11 @@ class FeatureReader:
     def __call__(self, index: int) -> Dict[str, Any]:
         keys, item = self.keys[index], {}
         if keys.latents is not None:
-            item["latents"] = self.latents.get(keys.latents)["latents"]
-            item["references"] = [self.latents.get(key)["latents"] for key in keys.references]
+            entry = self.latents.get(keys.latents)
+            item["latents"] = entry["latents"]
+            # Reference images' latents, then the clip's own first-frame condition (image-to-video), slot by slot.
+            item["references"] = [self.latents.get(key)["latents"] for key in keys.references] + \
+                [entry[name] for name in sorted(name for name in entry if name.startswith(CONDITION))]
         if keys.text is not None:
             item["text"] = self.text.get(keys.text)
             if keys.text_drop is not None:
@@ -114,7 +118,9 @@ class FeatureStore:
         """Latents depend on the file's bytes and the size it is encoded at; a clip's on its frames too, and on
         their positions in the file where they are not its first ones (an image's key is the one it always had)."""
         clip = ("frames", frames) + (("at", positions) if positions else ()) if frames else ()
-        return self._key("latents", self._file_hash(path), size, *clip)
+        # Image-to-video entries also hold the first frame's condition (the keys of other runs stay as they were).
+        condition = ("first_frame_condition",) if self.family.conditions_on_first_frame else ()
+        return self._key("latents", self._file_hash(path), size, *clip, *condition)
 
     def _key(self, kind: str, *content: object) -> str:
         f = self.family
@@ -203,7 +209,12 @@ class FeatureStore:
     def _encode_images(self, requests: Sequence[ImageRequest]) -> List[Tensors]:
         pixels = torch.stack([read_clip(path, frames, size, at) if frames else pixels_at(open_rgb(path), size)
                               for path, size, frames, at in requests])
-        return [{"latents": latents} for latents in self.family.encode_images(pixels)]
+        entries: List[Tensors] = [{"latents": latents} for latents in self.family.encode_images(pixels)]
+        if self.family.conditions_on_first_frame:  # from the same decoded frames: a clip is decoded once
+            for slot, condition in enumerate(self.family.encode_condition(pixels)):
+                for entry, tensor in zip(entries, condition):
+                    entry[f"{CONDITION}{slot}"] = tensor
+        return entries
 
     # -- reads ------------------------------------------------------------------------------------
     def reader(self) -> FeatureReader:
@@ -248,8 +259,12 @@ class FeatureStore:
 
     def batch_references(self, batch: Dict[str, Any]) -> List[torch.Tensor]:
         """One ``(B, C, h, w)`` tensor per reference slot (samples of a batch share their sizes)."""
-        slots = batch["references"] if "references" in batch else \
-            [self.family.encode_images(pixels) for pixels in batch.get("reference_pixels", [])]
+        if "references" in batch:
+            slots = batch["references"]
+        else:  # live: reference images, then the first-frame condition of image-to-video
+            slots = [self.family.encode_images(pixels) for pixels in batch.get("reference_pixels", [])]
+            if self.family.conditions_on_first_frame:
+                slots += self.family.encode_condition(batch["pixels"])
         return [to_device(slot, self.device, self.dtype) for slot in slots]
 
     def batch_text(self, batch: Dict[str, Any], captions: List[str], drop: List[bool]) -> Tensors:

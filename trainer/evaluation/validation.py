@@ -74,6 +74,10 @@ class ValidationRenderer:
                               "classifier-free guidance is 'validation.cfg_scale'")
         scale = p.cfg_scale if p.cfg_scale is not None else self.cfg_scale
         refs = tuple(Path(r) for r in p.reference_images) if p.reference_images is not None else self.references
+        if self.enabled and family.conditions_on_first_frame and len(refs) != 1:
+            where = key + "reference_images" if p.reference_images is not None else "validation.reference_images"
+            raise ConfigError(f"key '{where}': an image-to-video run renders each prompt from its first frame: give "
+                              f"one image, not {len(refs)}")
         return PromptRender(
             prompt=" ".join(p.prompt.replace(TRIGGER, trigger).split()).strip(" ,"),
             negative_prompt=p.negative_prompt if p.negative_prompt is not None else v.negative_prompt,
@@ -116,7 +120,10 @@ class ValidationRenderer:
                           generator=torch.Generator("cpu").manual_seed(r.seed))
             if r.references:
                 refs = [Image.open(p).convert("RGB") for p in r.references]
-                kwargs["image"] = refs if len(refs) > 1 or as_reference_family(self.family).max_references > 1 else refs[0]
+                # Edit-Plus takes a list; Edit one image, and so does image-to-video (the clip's first frame).
+                several = len(refs) > 1 or (self.family.uses_references
+                                            and as_reference_family(self.family).max_references > 1)
+                kwargs["image"] = refs if several else refs[0]
             if self.clip_frames:
                 kwargs["num_frames"] = self.clip_frames
             if hasattr(pipe, "resolutions"):  # Kandinsky 5 snaps any other size to its list: render as asked

@@ -34,6 +34,9 @@ class ModelFamily(Protocol):
     pipeline_class: type  # the diffusers pipeline that renders and loads LoRA files
     lora_presets: Mapping[str, TargetSpec]
     uses_references: bool  # Edit-style: reference images condition the prompt and the latents
+    # Image-to-video: each clip's first frame conditions it; the condition is cached with the clip's latents and
+    # reaches ``predict`` as the sample's references (``encode_condition``).
+    conditions_on_first_frame: bool
 
     model_path: str
     pixel_multiple: int  # image sides must be multiples of this
@@ -53,6 +56,13 @@ class ModelFamily(Protocol):
     def unload_vae(self) -> None: ...
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """``(B, 3, H, W)`` in [-1, 1] -> normalised latents ``(B, C, H/f, W/f)``."""
+
+    def encode_condition(self, pixels: torch.Tensor) -> List[torch.Tensor]:
+        """Image-to-video: the first-frame condition of ``pixels`` (clips or stills in [-1, 1], as for
+        ``encode_images``), one ``(B, ...)`` tensor per reference slot (the VAE loaded)."""
+    def loss_mask(self, latents: torch.Tensor, references: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+        """0/1 weights broadcastable to the latents where the loss must leave elements out (a condition's own
+        tokens), or None: every element counts."""
 
     def load_transformer(self, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
         """The transformer on ``device``: the CPU when the engine places it block by block
@@ -119,6 +129,7 @@ class FamilyBase:
     real_rope: ClassVar[Optional[RealRope]] = None
 
     max_references: int = 0
+    conditions_on_first_frame: bool = False  # image-to-video (a video family sets it per checkpoint and task)
     # The noise levels training draws from (sigma_min, sigma_max): all of them, unless the family trains a
     # transformer that the pipeline runs on part of the schedule only (an expert of a two-expert checkpoint).
     sigma_range: Tuple[float, float] = (0.0, 1.0)
@@ -242,6 +253,14 @@ class FamilyBase:
                  references: Sequence[torch.Tensor]) -> torch.Tensor:
         """The transformer's velocity prediction in the latents' ``(B, C, H, W)`` layout (each family's own)."""
         raise NotImplementedError
+
+    def encode_condition(self, pixels: torch.Tensor) -> List[torch.Tensor]:
+        """``ModelFamily.encode_condition``: none for a family without an image-to-video condition."""
+        return []
+
+    def loss_mask(self, latents: torch.Tensor, references: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``ModelFamily.loss_mask``: every element counts unless the family says otherwise."""
+        return None
 
     def render_kwargs(self, cond: Tensors, dtype: torch.dtype, device: torch.device) -> Dict[str, Any]:
         """The pipeline's keyword arguments for one cached condition (validation renders without encoders)."""

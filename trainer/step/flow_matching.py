@@ -8,7 +8,7 @@ given ``timestep = sigma`` (the pipelines pass ``t / 1000`` with ``t = 1000 * si
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
@@ -95,9 +95,19 @@ def velocity_target(latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def flow_matching_loss(
-    prediction: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor, weighting: str = "none"
+    prediction: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor, weighting: str = "none",
+    mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Weighted mean-squared error in fp32, averaged per sample then over the batch."""
+    """Weighted mean-squared error in fp32, averaged per sample then over the batch. ``mask`` (0/1, broadcastable
+    to the latents): only its ones count, each sample's mean taken over them (image-to-video's condition frame)."""
+    if mask is not None:
+        squared = (prediction.float() - target.float()) ** 2
+        kept = mask.to(squared.dtype).expand_as(squared)
+        per_sample = (squared * kept).flatten(1).sum(dim=1) / kept.flatten(1).sum(dim=1)
+        if weighting == "none":
+            return per_sample.mean()
+        weights = compute_loss_weighting_for_sd3(weighting, sigmas=sigmas.float()).view(-1)
+        return (weights.to(per_sample.device) * per_sample).mean()
     if weighting == "none":  # weights of one: the mean over all elements (samples are equal in size)
         return torch.nn.functional.mse_loss(prediction.float(), target.float())
     per_sample = ((prediction.float() - target.float()) ** 2).flatten(1).mean(dim=1)

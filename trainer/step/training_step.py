@@ -68,7 +68,7 @@ def flow_matching_step(
     noisy, sigmas, target = noisy_inputs(cfg, family, latents, gen, compute_dtype, noise, sigmas)
     with autocast():
         prediction = family.predict(transformer, noisy, sigmas, text, references)
-    return flow_matching_loss(prediction, target, sigmas, cfg.loss_weighting)
+    return flow_matching_loss(prediction, target, sigmas, cfg.loss_weighting, family.loss_mask(latents, references))
 
 
 def noisy_inputs(cfg: TrainConfig, family: ModelFamily, latents: torch.Tensor, gen: torch.Generator,

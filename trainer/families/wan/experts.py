@@ -77,6 +77,14 @@ class WanExperts(torch.nn.Module):
         return self.experts()[0].config  # the experts share one config (attention shapes read it)
 
     @property
+    def device(self) -> torch.device:
+        return self.experts()[0].device  # both on one device (validation renders read it, as of a transformer)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.experts()[0].dtype
+
+    @property
     def peft_config(self) -> Dict[str, Any]:
         return self.experts()[0].peft_config
 

@@ -7,15 +7,18 @@ one (Wan itself trains on images as one-frame clips)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-from transformers import AutoTokenizer, UMT5EncoderModel
+from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline,
+                       WanTransformer3DModel)
+from PIL import Image
+from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from trainer.families.base import FamilyBase, FamilySpec, Tensors
 from trainer.facts.family_spec import vae_scale_factor
 from trainer.families.wan.experts import WanExperts, boundary_of, experts_to_train, sigma_range
+from trainer.families.wan import image_condition as i2v
 from trainer.families.wan.spec import SPEC
 from utils.device_copy import to_device
 from utils.errors import ConfigError
@@ -24,6 +27,14 @@ from utils.errors import ConfigError
 class WanStillRenders(WanPipeline):
     """``WanPipeline`` for validation renders: the engine saves a render's first frame as its PNG, so it renders
     one frame (a still) unless asked for more, as PIL frames. (Clips saved as .mp4 are not written yet.)"""
+
+    def __call__(self, *args: Any, num_frames: int = 1, output_type: str = "pil", **kwargs: Any) -> Any:
+        return super().__call__(*args, num_frames=num_frames, output_type=output_type, **kwargs)
+
+
+class WanI2VRenders(WanImageToVideoPipeline):
+    """``WanImageToVideoPipeline`` for validation renders (an I2V run's prompts carry their first frame as
+    ``reference_images``): one frame unless asked for more, as PIL frames."""
 
     def __call__(self, *args: Any, num_frames: int = 1, output_type: str = "pil", **kwargs: Any) -> Any:
         return super().__call__(*args, num_frames=num_frames, output_type=output_type, **kwargs)
@@ -56,6 +67,23 @@ class WanFamily(FamilyBase):
         self.sigma_range = sigma_range(self.experts, self.boundary)
         if self.boundary is not None:
             refuse_for_experts(cfg)
+        # Image-to-video (image_condition.py): how the checkpoint takes the first frame, if the run uses it.
+        self.pipeline_class = self.pipeline_named_by_checkpoint(WanPipeline, WanImageToVideoPipeline)
+        self.transformer_config = self._load(WanTransformer3DModel.load_config, "transformer")
+        self.condition = i2v.condition_kind(getattr(cfg, "task", None), self.transformer_config,
+                                            int(self.vae_config["z_dim"]), self.expand_timesteps, self.model_path)
+        self.conditions_on_first_frame = self.condition is not None
+        self.image_encoder_pipe: Any = None  # Wan 2.1 I2V's CLIP vision tower, loaded with the VAE
+
+    @property
+    def expand_timesteps(self) -> bool:
+        """TI2V-5B's per-token timesteps (its model_index.json)."""
+        return bool(self.model_index.get("expand_timesteps", False))
+
+    @property
+    def takes_image_embeds(self) -> bool:
+        """Wan 2.1 I2V: the transformer also cross-attends to the first frame's CLIP embeddings."""
+        return self.transformer_config.get("image_dim") is not None
 
     # -- text -------------------------------------------------------------------------------------
     def load_text_encoder(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -98,8 +126,65 @@ class WanFamily(FamilyBase):
             both = len(transformer.experts()) == 2
             experts = dict(transformer=transformer.experts()[0], transformer_2=transformer.transformer_2 if both
                            else None, boundary_ratio=transformer.boundary if both else None)
+        if self.conditions_on_first_frame:
+            # The image encoder (Wan 2.1 I2V) is the cache pass's, loaded with the VAE.
+            clip = self.image_encoder_pipe
+            return WanI2VRenders(tokenizer=None, text_encoder=None, vae=self.vae, scheduler=scheduler,
+                                 image_encoder=clip.image_encoder if clip else None,
+                                 image_processor=clip.image_processor if clip else None,
+                                 expand_timesteps=self.expand_timesteps, **experts)
         return WanStillRenders(tokenizer=None, text_encoder=None, vae=self.vae, scheduler=scheduler,
-                               expand_timesteps=bool(self.model_index.get("expand_timesteps", False)), **experts)
+                               expand_timesteps=self.expand_timesteps, **experts)
+
+    # -- the first frame's condition (image-to-video) ---------------------------------------------
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> None:
+        """The VAE; for Wan 2.1 I2V also the image encoder and its processor (the condition is encoded with the
+        clip's latents, in the same cache pass)."""
+        super().load_vae(device, dtype)
+        if self.conditions_on_first_frame and self.takes_image_embeds:
+            encoder = self._load(CLIPVisionModel.from_pretrained, "image_encoder", dtype=dtype)
+            self.image_encoder_pipe = WanImageToVideoPipeline(
+                tokenizer=None, text_encoder=None, vae=None, scheduler=None,
+                image_processor=self._load(CLIPImageProcessor.from_pretrained, "image_processor"),
+                image_encoder=encoder.requires_grad_(False).eval().to(device))
+
+    def unload_vae(self) -> None:
+        self.image_encoder_pipe = None
+        super().unload_vae()
+
+    @torch.no_grad()
+    def encode_condition(self, pixels: torch.Tensor) -> List[torch.Tensor]:
+        """The clips' first-frame condition as the pipeline builds it, one ``(B, ...)`` tensor per slot: the
+        ``channels`` condition (mask and latents), then Wan 2.1 I2V's CLIP embeddings; TI2V's first frame's latents.
+        ``pixels``: ``(B, 3, F, H, W)`` clips or ``(B, 3, H, W)`` stills in [-1, 1]. Empty for a TI2V still (it trains
+        text-to-video: see image_condition.py)."""
+        clips = pixels.unsqueeze(2) if pixels.ndim == 4 else pixels
+        if self.condition == i2v.FIRST_FRAME:
+            return [] if clips.shape[2] == 1 else [i2v.first_frame_latents(self.encode_images, clips)]
+        slots = [i2v.channels_condition(self.encode_images, clips)]
+        if self.takes_image_embeds:
+            slots.append(self.encode_image_embeds(clips[:, :, 0]))
+        return slots
+
+    def encode_image_embeds(self, frames: torch.Tensor) -> torch.Tensor:
+        """``(B, 257, 1280)``: the pipeline's ``encode_image`` of each first frame (``(B, 3, H, W)`` in [-1, 1], as
+        the 8-bit image it was read from)."""
+        assert self.image_encoder_pipe is not None, "load_vae() first"
+        images = [Image.fromarray(f.add(1).mul(127.5).round().clamp(0, 255).byte().permute(1, 2, 0).cpu().numpy())
+                  for f in frames.float()]
+        return self.image_encoder_pipe.encode_image(images, device=self.image_encoder_pipe.image_encoder.device)
+
+    def refuse_references(self, references: Sequence[torch.Tensor]) -> None:
+        """An image-to-video run's references are its first-frame condition; otherwise there are none."""
+        if not self.conditions_on_first_frame:
+            super().refuse_references(references)
+
+    def loss_mask(self, latents: torch.Tensor, references: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+        """TI2V image-to-video: the first latent frame is the condition (timestep 0, its prediction unused), so the
+        loss leaves it out; None otherwise (every element counts)."""
+        if self.condition == i2v.FIRST_FRAME and len(references):
+            return i2v.loss_mask_without_first_frame(latents)
+        return None
 
     # -- latents ----------------------------------------------------------------------------------
     def _statistics(self, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -155,10 +240,21 @@ class WanFamily(FamilyBase):
 
     def velocity(self, transformer: torch.nn.Module, noisy_latents: torch.Tensor, sigmas: torch.Tensor, text: Tensors,
                  references: Sequence[torch.Tensor]) -> torch.Tensor:
-        # One timestep per sample. TI2V-5B's pipeline spreads it over every token (expand_timesteps): the same
-        # value everywhere for text-to-video, so the same prediction.
-        return transformer(hidden_states=noisy_latents, timestep=sigmas.to(noisy_latents.device) * 1000,
-                           encoder_hidden_states=text["prompt_embeds"], return_dict=False)[0]
+        """The transformer's input as the pipeline builds it. Text-to-video: one timestep per sample (TI2V-5B's
+        pipeline spreads it over every token: the same value everywhere, so the same prediction). Image-to-video:
+        ``references`` is the first-frame condition (``encode_condition``'s slots)."""
+        timestep = sigmas.to(noisy_latents.device) * 1000
+        extra: Dict[str, Any] = {}
+        hidden = noisy_latents
+        if references and self.condition == i2v.CHANNELS:
+            hidden = torch.cat([noisy_latents, references[0].to(noisy_latents.dtype)], dim=1)
+            if len(references) > 1:
+                extra["encoder_hidden_states_image"] = references[1]
+        elif references and self.condition == i2v.FIRST_FRAME:
+            hidden = i2v.replace_first_frame(noisy_latents, references[0])
+            timestep = i2v.token_timesteps(timestep, noisy_latents.shape)
+        return transformer(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text["prompt_embeds"],
+                           return_dict=False, **extra)[0]
 
 
 def refuse_for_experts(cfg: Any) -> None:

@@ -1,6 +1,7 @@
 """Wan's facts: pipeline, LoRA presets, its one list of blocks, the frames its VAE folds together (no diffusers
 import). Wan 2.1 T2V and Wan 2.2 TI2V-5B are one transformer each (``WanTransformer3DModel``); the two-expert
-A14B checkpoints (``transformer_2``) and I2V are not trained here yet."""
+A14B checkpoints hold two (``transformer_2``); the I2V checkpoints (``WanImageToVideoPipeline``) take the clip's first
+frame as a condition (``model.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from trainer.families.wan.comfyui_names import COMFYUI_NAMES
 from trainer.facts.family_spec import BlockGroup, BlockLayout, FamilySpec, SavedActivations, TargetSpec, TextTokens, \
     lora_presets
 
-_ATTN = r"attn[12]\.(to_q|to_k|to_v|to_out\.0)"  # self-attention over the video, cross-attention to the text
+# Self-attention over the video, cross-attention to the text; Wan 2.1 I2V's cross-attention also projects the first
+# frame's CLIP embeddings (add_k_proj / add_v_proj: diffusers' loader adds zero LoRA there for a file without them).
+_ATTN = r"(attn[12]\.(to_q|to_k|to_v|to_out\.0)|attn2\.add_[kv]_proj)"
 _MLP = r"ffn\.net\.(0\.proj|2)"
 # The text and timestep embedders and the output layer. condition_embedder.time_proj is the modulation (it
 # makes every block's shift/scale/gate), and the per-block scale_shift_table is a parameter: neither is a target.
@@ -48,31 +51,51 @@ UMT5_XXL_ENCODER: Dict[str, Any] = {
 }
 
 
-def _transformer(heads: int, ffn: int, layers: int, channels: int) -> Dict[str, Any]:
-    """A ``WanTransformer3DModel`` config: 128-wide heads, (1, 2, 2) patches, UMT5's 4096-wide text."""
+def _transformer(heads: int, ffn: int, layers: int, channels: int, i2v: bool = False,
+                 image_dim: Optional[int] = None) -> Dict[str, Any]:
+    """A ``WanTransformer3DModel`` config: 128-wide heads, (1, 2, 2) patches, UMT5's 4096-wide text. ``i2v``: it
+    takes the noisy latents, 4 mask channels and the first frame's latents (``2 * channels + 4`` in); ``image_dim``:
+    CLIP image embeddings too (Wan 2.1 I2V), through added key/value projections of the hidden width."""
     return {"_class_name": "WanTransformer3DModel", "patch_size": [1, 2, 2], "num_attention_heads": heads,
-            "attention_head_dim": 128, "in_channels": channels, "out_channels": channels, "text_dim": 4096,
+            "attention_head_dim": 128, "in_channels": 2 * channels + 4 if i2v else channels,
+            "out_channels": channels, "text_dim": 4096,
             "freq_dim": 256, "ffn_dim": ffn, "num_layers": layers, "cross_attn_norm": True,
-            "qk_norm": "rms_norm_across_heads", "eps": 1e-06, "image_dim": None, "added_kv_proj_dim": None,
-            "rope_max_seq_len": 1024}
+            "qk_norm": "rms_norm_across_heads", "eps": 1e-06, "image_dim": image_dim,
+            "added_kv_proj_dim": heads * 128 if image_dim else None, "rope_max_seq_len": 1024}
+
+
+# The CLIP ViT-H/14 vision tower Wan 2.1 I2V reads the first frame with (open-clip's, as transformers'
+# CLIPVisionModel): the transformer takes its penultimate layer's 257 tokens of width 1280.
+CLIP_VIT_H_14: Dict[str, Any] = {
+    "architectures": ["CLIPVisionModel"], "model_type": "clip_vision_model", "hidden_size": 1280,
+    "intermediate_size": 5120, "num_attention_heads": 16, "num_hidden_layers": 32, "image_size": 224,
+    "patch_size": 14, "projection_dim": 1024, "hidden_act": "gelu", "layer_norm_eps": 1e-05, "num_channels": 3,
+}
 
 
 def _checkpoint(transformer: Dict[str, Any], vae: Dict[str, Any], flow_shift: float, shards: int,
-                expand_timesteps: bool, boundary_ratio: Optional[float] = None) -> Dict[str, Any]:
+                expand_timesteps: bool, boundary_ratio: Optional[float] = None,
+                pipeline: str = "WanPipeline") -> Dict[str, Any]:
     """One Wan checkpoint in diffusers layout: UniPC with flow sigmas (the pipeline's sampler), UMT5. The values
     are those diffusers' ``scripts/convert_wan_to_diffusers.py`` writes for these checkpoints. With
-    ``boundary_ratio``: two experts of the same config (``transformer`` high noise, ``transformer_2`` low)."""
-    index = model_index("WanPipeline", scheduler="diffusers.UniPCMultistepScheduler",
+    ``boundary_ratio``: two experts of the same config (``transformer`` high noise, ``transformer_2`` low).
+    ``WanImageToVideoPipeline``: the image encoder and its processor where the transformer takes CLIP embeddings."""
+    index = model_index(pipeline, scheduler="diffusers.UniPCMultistepScheduler",
                         text_encoder="transformers.UMT5EncoderModel", tokenizer="transformers.T5TokenizerFast",
                         transformer="diffusers.WanTransformer3DModel", vae="diffusers.AutoencoderKLWan")
     two = boundary_ratio is not None
     index.update(transformer_2=["diffusers", "WanTransformer3DModel"] if two else [None, None],
                  boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps)
+    clip = transformer["image_dim"] is not None
+    if pipeline == "WanImageToVideoPipeline":
+        index.update(image_encoder=["transformers", "CLIPVisionModel"] if clip else [None, None],
+                     image_processor=["transformers", "CLIPImageProcessor"] if clip else [None, None])
     return {
         "model_index.json": index,
         "transformer/config.json": transformer,
         **({"transformer_2/config.json": transformer} if two else {}),
         "text_encoder/config.json": UMT5_XXL_ENCODER,
+        **({"image_encoder/config.json": CLIP_VIT_H_14} if clip else {}),
         "vae/config.json": vae,
         "scheduler/scheduler_config.json": {"num_train_timesteps": 1000, "prediction_type": "flow_prediction",
                                             "use_flow_sigmas": True, "flow_shift": flow_shift},
@@ -104,6 +127,16 @@ SPEC = FamilySpec(
         # pipeline runs `transformer` while t >= 0.875 * 1000, then `transformer_2`.
         "Wan-AI/Wan2.2-T2V-A14B-Diffusers": _checkpoint(_transformer(40, 13824, 40, 16), WAN21_VAE, 3.0, 12, False,
                                                         boundary_ratio=0.875),
+        # Wan-AI/Wan2.2-I2V-A14B-Diffusers: two 14B experts taking 36 channels (16 noisy + 4 mask + 16 of the first
+        # frame), no image encoder; switched at 0.9. Shift 5 as recalled from Wan 2.2's i2v config (not checked
+        # against the published scheduler file).
+        "Wan-AI/Wan2.2-I2V-A14B-Diffusers": _checkpoint(_transformer(40, 13824, 40, 16, i2v=True), WAN21_VAE, 5.0, 12,
+                                                        False, boundary_ratio=0.9, pipeline="WanImageToVideoPipeline"),
+        # Wan-AI/Wan2.1-I2V-14B-480P-Diffusers: the 14B with 36 input channels and CLIP ViT-H/14 image embeddings
+        # (image_dim 1280, added k/v projections of 5120), diffusers' convert script's config; 480p's shift 3.
+        "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": _checkpoint(_transformer(40, 13824, 40, 16, i2v=True, image_dim=1280),
+                                                            WAN21_VAE, 3.0, 14, False,
+                                                            pipeline="WanImageToVideoPipeline"),
     },
     temporal_compression=4,
     # Wan 2.1 and the A14B experts were trained at 16 fps; TI2V-5B (its residual 48-channel VAE) at 24 fps.
