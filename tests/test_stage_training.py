@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -42,6 +44,13 @@ def launch(out: Path, model: Path, data: Path, stages: int, fault: str = "none:0
            ) -> subprocess.CompletedProcess:
     """train.py's main (through the fault driver: ``fault``) in one process, or in ``stages`` processes by
     ``accelerate launch`` (trainer.launch) with ``pipeline_stages: stages``."""
+    cmd, env = command(out, model, data, stages, fault, *extra)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def command(out: Path, model: Path, data: Path, stages: int, fault: str = "none:0", *extra: str
+            ) -> Tuple[List[str], Dict[str, str]]:
+    """The command line and environment of ``launch``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "FAULT": fault}
     args = [str(ROOT / "tests" / "fault_driver.py"), *COMMON, f"pretrained_model_name_or_path={model}",
             f"data_config.img_dir={data}", f"output_dir={out}", *extra]
@@ -51,7 +60,7 @@ def launch(out: Path, model: Path, data: Path, stages: int, fault: str = "none:0
         env["ACCELERATE_USE_CPU"] = "true"
         cmd = [sys.executable, "-m", "trainer.launch", "--multi_gpu", "--num_processes", str(stages),
                "--main_process_port", str(free_port()), *args, f"pipeline_stages={stages}"]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return cmd, env
 
 
 def lora(out: Path) -> Dict[str, torch.Tensor]:
@@ -136,6 +145,46 @@ def test_a_lost_stage_ends_the_run_with_one_line_naming_it(tmp_path: Path, tiny_
                                          r"at step 2; the last checkpoint is .*checkpoint-2", errors[0]), errors
     status = json.loads((out / "run_status.json").read_text())
     assert status["state"] == "failed" and f"error: {status['message']}" == errors[0]
+
+
+@pytest.mark.e2e
+def test_a_stalled_stage_ends_the_run_with_one_line_naming_it(tmp_path: Path, tiny_qwen_image: Path,
+                                                              sample_data: Path) -> None:
+    """Stage 1 stopped (SIGSTOP) inside step 3: stage 0's wait on it ends after ``ddp_timeout`` with the
+    engine's one line naming the stopped stage, recorded in run_status.json; the stopped stage is then killed,
+    as a user would, and the launcher ends with that line as the only error."""
+    timeout_s, out = 10, tmp_path / "stalled"
+    cmd, env = command(out, tiny_qwen_image, sample_data, 2, "signal_rank:1:STOP:5", f"ddp_timeout={timeout_s}")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        status = wait_for_failed_status(out / "run_status.json", proc)
+        message = status["message"]
+        assert re.match(r"rank 1 \(pid \d+\) is stopped \(SIGSTOP, Ctrl-Z or a debugger\): the run stops here "
+                        r"\(said by rank 0\) at step 2; the last checkpoint is .*checkpoint-2", message), message
+        waited = status["time"] - (out / "checkpoint-2").stat().st_mtime
+        assert waited < timeout_s + 20, f"stage 0 took {waited:.0f} s to notice (ddp_timeout {timeout_s})"
+        os.kill(int(re.search(r"pid (\d+)", message).group(1)), signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {message}"], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def wait_for_failed_status(path: Path, proc: subprocess.Popen, limit_s: float = 240) -> Dict:
+    """run_status.json once it says ``failed`` (the run goes on waiting for the stopped stage meanwhile)."""
+    deadline = time.time() + limit_s
+    while True:
+        assert time.time() < deadline, "no failed status"
+        try:
+            status = json.loads(path.read_text())
+        except (OSError, ValueError):
+            status = {}
+        if status.get("state") == "failed":
+            return status
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
 
 
 def _problems(tmp_path: Path, *overrides: str) -> str:
