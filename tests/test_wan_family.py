@@ -6,13 +6,18 @@ not only shapes), bad clips named and skipped, latents cached per clip by its by
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from conftest import assert_resume_is_bit_equal, family_pipeline, lora_keys_match, run_entry, train_in_process
+from conftest import (assert_resume_is_bit_equal, family_pipeline, lora_keys_match, read_losses, run_entry,
+                      train_in_process)
 from image_datasets.clips import scan_video_folder
 from image_datasets.dataset import read_clip
 from image_datasets.sample_data import make_video_dataset
@@ -240,3 +245,32 @@ def test_ti2v_5b_layout_predicts_as_its_pipeline_and_trains_on_clips(tiny_wan22_
     assert {s.size for s in trainer.samples} == {(64, 64), (64, 32)}  # sides in multiples of 32
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and all(np.isfinite(losses))
+
+
+@pytest.mark.e2e
+def test_a_clip_run_killed_mid_step_resumes_bit_equal(tiny_wan: Path, sample_data: Path, sample_videos: Path,
+                                                      tmp_path: Path) -> None:
+    """Clips and stills through the entry script's main (``tests/fault_driver.py``): SIGKILL inside step 3, after
+    checkpoint-2, then ``resume_from_checkpoint=latest`` ends on the uninterrupted run's LoRA and losses, bit for
+    bit (the clips' cached latents and the draws of a resumed step are those of the first try)."""
+    def run(out: Path, fault: str, *extra: str) -> subprocess.CompletedProcess:
+        argv = ["--config", str(ROOT / QUICKSTART), f"pretrained_model_name_or_path={tiny_wan}",
+                f"data_config.img_dir={sample_data}", f"data_config.video_dir={sample_videos}", f"output_dir={out}",
+                "report_to=none", "max_train_steps=4", "checkpointing_steps=2", "checkpoints_total_limit=null",
+                "validation.every_n_steps=0", "overwrite_output_dir=false", "data_config.caption_dropout_rate=0.3",
+                *extra]
+        env = {**os.environ, "FAULT": fault, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        return subprocess.run([sys.executable, str(ROOT / "tests" / "fault_driver.py"), *argv], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert run(straight, "none:0").returncode == 0
+    first = run(killed, "kill_at_call:3")
+    assert first.returncode != 0 and not (killed / "pytorch_lora_weights.safetensors").exists(), first.stderr[-3000:]
+    assert sorted(p.name for p in killed.glob("checkpoint-*")) == ["checkpoint-2"]
+    resumed = run(killed, "none:0", "resume_from_checkpoint=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want = load_file(str(straight / "pytorch_lora_weights.safetensors"))
+    got = load_file(str(killed / "pytorch_lora_weights.safetensors"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), "the resumed LoRA differs"
+    assert read_losses(killed) == read_losses(straight)
