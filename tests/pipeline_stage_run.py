@@ -27,7 +27,8 @@ from diffusers import QwenImagePipeline, QwenImageTransformer2DModel  # noqa: E4
 from peft import LoraConfig  # noqa: E402
 
 from trainer.families.qwen_image.family import QwenImageFamily  # noqa: E402
-from trainer.model.adapters import adapter_parameters, lora_metadata, lora_state_dict  # noqa: E402
+from trainer.model.adapters import (adapter_parameters, init_adapter_by_name, lora_metadata,  # noqa: E402
+                                    lora_state_dict)
 from trainer.run_folder.checkpoint import save_lora_file  # noqa: E402
 from trainer import pipeline_stages as ps  # noqa: E402
 from trainer.step.flow_matching import add_noise, flow_matching_loss, velocity_target  # noqa: E402
@@ -57,7 +58,7 @@ def micro_batch(step: int, micro: int, text_width: int) -> Tuple[torch.Tensor, .
 
 def attach_lora(model: torch.nn.Module) -> List[torch.nn.Parameter]:
     model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=TARGETS))
-    ps.init_adapter_by_name(model, SEED)
+    init_adapter_by_name(model, SEED)
     return [p for p in model.parameters() if p.requires_grad]
 
 

@@ -20,6 +20,7 @@ from conftest import ROOT, lora_keys_match
 from trainer.families.flux.family import FluxFamily
 from trainer.families.qwen_image.family import QwenImageFamily
 from trainer import pipeline_stages as ps
+from trainer.model.adapters import init_adapter_by_name
 
 DRIVER = ROOT / "tests" / "pipeline_stage_run.py"
 
@@ -75,7 +76,7 @@ def test_adapter_init_depends_on_the_layer_name_not_the_stage() -> None:
 
     torch.manual_seed(1)
     one, two = adapted(1), adapted(2)
-    assert ps.init_adapter_by_name(one, 5) == 1 and ps.init_adapter_by_name(two, 5) == 2
+    assert init_adapter_by_name(one, 5) == 1 and init_adapter_by_name(two, 5) == 2
     assert torch.equal(one[0].lora_A["default"].weight, two[0].lora_A["default"].weight)
     assert not torch.equal(two[0].lora_A["default"].weight, two[1].lora_A["default"].weight)
     assert two[1].lora_B["default"].weight.abs().sum() == 0

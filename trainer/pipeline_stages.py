@@ -33,7 +33,6 @@ from safetensors import safe_open
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from trainer import distributed
-from trainer.model.adapters import init_adapter_by_name  # noqa: F401  (its old home)
 from trainer.planner.stages import split_by_sizes
 from trainer.step.flow_matching import flow_matching_loss
 

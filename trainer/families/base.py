@@ -60,6 +60,7 @@ class ModelFamily(Protocol):
     def encode_condition(self, pixels: torch.Tensor) -> List[torch.Tensor]:
         """Image-to-video: the first-frame condition of ``pixels`` (clips or stills in [-1, 1], as for
         ``encode_images``), one ``(B, ...)`` tensor per reference slot (the VAE loaded)."""
+
     def loss_mask(self, latents: torch.Tensor, references: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         """0/1 weights broadcastable to the latents where the loss must leave elements out (a condition's own
         tokens), or None: every element counts."""

@@ -100,16 +100,15 @@ def flow_matching_loss(
 ) -> torch.Tensor:
     """Weighted mean-squared error in fp32, averaged per sample then over the batch. ``mask`` (0/1, broadcastable
     to the latents): only its ones count, each sample's mean taken over them (image-to-video's condition frame)."""
-    if mask is not None:
-        squared = (prediction.float() - target.float()) ** 2
+    if mask is None and weighting == "none":  # weights of one: the mean over all elements (samples equal in size)
+        return torch.nn.functional.mse_loss(prediction.float(), target.float())
+    squared = (prediction.float() - target.float()) ** 2
+    if mask is None:
+        per_sample = squared.flatten(1).mean(dim=1)
+    else:
         kept = mask.to(squared.dtype).expand_as(squared)
         per_sample = (squared * kept).flatten(1).sum(dim=1) / kept.flatten(1).sum(dim=1)
-        if weighting == "none":
-            return per_sample.mean()
-        weights = compute_loss_weighting_for_sd3(weighting, sigmas=sigmas.float()).view(-1)
-        return (weights.to(per_sample.device) * per_sample).mean()
-    if weighting == "none":  # weights of one: the mean over all elements (samples are equal in size)
-        return torch.nn.functional.mse_loss(prediction.float(), target.float())
-    per_sample = ((prediction.float() - target.float()) ** 2).flatten(1).mean(dim=1)
+    if weighting == "none":
+        return per_sample.mean()
     weights = compute_loss_weighting_for_sd3(weighting, sigmas=sigmas.float()).view(-1)
     return (weights.to(per_sample.device) * per_sample).mean()
