@@ -54,6 +54,26 @@ def _quanto_unpacks_without_compiling() -> None:
 _quanto_unpacks_without_compiling()
 
 
+def _python_subprocesses_fork_from_a_zygote() -> None:
+    """The ``python ...`` commands the tests start fork from one warmed-up interpreter per pytest worker
+    (``tests/zygote.py``: ~9 CPU s of imports saved per process; ``ZYGOTE=0`` starts each normally). Not on a
+    machine with an NVIDIA GPU: CUDA does not survive a fork once a library has touched it."""
+    if os.environ.get("ZYGOTE", "1") == "0" or os.path.exists("/dev/nvidiactl"):
+        return
+    import atexit
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import zygote
+
+    folder = tempfile.mkdtemp(prefix="zygote-")  # short: a socket's path has ~100 characters at most
+    client = zygote.install(os.path.join(folder, "sock"))
+    atexit.register(lambda: (client.stop(), shutil.rmtree(folder, ignore_errors=True)))
+
+
+_python_subprocesses_fork_from_a_zygote()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_model(name)``: the folder of the tiny random pipeline ``name`` (a family of the registry,

@@ -1,0 +1,106 @@
+"""The suite's warmed-up interpreter (``tests/zygote.py``): a forked ``python`` command is the process a fresh
+one would be (exit code, output, working folder, environment, command line, signals), a command the zygote
+cannot be starts normally, and a launcher's workers are its own children."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.skipif(os.environ.get("ZYGOTE", "1") == "0" or os.path.exists("/dev/nvidiactl"),
+                                reason="the zygote is off here (ZYGOTE=0, or a GPU machine)")
+
+
+@pytest.fixture
+def outcomes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], List[str]]:
+    """``outcomes()``: what the zygote did with each ``python`` command this test started so far."""
+    log = tmp_path / "zygote.jsonl"
+    monkeypatch.setenv("ZYGOTE_LOG", str(log))
+    return lambda: [json.loads(line)["outcome"] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_a_forked_command_exits_prints_and_sees_its_folder_and_environment(tmp_path: Path, outcomes) -> None:
+    code = "import os, sys; print(os.getcwd(), os.environ['ASKED'], sys.argv[1:]); sys.exit(3)"
+    done = subprocess.run([sys.executable, "-c", code, "a", "b"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "ASKED": "yes"}, timeout=300)
+    assert (done.returncode, done.stdout) == (3, f"{tmp_path} yes ['a', 'b']\n")
+    assert outcomes() == ["forked"]
+
+
+def test_an_uncaught_error_is_a_traceback_and_exit_1(outcomes) -> None:
+    done = subprocess.run([sys.executable, "-c", "raise ValueError('boom')"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1 and done.stderr.rstrip().endswith("ValueError: boom")
+    assert outcomes() == ["forked"]
+
+
+def test_a_forked_command_has_its_own_command_line_and_dies_of_its_signals(tmp_path: Path, outcomes) -> None:
+    script = tmp_path / "wait.py"
+    script.write_text("import sys, time; print('up', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(script), "--flag", "x y"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "up\n"
+    cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    assert cmdline == [os.fsencode(a) for a in (sys.executable, str(script), "--flag", "x y")]
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    proc.stdout.close()
+    assert outcomes() == ["forked"]
+
+
+def test_a_timeout_kills_the_forked_command(outcomes) -> None:
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=2)
+    assert time.monotonic() - start < 30
+
+
+def test_a_variable_the_imports_read_starts_the_command_normally(tmp_path: Path, outcomes) -> None:
+    """HF_HOME is read by huggingface_hub while importing: a child of the zygote would keep the zygote's."""
+    code = "import huggingface_hub.constants as c; print(c.HF_HOME)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HOME": str(tmp_path / "hf")})
+    assert done.stdout.strip() == str(tmp_path / "hf")
+    assert outcomes() == ["no environment variable HF_HOME differs from the zygote's"]
+
+
+def test_a_commands_own_children_start_from_the_zygote_unchanged(tmp_path: Path, outcomes) -> None:
+    """A command that changed a library (here torch's default dtype) starts a child: the child comes from the
+    zygote, as a fresh interpreter would be, not from the changed command."""
+    code = ("import subprocess, sys, torch; torch.set_default_dtype(torch.float64); "
+            "print(subprocess.run([sys.executable, '-c', 'import torch; print(torch.get_default_dtype())'], "
+            "capture_output=True, text=True).stdout.strip())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "torch.float32", done.stderr
+    assert outcomes() == ["forked", "forked"]
+
+
+def test_a_launchers_workers_are_its_children_and_read_its_command_line(tmp_path: Path, outcomes) -> None:
+    """``accelerate launch`` forks its script itself: the script's parent is the launcher, whose command line
+    (what the entry scripts read for ``--config_file``) is the one the test started."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os; from pathlib import Path\n"
+                      "print(Path(f'/proc/{os.getppid()}/cmdline').read_bytes().split(b'\\0')[1:3])\n")
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[b'-m', b'accelerate.commands.launch']"
+    assert outcomes()[0] == "forked" and outcomes()[1].startswith("local fork")
+
+
+def test_zygote_off_starts_a_fresh_interpreter(monkeypatch: pytest.MonkeyPatch, outcomes) -> None:
+    monkeypatch.setenv("ZYGOTE", "0")
+    done = subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.stdout.strip() == "False"
+    assert outcomes() == []
