@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's second command: set up and run the test suite (CPU, tiny models).
 #   bash scripts/run_tests.sh [pytest args]
-# Two pytest workers by default (PYTEST_WORKERS=N to change; 0 runs in this process): the end-to-end
-# tests spend most of their time starting Python, which a second core halves.
+# Two pytest workers by default (PYTEST_WORKERS=N to change; 0 runs in this process). The end-to-end tests'
+# `python ...` commands fork from one warmed-up interpreter per worker instead of importing torch, diffusers
+# and peft each time (tests/zygote.py; ZYGOTE=0 starts every one fresh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh

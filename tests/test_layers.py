@@ -16,6 +16,7 @@ the bottom): no import runs back up the order, so no two of them import each oth
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -254,8 +255,9 @@ def test_the_facts_floor_needs_no_torch() -> None:
     # and none through utils/: import the whole floor in a fresh interpreter and look
     script = (f"import importlib, sys\nfor m in {facts!r}: importlib.import_module(m)\n"
               f"print(sorted({{k.split('.')[0] for k in sys.modules}} & {set(heavy)!r}))")
-    loaded = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.strip()
+    loaded = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True,
+                            env={**os.environ, "ZYGOTE": "0"}).stdout.strip()  # fresh: not tests/zygote.py's
+
     assert loaded == "[]", f"importing the facts floor loads {loaded}"
 
 

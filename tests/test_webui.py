@@ -452,7 +452,8 @@ def test_a_recorded_child_is_alive_only_while_it_runs() -> None:
 
     from webui.children import recorded_alive
 
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                             env={**os.environ, "ZYGOTE": "0"})  # this process's own child (tests/zygote.py)
     record = {"pid": child.pid, "started": psutil.Process(child.pid).create_time()}
     assert recorded_alive(record)
     assert not recorded_alive({**record, "started": record["started"] - 60})  # the pid, reused by another process
