@@ -216,9 +216,12 @@ def _set_cmdline(argv: List[str]) -> None:
     are fields 48-49 of ``/proc/self/stat``), NUL-padded, cut at the room the zygote's own started with."""
     import ctypes
 
-    with open("/proc/self/stat", "rb") as fh:
-        fields = fh.read().rsplit(b")", 1)[1].split()
-    start, end = int(fields[45]), int(fields[46])  # fields 48 and 49, counted after "pid (comm)"
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49, counted after "pid (comm)"
+    except (OSError, IndexError, ValueError):  # not Linux's /proc: the zygote's command line stays
+        return
     data = b"\0".join(os.fsencode(a) for a in argv)[: end - start - 1]
     ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
 
