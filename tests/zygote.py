@@ -411,6 +411,18 @@ class Client:
 _client: Optional[Client] = None
 
 
+def _forkable(args: Any, executable: Any, env: Any) -> Optional[Dict[str, Any]]:
+    """``parse_command`` of a Popen's ``args`` unless ``ZYGOTE=0`` (here or in the command's environment)."""
+    if os.environ.get("ZYGOTE", "1") == "0" or env.get("ZYGOTE", "1") == "0":
+        return None
+    return parse_command([args] if isinstance(args, (str, bytes, os.PathLike)) else args, executable)
+
+
+def _std_fds(p2cread: int, c2pwrite: int, errwrite: int) -> List[int]:
+    """The child's stdin, stdout and stderr: Popen's pipe ends, or this process's own where it has none."""
+    return [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
+
+
 def note(command: Dict[str, Any], outcome: str) -> None:
     """One line per command to the file ``ZYGOTE_LOG`` names, if any: forked (and where), or why not."""
     log = os.environ.get("ZYGOTE_LOG")
@@ -425,13 +437,10 @@ def _execute_child(self: subprocess.Popen, args: Any, executable: Any, preexec_f
                    p2cread: int, p2cwrite: int, c2pread: int, c2pwrite: int, errread: int, errwrite: int,
                    restore_signals: bool, gid: Any, gids: Any, uid: Any, umask: int, start_new_session: bool,
                    process_group: Any) -> None:
-    command = None
-    if not (shell or preexec_fn or pass_fds or gid is not None or gids is not None or uid is not None
-            or umask >= 0) and os.environ.get("ZYGOTE", "1") != "0" and (env or {}).get("ZYGOTE", "1") != "0":
-        command = parse_command([args] if isinstance(args, (str, bytes, os.PathLike)) else args, executable)
+    plain = not (shell or preexec_fn or pass_fds or umask >= 0 or {gid, uid} != {None} or gids is not None)
+    command = _forkable(args, executable, os.environ if env is None else env) if plain else None
     if command is not None and _client is not None:
-        fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
-               errwrite if errwrite != -1 else 2]
+        fds = _std_fds(p2cread, c2pwrite, errwrite)
         pid, conn, why = _client.spawn(command, env, cwd, fds, start_new_session, process_group)
         note(command, why or "forked")
         if pid is not None:
@@ -507,11 +516,9 @@ def fork_children_here(zygote_env: Dict[str, str], read: List[str], socket_path:
                       shell: bool, p2cread: int, p2cwrite: int, c2pread: int, c2pwrite: int, errread: int,
                       errwrite: int, restore_signals: bool, gid: Any, gids: Any, uid: Any, umask: int,
                       start_new_session: bool, process_group: Any) -> None:
-        command = None
         child_env = {k: os.fsdecode(v) for k, v in (os.environ if env is None else env).items()}
-        if not (shell or preexec_fn or pass_fds or gid is not None or gids is not None or uid is not None
-                or umask >= 0) and child_env.get("ZYGOTE", "1") != "0":
-            command = parse_command([args] if isinstance(args, (str, bytes, os.PathLike)) else args, executable)
+        plain = not (shell or preexec_fn or pass_fds or umask >= 0 or {gid, uid} != {None} or gids is not None)
+        command = _forkable(args, executable, child_env) if plain else None
         why = refusal(child_env, zygote_env, read_set) if command is not None else ""
         if command is not None:
             note(command, f"local: {why}" if why else f"local fork ({len(os.listdir('/proc/self/task'))} threads)")
@@ -520,8 +527,7 @@ def fork_children_here(zygote_env: Dict[str, str], read: List[str], socket_path:
                                        startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite,
                                        errread, errwrite, restore_signals, gid, gids, uid, umask,
                                        start_new_session, process_group)
-        fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
-               errwrite if errwrite != -1 else 2]
+        fds = _std_fds(p2cread, c2pwrite, errwrite)
         request = {**command, "env": child_env, "cwd": os.fsdecode(cwd) if cwd is not None else os.getcwd(),
                    "new_session": start_new_session, "process_group": process_group,
                    "zygote_env": zygote_env, "read": read, "socket": socket_path}
