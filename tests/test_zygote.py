@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Callable, List
 
+import psutil
 import pytest
-
+import zygote
 from conftest import ROOT
 
 pytestmark = pytest.mark.skipif(os.environ.get("ZYGOTE", "1") == "0" or os.path.exists("/dev/nvidiactl"),
@@ -23,7 +24,12 @@ pytestmark = pytest.mark.skipif(os.environ.get("ZYGOTE", "1") == "0" or os.path.
 
 @pytest.fixture
 def outcomes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], List[str]]:
-    """``outcomes()``: what the zygote did with each ``python`` command this test started so far."""
+    """``outcomes()``: what the zygote did with each ``python`` command this test started so far (once this
+    worker's zygote has done its imports: a command asked for before starts normally)."""
+    zygote._client.start()
+    deadline = time.monotonic() + 300
+    while not os.path.exists(zygote._client.path + zygote.READY) and time.monotonic() < deadline:
+        time.sleep(0.1)
     log = tmp_path / "zygote.jsonl"
     monkeypatch.setenv("ZYGOTE_LOG", str(log))
     return lambda: [json.loads(line)["outcome"] for line in log.read_text().splitlines()] if log.exists() else []
@@ -62,6 +68,23 @@ def test_a_timeout_kills_the_forked_command(outcomes) -> None:
     with pytest.raises(subprocess.TimeoutExpired):
         subprocess.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=2)
     assert time.monotonic() - start < 30
+
+
+def test_a_command_asked_for_while_the_zygote_imports_starts_at_once_normally(tmp_path: Path, outcomes,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Popen never waits for the imports: the child exists when Popen returns (the web page records a run's start
+    time before its Popen and later matches it against the process's own, across a restart)."""
+    fresh = zygote.Client(str(tmp_path / "sock"), owner=True)
+    monkeypatch.setattr(zygote, "_client", fresh)
+    try:
+        asked = time.time()
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        assert psutil.Process(proc.pid).create_time() - asked < 2
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        fresh.stop()
+    assert outcomes() == ["the zygote is still importing"]
 
 
 def test_a_variable_the_imports_read_starts_the_command_normally(tmp_path: Path, outcomes) -> None:

@@ -26,7 +26,8 @@ out, max_steps, resume, every = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 startup, period = float(os.environ.get("FAKE_STARTUP_S", "0.3")), float(os.environ.get("FAKE_STEP_S", "0.05"))
 out.mkdir(parents=True, exist_ok=True)
 shown = ("CUDA_VISIBLE_DEVICES", "WEBUI_TOKEN", "HOME")
-(out / "fake_env.json").write_text(json.dumps({k: os.environ.get(k) for k in shown}))
+(out / ".e.tmp").write_text(json.dumps({k: os.environ.get(k) for k in shown}))
+os.replace(out / ".e.tmp", out / "fake_env.json")  # whole, as a test reads it the moment it exists
 def status(state, step, message):
     (out / ".s.tmp").write_text(json.dumps({"state": state, "step": step, "max_steps": max_steps,
                                              "message": message, "time": time.time()}))

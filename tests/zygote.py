@@ -12,9 +12,10 @@ the command still exits on its own: what it computes is the same code from the s
 What a forked child cannot be is a process whose environment differs from the zygote's in a variable the
 preloaded libraries read while importing (``HF_HOME``, ``PYTHONPATH``, ``OMP_*``...). The zygote records
 which variables its imports read, and a command whose environment differs in one of them (or any
-interpreter option but ``-u``, a ``preexec_fn``, ``pass_fds``...) starts as a normal process instead:
-``ZYGOTE=0`` in a test's or the suite's environment turns the zygote off (a test of what importing prints or
-loads wants a fresh interpreter). A forked launcher (``accelerate launch``, torchrun) forks its workers itself,
+interpreter option but ``-u``, a ``preexec_fn``, ``pass_fds``...) starts as a normal process instead, as does
+one asked for while the zygote is still importing (a Popen never waits: the web page matches a run's recorded
+start time against its process's). ``ZYGOTE=0`` in a test's or the suite's environment turns the zygote off
+(a test of what importing prints or loads wants a fresh interpreter). A forked launcher (``accelerate launch``, torchrun) forks its workers itself,
 as their parent; any other forked command's ``python`` children come from the zygote again.
 
 Only the tests use this (``tests/conftest.py`` installs it); nothing of the product depends on it.
@@ -55,6 +56,7 @@ CHILD_SETS = {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TMPDIR", "PYTORCH_CUDA_ALL
               "KMP_BLOCKTIME", "DO_NOT_TRACK", "HF_HUB_DISABLE_TELEMETRY", "PYTEST_CURRENT_TEST", "ZYGOTE",
               "ZYGOTE_LOG"}
 _STATUS = struct.Struct("i")
+READY = ".ready"  # beside the socket once the imports are done
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -101,10 +103,12 @@ class Server:
         self.parent = os.getppid()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.listener.bind(path)
-        self.listener.listen(64)  # before the imports: clients queue while they run
+        self.listener.listen(64)
         self.read = _preload()
         self.children: Dict[int, socket.socket] = {}
         gc.freeze()  # the imported objects stay shared with the children (no copy when the collector runs)
+        with open(path + READY, "w"):  # from now on clients fork from here (before, they start normally)
+            pass
 
     def serve(self) -> Tuple[Dict[str, Any], List[int]]:
         """Serve until the pytest worker is gone; returns only in a forked child, with its request."""
@@ -373,24 +377,21 @@ class Client:
     def spawn(self, command: Dict[str, Any], env: Optional[Dict[str, str]], cwd: Any, fds: List[int],
               new_session: bool, process_group: Optional[int]) -> Tuple[Optional[int], Optional[socket.socket], str]:
         self.start()
+        # Never wait for the imports: a Popen returns at once, and what a test (or the web page) times from
+        # there, a child's start time included, is as with a normal process.
+        if not os.path.exists(self.path + READY):
+            return None, None, "the zygote is still importing"
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        for _ in range(600):
-            try:
-                conn.connect(self.path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                if self.process is None or self.process.poll() is not None:
-                    return None, None, "the zygote is gone"
-                import time
-
-                time.sleep(0.05)
-        else:
-            return None, None, "the zygote did not start"
+        try:
+            conn.connect(self.path)
+        except OSError as exc:
+            conn.close()
+            return None, None, f"the zygote is gone ({exc})"
         request = {**command, "env": {k: os.fsdecode(v) for k, v in (os.environ if env is None else env).items()},
                    "cwd": os.fsdecode(cwd) if cwd is not None else os.getcwd(), "new_session": new_session,
                    "process_group": process_group}
         socket.send_fds(conn, [json.dumps(request).encode()], fds)
-        conn.settimeout(300)  # the zygote may still be importing
+        conn.settimeout(60)  # a fork takes milliseconds; a busy machine may take longer
         try:
             reply = conn.recv(4096)
         except OSError as exc:
