@@ -54,11 +54,14 @@ def _quanto_unpacks_without_compiling() -> None:
 _quanto_unpacks_without_compiling()
 
 
-def _python_subprocesses_fork_from_a_zygote() -> None:
+def pytest_configure(config: pytest.Config) -> None:
     """The ``python ...`` commands the tests start fork from one warmed-up interpreter per pytest worker
-    (``tests/zygote.py``: ~9 CPU s of imports saved per process; ``ZYGOTE=0`` starts each normally). Not on a
-    machine with an NVIDIA GPU: CUDA does not survive a fork once a library has touched it."""
-    if os.environ.get("ZYGOTE", "1") == "0" or os.path.exists("/dev/nvidiactl"):
+    (``tests/zygote.py``: ~9 CPU s of imports saved per process; ``ZYGOTE=0`` starts each normally). It starts
+    importing now, while the tests are collected; until it is ready commands start normally. Not in
+    pytest-xdist's controller (it runs no test), nor on a machine with an NVIDIA GPU: CUDA does not survive a
+    fork once a library has touched it."""
+    controller = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+    if controller or os.environ.get("ZYGOTE", "1") == "0" or os.path.exists("/dev/nvidiactl"):
         return
     import atexit
     import tempfile
@@ -68,10 +71,8 @@ def _python_subprocesses_fork_from_a_zygote() -> None:
 
     folder = tempfile.mkdtemp(prefix="zygote-")  # short: a socket's path has ~100 characters at most
     client = zygote.install(os.path.join(folder, "sock"))
+    client.start()
     atexit.register(lambda: (client.stop(), shutil.rmtree(folder, ignore_errors=True)))
-
-
-_python_subprocesses_fork_from_a_zygote()
 
 
 @pytest.fixture(scope="session")
