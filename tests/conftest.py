@@ -60,14 +60,14 @@ def pytest_configure(config: pytest.Config) -> None:
     importing now, while the tests are collected; until it is ready commands start normally. Not in
     pytest-xdist's controller (it runs no test), nor on a machine with an NVIDIA GPU: CUDA does not survive a
     fork once a library has touched it."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import zygote
+
     controller = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
-    if controller or os.environ.get("ZYGOTE", "1") == "0" or os.path.exists("/dev/nvidiactl"):
+    if controller or not zygote.enabled():
         return
     import atexit
     import tempfile
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    import zygote
 
     folder = tempfile.mkdtemp(prefix="zygote-")  # short: a socket's path has ~100 characters at most
     client = zygote.install(os.path.join(folder, "sock"))

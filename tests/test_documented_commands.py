@@ -32,8 +32,10 @@ import os
 import re
 import runpy
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set, Tuple
@@ -306,6 +308,25 @@ def scratch_env(scratch: Path) -> Dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def shell_env(scratch: Path) -> Iterator[Dict[str, str]]:
+    """``scratch_env``, where the suite's zygote is on with ``python`` and ``accelerate`` that fork from one
+    started with that environment (``tests/zygote.py``: a page's commands import torch once, not each)."""
+    import zygote
+
+    env = scratch_env(scratch)
+    if not zygote.enabled():
+        yield env
+        return
+    folder = tempfile.mkdtemp(prefix="zygote-")  # short: a socket's path has ~100 characters at most
+    env, client = zygote.shims(folder, env)
+    try:
+        yield env
+    finally:
+        client.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 # --------------------------------------------------------------------------- the blocks and their marks
 
 
@@ -430,15 +451,15 @@ def runnable_pages() -> List[Path]:
 @pytest.mark.parametrize("page", runnable_pages(), ids=lambda p: p.name)
 def test_runnable_blocks_run_as_written(page: Path, tmp_path: Path) -> None:
     scratch = make_scratch(tmp_path)
-    env = scratch_env(scratch)
-    for block in shell_blocks(page):
-        if block.mark != "run":
-            continue
-        expected = int(m.group(1)) if (m := re.fullmatch(r"exit (\d+)", block.note)) else 0
-        proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=scratch, env=env,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == expected, \
-            f"{block.where}: exit {proc.returncode}, expected {expected}\n{block.text}\n{(proc.stdout + proc.stderr)[-3000:]}"
+    with shell_env(scratch) as env:
+        for block in shell_blocks(page):
+            if block.mark != "run":
+                continue
+            expected = int(m.group(1)) if (m := re.fullmatch(r"exit (\d+)", block.note)) else 0
+            proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=scratch, env=env,
+                                  capture_output=True, text=True, timeout=600)
+            assert proc.returncode == expected, f"{block.where}: exit {proc.returncode}, expected {expected}\n" \
+                f"{block.text}\n{(proc.stdout + proc.stderr)[-3000:]}"
 
 
 # --------------------------------------------------------------------------- profile headers

@@ -18,18 +18,14 @@ import pytest
 import zygote
 from conftest import ROOT
 
-pytestmark = pytest.mark.skipif(os.environ.get("ZYGOTE", "1") == "0" or os.path.exists("/dev/nvidiactl"),
-                                reason="the zygote is off here (ZYGOTE=0, or a GPU machine)")
+pytestmark = pytest.mark.skipif(not zygote.enabled(), reason="the zygote is off here (ZYGOTE=0, or a GPU machine)")
 
 
 @pytest.fixture
 def outcomes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], List[str]]:
     """``outcomes()``: what the zygote did with each ``python`` command this test started so far (once this
     worker's zygote has done its imports: a command asked for before starts normally)."""
-    zygote._client.start()
-    deadline = time.monotonic() + 300
-    while not os.path.exists(zygote._client.path + zygote.READY) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    zygote._client.ready(300)
     log = tmp_path / "zygote.jsonl"
     monkeypatch.setenv("ZYGOTE_LOG", str(log))
     return lambda: [json.loads(line)["outcome"] for line in log.read_text().splitlines()] if log.exists() else []
@@ -127,3 +123,19 @@ def test_zygote_off_starts_a_fresh_interpreter(monkeypatch: pytest.MonkeyPatch, 
                           text=True, timeout=300)
     assert done.stdout.strip() == "False"
     assert outcomes() == []
+
+
+def test_a_shells_python_forks_from_a_zygote_started_with_the_shells_environment(tmp_path: Path, outcomes) -> None:
+    """``zygote.shims``: ``python`` on a shell's PATH runs its command in a child of a zygote that has the shell's
+    environment (here an HF_HOME the pytest worker's lacks), in the shell's folder, and exits as the command did:
+    its code, or its signal."""
+    env, client = zygote.shims(str(tmp_path / "z"), {**os.environ, "HF_HOME": str(tmp_path / "hf")})
+    try:
+        show = "import huggingface_hub.constants as c, os, sys; print(c.HF_HOME, os.getcwd()); sys.exit(4)"
+        die = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
+        done = subprocess.run(["bash", "-c", f"cd / && python -c '{show}'; echo $?; python3 -c '{die}'; echo $?"],
+                              env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        client.stop()
+    assert done.stdout.split("\n") == [f"{tmp_path / 'hf'} /", "4", "143", ""], done.stderr
+    assert outcomes() == ["forked (shell)", "forked (shell)"]

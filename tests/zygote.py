@@ -50,11 +50,11 @@ SCANNED_PREFIXES = ("TQDM_", "FSSPEC_", "NETWORKX_", "COLAB_")
 # none of its modules is one the zygote imported), CUDA reads them at its first use (the zygote runs only where
 # there is no GPU: tests/conftest.py), only Intel's OpenMP reads them (torch's CPU wheels load GNU's), they only
 # turn the hub's telemetry off (the suite is offline), name the test running (pytest's) or are this file's
-# switches.
+# switches; a shell sets its own for each command it starts (only tqdm's scan of the whole environment sees them).
 CHILD_SETS = {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TMPDIR", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
-              "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_AFFINITY",
+              "PWD", "OLDPWD", "SHLVL", "_", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_AFFINITY",
               "KMP_BLOCKTIME", "DO_NOT_TRACK", "HF_HUB_DISABLE_TELEMETRY", "PYTEST_CURRENT_TEST", "ZYGOTE",
-              "ZYGOTE_LOG"}
+              "ZYGOTE_LOG", "ZYGOTE_SOCKET"}
 _STATUS = struct.Struct("i")
 READY = ".ready"  # beside the socket once the imports are done
 
@@ -361,25 +361,29 @@ _real_try_wait = subprocess.Popen._unforked_try_wait
 
 
 class Client:
-    """Asks the zygote for children; the pytest worker's (``owner``) starts it on first use and stops it."""
+    """Asks the zygote for children; the pytest worker's (``owner``) starts it (with ``env``, else this process's
+    environment) and stops it."""
 
-    def __init__(self, path: str, owner: bool) -> None:
-        self.path, self.owner, self.process = path, owner, None
+    def __init__(self, path: str, owner: bool, env: Optional[Dict[str, str]] = None) -> None:
+        self.path, self.owner, self.env, self.process = path, owner, env, None
 
     def start(self) -> None:
         if self.owner and self.process is None:
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", "ZYGOTE": "0"}  # ZYGOTE=0: this one starts normally
+            # ZYGOTE=0: this one starts normally
+            env = {**(os.environ if self.env is None else self.env), "PYTHONUNBUFFERED": "1", "ZYGOTE": "0"}
             # Its own output (import warnings, a crash) to a file beside the socket, not into a test's.
             with open(self.path + ".log", "ab") as log:
                 self.process = subprocess.Popen([sys.executable, __file__, self.path, " " * CMDLINE_ROOM], env=env,
                                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
     def spawn(self, command: Dict[str, Any], env: Optional[Dict[str, str]], cwd: Any, fds: List[int],
-              new_session: bool, process_group: Optional[int]) -> Tuple[Optional[int], Optional[socket.socket], str]:
+              new_session: bool, process_group: Optional[int],
+              wait_s: float = 0.0) -> Tuple[Optional[int], Optional[socket.socket], str]:
+        """Ask for ``command`` as a child: its pid and the connection its exit status comes on, or why not.
+        Waits up to ``wait_s`` for the zygote's imports (a Popen never waits: a test or the web page times a
+        child from its Popen, its start time included, as with a normal process)."""
         self.start()
-        # Never wait for the imports: a Popen returns at once, and what a test (or the web page) times from
-        # there, a child's start time included, is as with a normal process.
-        if not os.path.exists(self.path + READY):
+        if not self.ready(wait_s):
             return None, None, "the zygote is still importing"
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -403,6 +407,17 @@ class Client:
             return None, None, reply.decode(errors="replace") or "the zygote closed the connection"
         return _STATUS.unpack(reply[3:])[0], conn, ""
 
+    def ready(self, wait_s: float = 0.0) -> bool:
+        """Whether the zygote has done its imports (waiting up to ``wait_s`` for it)."""
+        import time
+
+        deadline = time.monotonic() + wait_s
+        while not os.path.exists(self.path + READY):
+            if time.monotonic() >= deadline or self.owner and self.process is not None and self.process.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return True
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
@@ -410,6 +425,12 @@ class Client:
 
 
 _client: Optional[Client] = None
+
+
+def enabled() -> bool:
+    """Whether the suite's commands fork from a zygote here: not with ``ZYGOTE=0``, nor on a machine with an
+    NVIDIA GPU (CUDA does not survive a fork once a library has touched it)."""
+    return os.environ.get("ZYGOTE", "1") != "0" and not os.path.exists("/dev/nvidiactl")
 
 
 def _forkable(args: Any, executable: Any, env: Any) -> Optional[Dict[str, Any]]:
@@ -589,5 +610,54 @@ def _exit_as_interpreter(code: Optional[int]) -> None:
     os._exit(1 if code is None else code)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# ``python`` and ``accelerate`` on a shell's PATH: the documented commands run by bash.
+
+
+def shims(folder: str, env: Dict[str, str]) -> Tuple[Dict[str, str], Client]:
+    """``env`` with ``python``, ``python3`` and ``accelerate`` first on its PATH (written into ``folder``), each
+    asking a zygote started with that environment for its command (``shim``), and the zygote's client: its
+    owner, to ``stop()``. For the documented commands' shell blocks, whose environment (HOME, HF_HOME in a
+    scratch copy) the pytest worker's zygote cannot give a child."""
+    bin_dir = os.path.join(folder, "bin")
+    os.makedirs(bin_dir, exist_ok=True)
+    real_bin = os.path.dirname(sys.executable)
+    for name, argv in (("python", [sys.executable]), ("python3", [sys.executable]),
+                       ("accelerate", [sys.executable, os.path.join(real_bin, "accelerate")])):
+        with open(os.path.join(bin_dir, name), "w") as fh:
+            words = " ".join(f"'{word}'" for word in [sys.executable, "-S", os.path.abspath(__file__), "--shim", *argv])
+            fh.write(f'#!/bin/sh\nexec {words} "$@"\n')
+        os.chmod(os.path.join(bin_dir, name), 0o755)
+    socket_path = os.path.join(folder, "sock")
+    env = {**env, "PATH": bin_dir + os.pathsep + env.get("PATH", ""), "ZYGOTE_SOCKET": socket_path}
+    client = Client(socket_path, owner=True, env=env)
+    client.start()
+    return env, client
+
+
+def shim(argv: List[str]) -> None:
+    """Run ``argv`` (what the kernel would: ``[python, ...]``, or ``[python, script, ...]`` for a script's
+    shebang) as a child of the zygote at ``$ZYGOTE_SOCKET``, waiting for its imports; relay the signals this
+    process gets to it and exit as it did. What the zygote cannot be (``refusal``) runs as is."""
+    command = parse_command(argv)
+    pid, conn, why = (Client(os.environ["ZYGOTE_SOCKET"], owner=False).spawn(
+        command, None, None, [0, 1, 2], False, None, wait_s=300) if command is not None else (None, None, ""))
+    if command is not None:
+        note(command, why or "forked (shell)")
+    if pid is None or conn is None:
+        os.execv(argv[0], argv)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
+    data = conn.recv(64)
+    status = _STATUS.unpack(data)[0] if data else signal.SIGKILL
+    if os.WIFSIGNALED(status):
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    sys.exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
 if __name__ == "__main__":
-    serve_forever(sys.argv[1])
+    if sys.argv[1] == "--shim":
+        shim(sys.argv[2:])
+    else:
+        serve_forever(sys.argv[1])
