@@ -61,7 +61,7 @@ def test_the_harness_optimizer_has_the_engines_parameter_groups(optimizer: str, 
         harnessed = groups(rig.optimizer, rig.transformer)
         harness_lr = rig.lr_scheduler.get_last_lr()[0]
         cfg = harness.train_config("qwen_image", tiny_qwen_image, overrides + [
-            "mixed_precision=null", f"data_config.img_dir={sample_data}", f"output_dir={tmp_path / 'run'}"])
+            "mixed_precision=null", f"data_config.img_dir={sample_data}", "data_config.img_size=64", f"output_dir={tmp_path / 'run'}"])
     engine, engine_lr = engine_groups(cfg)
     assert harnessed == engine
     kinds: Dict[str, int] = {}
@@ -91,7 +91,7 @@ def test_the_harness_step_and_the_engines_give_the_same_weights(optimizer: str, 
                  "lr_scheduler=linear", "lr_warmup_steps=2", "max_train_steps=10", "validation.every_n_steps=0",
                  f"max_grad_norm={max_norm}"]
     cfg = harness.train_config("qwen_image", tiny_qwen_image, overrides + [
-        "mixed_precision=null", f"data_config.img_dir={sample_data}", f"output_dir={tmp_path / 'run'}"])
+        "mixed_precision=null", f"data_config.img_dir={sample_data}", "data_config.img_size=64", f"output_dir={tmp_path / 'run'}"])
     with harness.rig_session("qwen_image", CPU, torch.float32, model_dir=tiny_qwen_image, overrides=overrides,
                              resolution=64) as rig, engine_trainer(cfg) as trainer:
         model = trainer.accelerator.unwrap_model(trainer.transformer)
