@@ -50,9 +50,10 @@ SCANNED_PREFIXES = ("TQDM_", "FSSPEC_", "NETWORKX_", "COLAB_")
 # none of its modules is one the zygote imported), CUDA reads them at its first use (the zygote runs only where
 # there is no GPU: tests/conftest.py), only Intel's OpenMP reads them (torch's CPU wheels load GNU's), they only
 # turn the hub's telemetry off (the suite is offline), name the test running (pytest's) or are this file's
-# switches; a shell sets its own for each command it starts (only tqdm's scan of the whole environment sees them).
+# switches; a shell sets its own for each command it starts and its prompts (only tqdm's scan of the whole
+# environment sees them).
 CHILD_SETS = {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TMPDIR", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
-              "PWD", "OLDPWD", "SHLVL", "_", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_AFFINITY",
+              "PWD", "OLDPWD", "SHLVL", "_", "PS1", "PS2", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_AFFINITY",
               "KMP_BLOCKTIME", "DO_NOT_TRACK", "HF_HUB_DISABLE_TELEMETRY", "PYTEST_CURRENT_TEST", "ZYGOTE",
               "ZYGOTE_LOG", "ZYGOTE_SOCKET"}
 _STATUS = struct.Struct("i")
