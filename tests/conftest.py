@@ -322,3 +322,13 @@ def _log_to_current_stderr() -> None:
     logger.remove()
     logger.add(lambda message: sys.stderr.write(message), level="INFO",
                format="{time:HH:mm:ss} | {level: <8} | {message}")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collecting imported (torch, transformers, diffusers, peft, the test modules: millions of objects)
+    stays for the whole session: move it out of the garbage collector's reach, so that a full collection in a
+    test does not walk all of it (about a quarter of an in-process training test's time). A zygote's children
+    start frozen the same way (``tests/zygote.py``)."""
+    import gc
+
+    gc.freeze()
