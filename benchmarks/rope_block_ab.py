@@ -114,7 +114,7 @@ def block_arguments(transformer: torch.nn.Module, rope: RealRope, call: BlockCal
 
 
 def run_block(transformer: torch.nn.Module, rope: RealRope, call: BlockCall, real: bool,
-              backend: Optional[str] = None, seed: int = 0) -> BlockRun:
+              backend: Optional[str | Callable[..., Any]] = None, seed: int = 0) -> BlockRun:
     """The captured call once with either processor, eager (``backend`` None) or ``torch.compile``d with
     ``backend``; the backward of a fixed random projection of every output, to each floating-point input."""
     args, kwargs, leaves = block_arguments(transformer, rope, call, real)
@@ -135,23 +135,29 @@ def rel_err(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
                for g, w in zip(got, want))
 
 
-def compiled_graphs(transformer: torch.nn.Module, rope: RealRope, call: BlockCall,
-                    real: bool) -> List[torch.fx.GraphModule]:
-    """The forward and backward graphs AOTAutograd hands the compiler (inductor) for the block with either
-    processor, from one compiled forward + backward."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
+def keeping(graphs: List[torch.fx.GraphModule]) -> Callable[..., Any]:
+    """The ``aot_eager`` backend (the graphs inductor would get, run op by op) that also appends to ``graphs`` the
+    forward and backward graphs AOTAutograd hands the compiler."""
+    from functools import partial
 
-    graphs: List[torch.fx.GraphModule] = []
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.debugging import aot_eager
 
     def keep(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
+    return partial(aot_eager, fw_compiler=keep, bw_compiler=keep)
+
+
+def compiled_graphs(transformer: torch.nn.Module, rope: RealRope, call: BlockCall,
+                    real: bool) -> List[torch.fx.GraphModule]:
+    """The forward and backward graphs AOTAutograd hands the compiler (inductor) for the block with either
+    processor, from one compiled forward + backward."""
+    graphs: List[torch.fx.GraphModule] = []
     args, kwargs, leaves = block_arguments(transformer, rope, call, real)
     torch._dynamo.reset()
-    outputs = _tensors(torch.compile(call.block, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))(
-        *args, **kwargs))
+    outputs = _tensors(torch.compile(call.block, backend=keeping(graphs))(*args, **kwargs))
     torch.autograd.grad(sum(o.float().sum() for o in outputs), leaves, allow_unused=True)
     torch._dynamo.reset()
     return graphs
@@ -208,7 +214,7 @@ def block_ab(transformer: torch.nn.Module, rope: RealRope, forward: Callable[[],
                    found)
 
 
-def _compiled(block: torch.nn.Module, backend: Optional[str]) -> Callable[..., Any]:
+def _compiled(block: torch.nn.Module, backend: Optional[str | Callable[..., Any]]) -> Callable[..., Any]:
     """``block`` compiled afresh with ``backend`` (the processor changes the graph), or as it is (None)."""
     if backend is None:
         return block
