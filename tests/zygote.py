@@ -15,8 +15,9 @@ which variables its imports read, and a command whose environment differs in one
 interpreter option but ``-u``, a ``preexec_fn``, ``pass_fds``...) starts as a normal process instead, as does
 one asked for while the zygote is still importing (a Popen never waits: the web page matches a run's recorded
 start time against its process's). ``ZYGOTE=0`` in a test's or the suite's environment turns the zygote off
-(a test of what importing prints or loads wants a fresh interpreter). A forked launcher (``accelerate launch``, torchrun) forks its workers itself,
-as their parent; any other forked command's ``python`` children come from the zygote again.
+(a test of what importing prints or loads wants a fresh interpreter). A forked launcher (``accelerate launch``,
+torchrun) forks its workers itself, as their parent; any other forked command's ``python`` children come from
+the zygote again.
 
 Only the tests use this (``tests/conftest.py`` installs it); nothing of the product depends on it.
 """
@@ -53,7 +54,8 @@ SCANNED_PREFIXES = ("TQDM_", "FSSPEC_", "NETWORKX_", "COLAB_")
 # switches; a shell sets its own for each command it starts and its prompts (only tqdm's scan of the whole
 # environment sees them).
 CHILD_SETS = {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TMPDIR", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
-              "PWD", "OLDPWD", "SHLVL", "_", "PS1", "PS2", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_AFFINITY",
+              "PWD", "OLDPWD", "SHLVL", "_", "PS1", "PS2", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING",
+              "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_AFFINITY",
               "KMP_BLOCKTIME", "DO_NOT_TRACK", "HF_HUB_DISABLE_TELEMETRY", "PYTEST_CURRENT_TEST", "ZYGOTE",
               "ZYGOTE_LOG", "ZYGOTE_SOCKET"}
 _STATUS = struct.Struct("i")
@@ -414,7 +416,8 @@ class Client:
 
         deadline = time.monotonic() + wait_s
         while not os.path.exists(self.path + READY):
-            if time.monotonic() >= deadline or self.owner and self.process is not None and self.process.poll() is not None:
+            gone = self.owner and self.process is not None and self.process.poll() is not None
+            if gone or time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)
         return True
