@@ -32,10 +32,8 @@ import os
 import re
 import runpy
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set, Tuple
@@ -308,25 +306,6 @@ def scratch_env(scratch: Path) -> Dict[str, str]:
     return env
 
 
-@contextlib.contextmanager
-def shell_env(scratch: Path) -> Iterator[Dict[str, str]]:
-    """``scratch_env``, where the suite's zygote is on with ``python`` and ``accelerate`` that fork from one
-    started with that environment (``tests/zygote.py``: a page's commands import torch once, not each)."""
-    import zygote
-
-    env = scratch_env(scratch)
-    if not zygote.enabled():
-        yield env
-        return
-    folder = tempfile.mkdtemp(prefix="zygote-")  # short: a socket's path has ~100 characters at most
-    env, client = zygote.shims(folder, env)
-    try:
-        yield env
-    finally:
-        client.stop()
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 # --------------------------------------------------------------------------- the blocks and their marks
 
 
@@ -450,8 +429,12 @@ def runnable_pages() -> List[Path]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("page", runnable_pages(), ids=lambda p: p.name)
 def test_runnable_blocks_run_as_written(page: Path, tmp_path: Path) -> None:
+    import zygote
+
     scratch = make_scratch(tmp_path)
-    with shell_env(scratch) as env:
+    env = scratch_env(scratch)
+    # Where the suite's zygote is on, the blocks' python and accelerate fork from one with the scratch's environment
+    with zygote.shims(env) if zygote.enabled() else contextlib.nullcontext(env) as env:
         for block in shell_blocks(page):
             if block.mark != "run":
                 continue

@@ -129,13 +129,10 @@ def test_a_shells_python_forks_from_a_zygote_started_with_the_shells_environment
     """``zygote.shims``: ``python`` on a shell's PATH runs its command in a child of a zygote that has the shell's
     environment (here an HF_HOME the pytest worker's lacks), in the shell's folder, and exits as the command did:
     its code, or its signal."""
-    env, client = zygote.shims(str(tmp_path / "z"), {**os.environ, "HF_HOME": str(tmp_path / "hf")})
-    try:
-        show = "import huggingface_hub.constants as c, os, sys; print(c.HF_HOME, os.getcwd()); sys.exit(4)"
-        die = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
+    show = "import huggingface_hub.constants as c, os, sys; print(c.HF_HOME, os.getcwd()); sys.exit(4)"
+    die = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
+    with zygote.shims({**os.environ, "HF_HOME": str(tmp_path / "hf")}) as env:
         done = subprocess.run(["bash", "-c", f"cd / && python -c '{show}'; echo $?; python3 -c '{die}'; echo $?"],
                               env=env, capture_output=True, text=True, timeout=300)
-    finally:
-        client.stop()
     assert done.stdout.split("\n") == [f"{tmp_path / 'hf'} /", "4", "143", ""], done.stderr
     assert outcomes() == ["forked (shell)", "forked (shell)"]

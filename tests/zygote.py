@@ -24,16 +24,20 @@ Only the tests use this (``tests/conftest.py`` installs it); nothing of the prod
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import select
+import shlex
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+import tempfile
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 # Libraries the entry scripts, launchers and tools import on every start (the ~9 CPU s), and the diffusers /
 # transformers classes the families load (diffusers and transformers import those lazily, per class).
@@ -618,25 +622,31 @@ def _exit_as_interpreter(code: Optional[int]) -> None:
 # ``python`` and ``accelerate`` on a shell's PATH: the documented commands run by bash.
 
 
-def shims(folder: str, env: Dict[str, str]) -> Tuple[Dict[str, str], Client]:
-    """``env`` with ``python``, ``python3`` and ``accelerate`` first on its PATH (written into ``folder``), each
-    asking a zygote started with that environment for its command (``shim``), and the zygote's client: its
-    owner, to ``stop()``. For the documented commands' shell blocks, whose environment (HOME, HF_HOME in a
-    scratch copy) the pytest worker's zygote cannot give a child."""
+@contextlib.contextmanager
+def shims(env: Dict[str, str]) -> Iterator[Dict[str, str]]:
+    """``env`` with ``python``, ``python3`` and ``accelerate`` first on its PATH, each asking a zygote started with
+    that environment for its command (``shim``); the zygote and its folder go on exit. For the documented
+    commands' shell blocks, whose environment (HOME, HF_HOME in a scratch copy) the pytest worker's zygote cannot
+    give a child."""
+    folder = tempfile.mkdtemp(prefix="zygote-")  # short: a socket's path has ~100 characters at most
     bin_dir = os.path.join(folder, "bin")
-    os.makedirs(bin_dir, exist_ok=True)
+    os.makedirs(bin_dir)
     real_bin = os.path.dirname(sys.executable)
     for name, argv in (("python", [sys.executable]), ("python3", [sys.executable]),
                        ("accelerate", [sys.executable, os.path.join(real_bin, "accelerate")])):
+        words = shlex.join([sys.executable, "-S", os.path.abspath(__file__), "--shim", *argv])
         with open(os.path.join(bin_dir, name), "w") as fh:
-            words = " ".join(f"'{word}'" for word in [sys.executable, "-S", os.path.abspath(__file__), "--shim", *argv])
             fh.write(f'#!/bin/sh\nexec {words} "$@"\n')
         os.chmod(os.path.join(bin_dir, name), 0o755)
     socket_path = os.path.join(folder, "sock")
     env = {**env, "PATH": bin_dir + os.pathsep + env.get("PATH", ""), "ZYGOTE_SOCKET": socket_path}
     client = Client(socket_path, owner=True, env=env)
     client.start()
-    return env, client
+    try:
+        yield env
+    finally:
+        client.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def shim(argv: List[str]) -> None:
