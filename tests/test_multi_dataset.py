@@ -5,6 +5,7 @@ samples drawn, per-prompt validation settings, exact resume)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -206,7 +207,9 @@ def test_matplotlib_is_imported_only_when_plotting(tmp_path: Path) -> None:
     code = ("import sys, pathlib; import trainer.reporting.summary as r; assert 'matplotlib' not in sys.modules; "
             "r.plot_losses([{'step': 1, 'loss': 1.0, 'loss/a': 1.0, 'loss/b': 2.0}], "
             f"pathlib.Path('{tmp_path}/c.png')); assert 'matplotlib' in sys.modules")
-    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).returncode == 0
+    fresh = {**os.environ, "ZYGOTE": "0"}  # what a started interpreter imports (the suite's zygote has matplotlib)
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=fresh, capture_output=True,
+                          text=True).returncode == 0
     assert loss_series([{"step": 1, "loss": 1.0, "loss/a": 0.5}, {"step": 2, "loss": float("nan"), "loss/b": 2.0}]) == {
         "loss": ([1], [1.0]), "loss/a": ([1], [0.5]), "loss/b": ([2], [2.0])}
 

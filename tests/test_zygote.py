@@ -127,11 +127,13 @@ def test_zygote_off_starts_a_fresh_interpreter(monkeypatch: pytest.MonkeyPatch, 
 
 def test_a_shells_python_forks_from_a_zygote_started_with_the_shells_environment(tmp_path: Path, outcomes) -> None:
     """``zygote.shims``: ``python`` on a shell's PATH runs its command in a child of a zygote that has the shell's
-    environment (here an HF_HOME the pytest worker's lacks), in the shell's folder, and exits as the command did:
-    its code, or its signal."""
+    environment (here a new HOME and an HF_HOME the pytest worker's lacks: matplotlib builds its font cache while
+    the zygote imports it), in the shell's folder, and exits as the command did: its code, or its signal."""
     show = "import huggingface_hub.constants as c, os, sys; print(c.HF_HOME, os.getcwd()); sys.exit(4)"
     die = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
-    with zygote.shims({**os.environ, "HF_HOME": str(tmp_path / "hf")}) as env:
+    (tmp_path / "home").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "MPL"))}  # matplotlib's caches in HOME
+    with zygote.shims({**env, "HOME": str(tmp_path / "home"), "HF_HOME": str(tmp_path / "hf")}) as env:
         done = subprocess.run(["bash", "-c", f"cd / && python -c '{show}'; echo $?; python3 -c '{die}'; echo $?"],
                               env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.split("\n") == [f"{tmp_path / 'hf'} /", "4", "143", ""], done.stderr

@@ -39,12 +39,16 @@ import sys
 import tempfile
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-# Libraries the entry scripts, launchers and tools import on every start (the ~9 CPU s), and the diffusers /
-# transformers classes the families load (diffusers and transformers import those lazily, per class).
+# Libraries the entry scripts, launchers and tools import on every start (the ~9 CPU s), the diffusers /
+# transformers classes the families load (diffusers and transformers import those lazily, per class), and
+# matplotlib, for the loss plot every training run draws at its end (~1.5 s of each run). Not deepspeed, though
+# accelerate's unwrap_model imports it wherever it is installed: its import reads DS_ACCELERATOR, which
+# accelerate launch sets for a DeepSpeed run, so no rank of one could fork.
 PRELOAD = ("torch", "numpy", "PIL.Image", "safetensors.torch", "yaml", "omegaconf", "loguru", "tqdm",
            "huggingface_hub", "transformers", "diffusers", "peft", "accelerate", "accelerate.commands.launch",
            "torch.distributed.run", "diffusers.training_utils", "transformers.models.qwen2_5_vl",
-           "diffusers.pipelines.qwenimage", "diffusers.pipelines.flux", "diffusers.models.transformers")
+           "diffusers.pipelines.qwenimage", "diffusers.pipelines.flux", "diffusers.models.transformers",
+           "matplotlib.figure", "matplotlib.backends.backend_agg")
 # Variables read by C code while loading (OpenMP, the allocator, locales, the interpreter's start), which the
 # recording of ``os.environ`` below cannot see.
 NATIVE_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH_CPP_", "TORCH_SHOW_CPP", "PYTORCH_",
@@ -76,12 +80,18 @@ class _RecordingEnviron(os._Environ):  # type: ignore[name-defined]
     read: Set[str] = set()
 
     def __getitem__(self, key: str) -> str:
-        _RecordingEnviron.read.add(key)
+        _RecordingEnviron.note(key)
         return super().__getitem__(key)
 
     def __contains__(self, key: object) -> bool:
-        _RecordingEnviron.read.add(str(key))
+        _RecordingEnviron.note(key)
         return super().__contains__(key)
+
+    @staticmethod
+    def note(key: object) -> None:
+        # As a name: a process started while importing looks PATH up as bytes (matplotlib runs fc-list to build
+        # its font cache in a new HOME)
+        _RecordingEnviron.read.add(os.fsdecode(key) if isinstance(key, bytes) else str(key))
 
 
 def _preload() -> Set[str]:
@@ -97,9 +107,21 @@ def _preload() -> Set[str]:
                 importlib.import_module(name)
             except Exception:  # an optional library missing here: its users start normally
                 pass
+        _fill_caches()
     finally:
         os.environ = real
     return set(_RecordingEnviron.read)
+
+
+def _fill_caches() -> None:
+    """Fill the process-wide caches every child would otherwise fill on its first use: transformers' table of
+    checkpoint key renames (~0.5 s of regular expressions compiled at each text encoder's load)."""
+    try:
+        from transformers import conversion_mapping
+
+        conversion_mapping.get_checkpoint_conversion_mapping("qwen2_5_vl")
+    except Exception:  # another transformers: its children fill it themselves
+        pass
 
 
 class Server:
