@@ -12,4 +12,8 @@ DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --no-build-isolation -r requir
 bash scripts/setup_browser.sh  # the web page's browser test skips, saying why, where it cannot install
 # shellcheck disable=SC1091
 . .venv/bin/activate
+# The suite starts hundreds of Python processes: let the first that imports a module write its byte-code
+# for the others (where PYTHONDONTWRITEBYTECODE is set, as on this project's CI machines, each compiled
+# matplotlib, deepspeed and the tests' modules from source again: ~2 CPU s per training run).
+unset PYTHONDONTWRITEBYTECODE
 python -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@"
