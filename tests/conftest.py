@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 from unittest import mock
@@ -21,6 +23,11 @@ sys.path.insert(0, str(ROOT))
 # once instead of after the network's retries and timeouts (48 s for one caption.py mistake on a machine without
 # network). Read by huggingface_hub when imported, so set before the imports below. HF_HUB_OFFLINE=0 overrides it.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# And its own HF_HOME, empty: no test reads the developer's hub cache, token or accelerate config (an `accelerate
+# config` default there changes what `accelerate launch` does), and the tests of a launch without an accelerate
+# config need no HOME of their own, whose processes could not fork from the suite's zygote (tests/zygote.py).
+os.environ["HF_HOME"] = SUITE_HF_HOME = tempfile.mkdtemp(prefix="hf-home-")
+atexit.register(shutil.rmtree, SUITE_HF_HOME, ignore_errors=True)
 
 from image_datasets.sample_data import make_edit_dataset, make_sample_dataset  # noqa: E402
 from utils.tiny_models import FAMILIES as TINY_BUILDERS, build_tiny_pipeline  # noqa: E402
@@ -66,9 +73,6 @@ def pytest_configure(config: pytest.Config) -> None:
     controller = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
     if controller or not zygote.enabled():
         return
-    import atexit
-    import tempfile
-
     folder = tempfile.mkdtemp(prefix="zygote-")  # short: a socket's path has ~100 characters at most
     client = zygote.install(os.path.join(folder, "sock"))
     client.start()

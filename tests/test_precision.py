@@ -1,8 +1,8 @@
 """The run's precision: the profile's ``mixed_precision``, unless the user asked accelerate's launcher for
 another (``--mixed_precision``, or an accelerate config that sets one); the run logs which and why.
 
-Through the real ``accelerate launch`` with no accelerate config (HOME and HF_HOME in an empty folder),
-the launcher's default ``no`` must not turn a bf16 profile into an fp32 run.
+Through the real ``accelerate launch`` with no accelerate config (the suite's HF_HOME is an empty folder of
+its own: tests/conftest.py), the launcher's default ``no`` must not turn a bf16 profile into an fp32 run.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional
 
 import pytest
 from accelerate.utils import write_basic_config
@@ -112,10 +112,19 @@ def test_the_launchers_command_lines_are_recognised(words: List[str], expected) 
     assert launch_arguments(words) == expected
 
 
-def _launch(prefix: List[str], out: Path, home: Path, model: Path, data: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in (ENV, "XDG_CACHE_HOME", "ACCELERATE_CONFIG_FILE")}
-    env.update(HOME=str(home), HF_HOME=str(home / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+def _launch_env(hf_home: Optional[Path] = None) -> Dict[str, str]:
+    """The suite's environment (its HF_HOME without an accelerate config, unless ``hf_home`` is given), with no
+    launcher setting from the environment."""
+    env = {k: v for k, v in os.environ.items() if k not in (ENV, "ACCELERATE_CONFIG_FILE")}
+    assert not (Path(env["HF_HOME"]) / "accelerate").exists(), "the suite's HF_HOME has no accelerate config"
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if hf_home is not None:
+        env["HF_HOME"] = str(hf_home)
+    return env
+
+
+def _launch(prefix: List[str], out: Path, model: Path, data: Path) -> subprocess.Popen:
+    env = _launch_env()
     cmd = prefix + ["train.py", "--config", "train_configs/quickstart_tiny.yaml", f"pretrained_model_name_or_path={model}",
                     f"data_config.img_dir={data}", f"output_dir={out}", "max_train_steps=1", "report_to=none",
                     "mixed_precision=bf16", "checkpointing_steps=100"]
@@ -136,16 +145,14 @@ def test_accelerate_launch_without_a_config_trains_in_the_profiles_precision(
     """`accelerate launch train.py --config X` (the README's command) with no accelerate config: the
     profile's bf16, logged with why; the VAE encoded the cache in bf16. `--mixed_precision no` given
     to the same launcher: fp32, logged as the launcher's choice. Both launched at once."""
-    home = tmp_path / "home"
-    home.mkdir()
     accelerate = str(Path(sys.executable).parent / "accelerate")
-    runs = {"default": _launch([accelerate, "launch"], tmp_path / "default", home, tiny_qwen_image, sample_data),
+    runs = {"default": _launch([accelerate, "launch"], tmp_path / "default", tiny_qwen_image, sample_data),
             "explicit": _launch([sys.executable, "-m", "accelerate.commands.launch", "--mixed_precision", "no"],
-                                tmp_path / "explicit", home, tiny_qwen_image, sample_data)}
+                                tmp_path / "explicit", tiny_qwen_image, sample_data)}
     outputs = {name: proc.communicate(timeout=600)[0] for name, proc in runs.items()}
     for name, proc in runs.items():
         assert proc.returncode == 0, outputs[name][-3000:]
-    assert not list(home.rglob("default_config.yaml")), "the test needs no accelerate config"
+    assert not list(Path(os.environ["HF_HOME"]).rglob("default_config.yaml")), "the test needs no accelerate config"
     log = (tmp_path / "default" / "train.log").read_text()
     assert "precision bf16 (the profile's mixed_precision: accelerate launch was given no --mixed_precision " \
            "and found no accelerate config that sets one, so its 'no' is a default)" in log
@@ -179,10 +186,9 @@ def test_fp16_on_the_cpu_is_refused_naming_where_it_came_from(profile, env_value
         choice.check_device(mode, "cpu")
 
 
-def _launch_fp16(prefix: List[str], out: Path, home: Path, model: Path, data: Path, *extra: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in (ENV, "XDG_CACHE_HOME", "ACCELERATE_CONFIG_FILE")}
-    env.update(HOME=str(home), HF_HOME=str(home / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+def _launch_fp16(prefix: List[str], out: Path, hf_home: Optional[Path], model: Path, data: Path,
+                 *extra: str) -> subprocess.Popen:
+    env = {**_launch_env(hf_home), "CUDA_VISIBLE_DEVICES": ""}
     cmd = prefix + ["train.py", "--config", "train_configs/quickstart_tiny.yaml",
                     f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}", f"output_dir={out}",
                     "max_train_steps=2", "report_to=none", *extra]
@@ -195,17 +201,15 @@ def test_fp16_on_the_cpu_stops_at_the_start_in_one_line_however_it_is_asked_for(
     """docs review F2's three forms through the real launcher and entry script, at once: the launcher's
     --mixed_precision fp16, the override mixed_precision=fp16, and a default accelerate config (what
     `accelerate config` writes) that says fp16. Each used to fail at step 1 with `c10::Half != float`."""
-    homes = {name: tmp_path / f"home-{name}" for name in ("flag", "override", "config")}
-    for home in homes.values():
-        home.mkdir()
-    default = accelerate_config(homes["config"] / "hf" / "accelerate" / "default_config.yaml", "fp16")
+    hf_home = tmp_path / "hf"  # the third's, with a default accelerate config; the others' has none
+    default = accelerate_config(hf_home / "accelerate" / "default_config.yaml", "fp16")
     launcher = [sys.executable, "-m", "accelerate.commands.launch"]
     cpu = launcher + ["--cpu", "--num_processes", "1"]
-    runs = {"flag": _launch_fp16(cpu + ["--mixed_precision", "fp16"], tmp_path / "flag", homes["flag"],
-                                 tiny_qwen_image, sample_data),
-            "override": _launch_fp16(cpu, tmp_path / "override", homes["override"], tiny_qwen_image, sample_data,
+    runs = {"flag": _launch_fp16(cpu + ["--mixed_precision", "fp16"], tmp_path / "flag", None, tiny_qwen_image,
+                                 sample_data),
+            "override": _launch_fp16(cpu, tmp_path / "override", None, tiny_qwen_image, sample_data,
                                      "mixed_precision=fp16"),
-            "config": _launch_fp16(launcher, tmp_path / "config", homes["config"], tiny_qwen_image, sample_data)}
+            "config": _launch_fp16(launcher, tmp_path / "config", hf_home, tiny_qwen_image, sample_data)}
     said = {"flag": "accelerate launch --mixed_precision fp16: fp16 does not train on the CPU",
             "override": "key 'mixed_precision': fp16 does not train on the CPU",
             "config": f"the accelerate config {default} (mixed_precision: fp16): fp16 does not train on the CPU"}
