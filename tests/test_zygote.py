@@ -39,6 +39,23 @@ def test_a_forked_command_exits_prints_and_sees_its_folder_and_environment(tmp_p
     assert outcomes() == ["forked"]
 
 
+def test_a_console_script_of_this_environment_forks_and_others_start_normally(tmp_path: Path, outcomes) -> None:
+    """A script whose ``#!`` line is this interpreter (``accelerate``, ``torchrun``) is ``python script ...``, its
+    command line as the kernel makes it; one with an option or through ``env`` is another program."""
+    body = "import sys; print(sys.argv[1:], open('/proc/self/cmdline', 'rb').read().split(b'\\0')[:2])\n"
+    scripts = {}
+    for name, first in (("mine", sys.executable), ("option", f"{sys.executable} -S"), ("env", "/usr/bin/env python3")):
+        scripts[name] = tmp_path / name
+        scripts[name].write_text(f"#!{first}\n{body}")
+        scripts[name].chmod(0o755)
+    done = subprocess.run([str(scripts["mine"]), "x"], capture_output=True, text=True, timeout=300)
+    assert done.stdout == f"['x'] {[os.fsencode(sys.executable), os.fsencode(str(scripts['mine']))]}\n", done.stderr
+    assert outcomes() == ["forked"]
+    for name in ("option", "env"):
+        assert subprocess.run([str(scripts[name]), "y"], capture_output=True, text=True, timeout=300).returncode == 0
+    assert outcomes() == ["forked"], "the other two are not this interpreter's commands"
+
+
 def test_an_uncaught_error_is_a_traceback_and_exit_1(outcomes) -> None:
     done = subprocess.run([sys.executable, "-c", "raise ValueError('boom')"], capture_output=True, text=True,
                           timeout=300)

@@ -352,13 +352,17 @@ def serve_forever(path: str) -> None:
 
 def parse_command(args: Sequence[Any], executable: Any = None) -> Optional[Dict[str, Any]]:
     """``{"kind", "target", "args", "argv"}`` for ``[python, (-u), script | -m mod | -c code, ...]`` run by
-    this interpreter; None for anything else (another program, another option, a shell)."""
+    this interpreter, or ``[script, ...]`` whose first line runs it (a console script of its environment:
+    ``accelerate``); None for anything else (another program, another option, a shell)."""
     argv = [os.fsdecode(a) for a in args]
     if not argv:
         return None
     program = os.fsdecode(executable) if executable is not None else argv[0]
-    if os.path.realpath(program if os.sep in program else _which(program)) != os.path.realpath(sys.executable):
-        return None
+    path = program if os.sep in program else _which(program)
+    if os.path.realpath(path) != os.path.realpath(sys.executable):
+        if not _runs_with_this_python(path):
+            return None
+        return {"kind": "script", "target": path, "args": argv[1:], "argv": [sys.executable, path, *argv[1:]]}
     rest = argv[1:]
     while rest and rest[0] == "-u":  # the zygote's output is unbuffered already
         rest = rest[1:]
@@ -377,6 +381,17 @@ def _which(program: str) -> str:
     import shutil
 
     return shutil.which(program) or program
+
+
+def _runs_with_this_python(path: str) -> bool:
+    """Whether ``path`` is a script whose ``#!`` line names this interpreter, with no option."""
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(4096)
+    except OSError:
+        return False
+    words = first[2:].split() if first.startswith(b"#!") else []
+    return len(words) == 1 and os.path.realpath(os.fsdecode(words[0])) == os.path.realpath(sys.executable)
 
 
 # Popen's own methods, kept on the class the first time this file is imported so that a second import (pytest
