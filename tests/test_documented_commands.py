@@ -294,16 +294,28 @@ def make_scratch(where: Path) -> Path:
     return scratch
 
 
-def scratch_env(scratch: Path) -> Dict[str, str]:
-    """This interpreter's environment first on PATH, no accelerate config (HOME and HF_HOME in the
-    scratch copy), offline, one thread per process, no pytest cache written through the links."""
+def scratch_env(home: Path) -> Dict[str, str]:
+    """This interpreter's environment first on PATH, no accelerate config (HOME and HF_HOME in ``home``),
+    offline, one thread per process, no pytest cache written through the links."""
     bin_dir = str(Path(sys.executable).parent)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCELERATE_", "PYTEST_", "HF_", "XDG_CACHE")) and k != "COV_CORE_SOURCE"}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(Path(bin_dir).parent),
-               HOME=str(scratch / ".home"), HF_HOME=str(scratch / ".home" / "hf"), HF_HUB_OFFLINE="1",
+               HOME=str(home), HF_HOME=str(home / "hf"), HF_HUB_OFFLINE="1",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTEST_ADDOPTS="-p no:cacheprovider")
     return env
+
+
+@pytest.fixture(scope="module")
+def blocks_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, str]]:
+    """The pages' blocks' environment: ``scratch_env`` with one HOME for this module's pages (the blocks write
+    nothing into its HF_HOME, no accelerate config: checked after each page). Where the suite's zygote is on, the
+    blocks' python and accelerate fork from one zygote with this environment, started once for all the pages."""
+    import zygote
+
+    env = scratch_env(tmp_path_factory.mktemp("home"))
+    with zygote.shims(env) if zygote.enabled() else contextlib.nullcontext(env) as env:
+        yield env
 
 
 # --------------------------------------------------------------------------- the blocks and their marks
@@ -428,21 +440,18 @@ def runnable_pages() -> List[Path]:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("page", runnable_pages(), ids=lambda p: p.name)
-def test_runnable_blocks_run_as_written(page: Path, tmp_path: Path) -> None:
-    import zygote
-
+def test_runnable_blocks_run_as_written(page: Path, tmp_path: Path, blocks_env: Dict[str, str]) -> None:
     scratch = make_scratch(tmp_path)
-    env = scratch_env(scratch)
-    # Where the suite's zygote is on, the blocks' python and accelerate fork from one with the scratch's environment
-    with zygote.shims(env) if zygote.enabled() else contextlib.nullcontext(env) as env:
-        for block in shell_blocks(page):
-            if block.mark != "run":
-                continue
-            expected = int(m.group(1)) if (m := re.fullmatch(r"exit (\d+)", block.note)) else 0
-            proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=scratch, env=env,
-                                  capture_output=True, text=True, timeout=600)
-            assert proc.returncode == expected, f"{block.where}: exit {proc.returncode}, expected {expected}\n" \
-                f"{block.text}\n{(proc.stdout + proc.stderr)[-3000:]}"
+    for block in shell_blocks(page):
+        if block.mark != "run":
+            continue
+        expected = int(m.group(1)) if (m := re.fullmatch(r"exit (\d+)", block.note)) else 0
+        proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=scratch, env=blocks_env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == expected, f"{block.where}: exit {proc.returncode}, expected {expected}\n" \
+            f"{block.text}\n{(proc.stdout + proc.stderr)[-3000:]}"
+    written = [p for p in Path(blocks_env["HF_HOME"]).rglob("*") if p.is_file()]
+    assert not written, f"{page.name}'s blocks wrote {written[:3]} into HF_HOME, which the next page would read"
 
 
 # --------------------------------------------------------------------------- profile headers
