@@ -384,7 +384,10 @@ def _which(program: str) -> str:
 
 
 def _runs_with_this_python(path: str) -> bool:
-    """Whether ``path`` is a script whose ``#!`` line names this interpreter, with no option."""
+    """Whether ``path`` is an executable script whose ``#!`` line names this interpreter, with no option (one
+    that may not be run fails to start as it would have)."""
+    if not os.access(path, os.X_OK):
+        return False
     try:
         with open(path, "rb") as fh:
             first = fh.readline(4096)
