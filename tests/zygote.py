@@ -666,7 +666,7 @@ def _exit_as_interpreter(code: Optional[int]) -> None:
 def shims(env: Dict[str, str]) -> Iterator[Dict[str, str]]:
     """``env`` with ``python``, ``python3`` and ``accelerate`` first on its PATH, each asking a zygote started with
     that environment for its command (``shim``); the zygote and its folder go on exit. For the documented
-    commands' shell blocks, whose environment (HOME, HF_HOME in a scratch copy) the pytest worker's zygote cannot
+    commands' shell blocks, whose environment (a HOME and HF_HOME of their own) the pytest worker's zygote cannot
     give a child."""
     folder = tempfile.mkdtemp(prefix="zygote-")  # short: a socket's path has ~100 characters at most
     bin_dir = os.path.join(folder, "bin")
