@@ -162,6 +162,22 @@ def sample_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def one_shape_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two square 64-pixel images whose captions have one length (15 tokens): every batch of two has one shape,
+    so a compiled run traces each block graph once per gradient mode (2 graphs) instead of once per new shape
+    (``sample_data``'s buckets, batch remainders and caption lengths: 8, dynamo's recompile limit, ~9 s each)."""
+    from image_datasets.sample_data import draw_sample
+
+    out = tmp_path_factory.mktemp("data") / "one_shape"
+    out.mkdir()
+    for i in (0, 3):
+        img, caption = draw_sample(i, 64)
+        img.save(out / f"img{i}.png")
+        (out / f"img{i}.txt").write_text(caption + "\n", encoding="utf-8")
+    return out
+
+
+@pytest.fixture(scope="session")
 def sample_videos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Four 9-frame clips (mp4 and webm; one landscape) of a shape sliding right, with captions."""
     from image_datasets.sample_data import make_video_dataset
