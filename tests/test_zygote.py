@@ -109,6 +109,19 @@ def test_a_variable_the_imports_read_starts_the_command_normally(tmp_path: Path,
     assert outcomes() == ["no environment variable HF_HOME differs from the zygote's"]
 
 
+def test_ds_accelerator_naming_deepspeeds_own_choice_forks_and_another_starts_normally(outcomes) -> None:
+    """deepspeed, preloaded, chose its accelerator at import (DS_ACCELERATOR, else its detection: the CPU here).
+    DS_ACCELERATOR=cpu, which the DeepSpeed tests set, is the zygote's own process: it forks; another value
+    (xpu: deepspeed refuses it here, as it would in any fresh interpreter) starts normally."""
+    pytest.importorskip("deepspeed")
+    code = "from deepspeed.accelerator import get_accelerator; print(get_accelerator()._name)"
+    runs = {value: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                                  env={**os.environ, "DS_ACCELERATOR": value}) for value in ("cpu", "xpu")}
+    assert runs["cpu"].stdout.strip() == "cpu" and runs["cpu"].returncode == 0, runs["cpu"].stderr
+    assert runs["xpu"].returncode != 0 and "XPU_Accelerator requires" in runs["xpu"].stderr
+    assert outcomes() == ["forked", "no environment variable DS_ACCELERATOR differs from the zygote's"]
+
+
 def test_a_commands_own_children_start_from_the_zygote_unchanged(tmp_path: Path, outcomes) -> None:
     """A command that changed a library (here torch's default dtype) starts a child: the child comes from the
     zygote, as a fresh interpreter would be, not from the changed command."""

@@ -40,15 +40,22 @@ import tempfile
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 # Libraries the entry scripts, launchers and tools import on every start (the ~9 CPU s), the diffusers /
-# transformers classes the families load (diffusers and transformers import those lazily, per class), and
-# matplotlib, for the loss plot every training run draws at its end (~1.5 s of each run). Not deepspeed, though
-# accelerate's unwrap_model imports it wherever it is installed: its import reads DS_ACCELERATOR, which
-# accelerate launch sets for a DeepSpeed run, so no rank of one could fork.
+# transformers classes the families load (diffusers and transformers import those lazily, per class),
+# matplotlib, for the loss plot every training run draws at its end (~1.5 s of each run), deepspeed, which
+# accelerate's unwrap_model imports at a run's first save wherever it is installed (~0.5 s), and the project's
+# own trainer (~0.3 s; from the repository root, as the entry scripts import it).
 PRELOAD = ("torch", "numpy", "PIL.Image", "safetensors.torch", "yaml", "omegaconf", "loguru", "tqdm",
            "huggingface_hub", "transformers", "diffusers", "peft", "accelerate", "accelerate.commands.launch",
            "torch.distributed.run", "diffusers.training_utils", "transformers.models.qwen2_5_vl",
            "diffusers.pipelines.qwenimage", "diffusers.pipelines.flux", "diffusers.models.transformers",
-           "matplotlib.figure", "matplotlib.backends.backend_agg")
+           "matplotlib.figure", "matplotlib.backends.backend_agg", "deepspeed", "trainer.cli",
+           "trainer.engine", "trainer.stage_training")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A variable a preloaded import read, set in a child to the value the import chose without it: the same process.
+# deepspeed picks its accelerator at import (DS_ACCELERATOR, else its own detection); where the zygote runs (no
+# NVIDIA GPU: tests/conftest.py) it detects the CPU, the accelerator the DeepSpeed tests name. Kept only when
+# the zygote's deepspeed did choose it (``_same_as_unset``).
+SAME_AS_UNSET = {"DS_ACCELERATOR": "cpu"}
 # Variables read by C code while loading (OpenMP, the allocator, locales, the interpreter's start), which the
 # recording of ``os.environ`` below cannot see.
 NATIVE_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH_CPP_", "TORCH_SHOW_CPP", "PYTORCH_",
@@ -99,6 +106,7 @@ def _preload() -> Set[str]:
     real = os.environ
     recorder = _RecordingEnviron(real._data, real.encodekey, real.decodekey, real.encodevalue, real.decodevalue)
     os.environ = recorder
+    sys.path.append(ROOT)  # (last: the children's own sys.path[0] comes first, as in a fresh interpreter)
     try:
         import importlib
 
@@ -108,9 +116,18 @@ def _preload() -> Set[str]:
             except Exception:  # an optional library missing here: its users start normally
                 pass
         _fill_caches()
+        _same_as_unset()
     finally:
         os.environ = real
+        sys.path.remove(ROOT)
     return set(_RecordingEnviron.read)
+
+
+def _same_as_unset() -> None:
+    """Keep in ``SAME_AS_UNSET`` only what this zygote's imports chose by themselves."""
+    chosen = getattr(sys.modules.get("deepspeed.accelerator.real_accelerator"), "ds_accelerator", None)
+    if getattr(chosen, "_name", None) != SAME_AS_UNSET["DS_ACCELERATOR"]:
+        del SAME_AS_UNSET["DS_ACCELERATOR"]
 
 
 def _fill_caches() -> None:
@@ -201,6 +218,8 @@ def refusal(env: Dict[str, str], zygote_env: Dict[str, str], read: Set[str]) -> 
     for key in sorted(set(env) | set(zygote_env)):
         if env.get(key) == zygote_env.get(key) or key in CHILD_SETS and (key in env or key != "OMP_NUM_THREADS"):
             continue  # (a child can set torch's threads, not unset the zygote's)
+        if key not in zygote_env and env[key] == SAME_AS_UNSET.get(key):
+            continue
         if key == "PYTHONPATH":
             shadowed = _shadowed_modules(env.get(key, ""))
             if shadowed:
