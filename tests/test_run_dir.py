@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import pytest
 
 from conftest import ROOT
@@ -297,9 +298,14 @@ if step == "after-link":
 lock = run_lock.RunLock(Path({out!r}))
 lock.acquire()
 if step == "holding-with-a-worker":
-    if os.fork() == 0:  # a data-loader worker, forked while the run holds the lock
+    worker = os.fork()
+    if worker == 0:  # a data-loader worker, forked while the run holds the lock (not the test's pipes)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
         time.sleep(20)
         os._exit(0)
+    print(worker, flush=True)
     die()
 if step == "holding":
     print("held", flush=True)
@@ -315,15 +321,22 @@ def lock_script(out: Path, step: str) -> list:
 def test_a_kill_at_any_step_of_taking_the_lock_never_blocks_the_next_run(tmp_path: Path, step: str) -> None:
     killed = subprocess.run(lock_script(tmp_path, step), capture_output=True, text=True, timeout=60)
     assert killed.returncode == -9, killed.stderr
-    lock = tmp_path / "run.lock"
-    if lock.exists():
-        assert run_lock.read_lock(lock)["pid"] != os.getpid(), "never seen empty: the owner is in it"
-    folder = RunFolder(tmp_path, LORA)
-    folder.open(None, overwrite=False)
-    assert run_lock.read_lock(lock)["pid"] == os.getpid()
-    assert [p.name for p in tmp_path.iterdir() if "lock" in p.name] == ["run.lock"], "no temporary owner file left"
-    folder.release(0)
-    assert not lock.exists()
+    # The worker lives on, with the dead run's descriptors (not the test's pipes: run() returns at the kill).
+    worker = psutil.Process(int(killed.stdout)) if step == "holding-with-a-worker" else None
+    try:
+        lock = tmp_path / "run.lock"
+        if lock.exists():
+            assert run_lock.read_lock(lock)["pid"] != os.getpid(), "never seen empty: the owner is in it"
+        folder = RunFolder(tmp_path, LORA)
+        folder.open(None, overwrite=False)
+        assert worker is None or worker.is_running(), "the run's worker still lives while the next run starts"
+        assert run_lock.read_lock(lock)["pid"] == os.getpid()
+        assert [p.name for p in tmp_path.iterdir() if "lock" in p.name] == ["run.lock"], "no temporary owner file left"
+        folder.release(0)
+        assert not lock.exists()
+    finally:
+        if worker is not None:
+            worker.kill()
 
 
 @pytest.mark.parametrize("content", ["", "{not json", '{"host": "%s", "pid": 1, "started": 0}'])
