@@ -114,11 +114,13 @@ def block_arguments(transformer: torch.nn.Module, rope: RealRope, call: BlockCal
 
 
 def run_block(transformer: torch.nn.Module, rope: RealRope, call: BlockCall, real: bool,
-              backend: Optional[str | Callable[..., Any]] = None, seed: int = 0) -> BlockRun:
+              backend: Optional[str | Callable[..., Any]] = None, seed: int = 0, afresh: bool = True) -> BlockRun:
     """The captured call once with either processor, eager (``backend`` None) or ``torch.compile``d with
-    ``backend``; the backward of a fixed random projection of every output, to each floating-point input."""
+    ``backend`` (``afresh``: dynamo's caches cleared first; else a graph compiled for another block of the same
+    code and guards is reused, as the engine reuses one graph for its blocks); the backward of a fixed random
+    projection of every output, to each floating-point input."""
     args, kwargs, leaves = block_arguments(transformer, rope, call, real)
-    block = _compiled(call.block, backend)
+    block = _compiled(call.block, backend, afresh)
     outputs = _tensors(block(*args, **kwargs))
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device, o.dtype) for o in outputs]
@@ -214,11 +216,14 @@ def block_ab(transformer: torch.nn.Module, rope: RealRope, forward: Callable[[],
                    found)
 
 
-def _compiled(block: torch.nn.Module, backend: Optional[str | Callable[..., Any]]) -> Callable[..., Any]:
-    """``block`` compiled afresh with ``backend`` (the processor changes the graph), or as it is (None)."""
+def _compiled(block: torch.nn.Module, backend: Optional[str | Callable[..., Any]],
+              afresh: bool = True) -> Callable[..., Any]:
+    """``block`` compiled with ``backend``, afresh by default (the processor changes the graph), or as it is
+    (None)."""
     if backend is None:
         return block
-    torch._dynamo.reset()
+    if afresh:
+        torch._dynamo.reset()
     return torch.compile(block, backend=backend)
 
 

@@ -161,24 +161,29 @@ def test_rotate_refuses_a_complex_table() -> None:
 def test_each_block_equals_diffusers_compiled_without_complex_values(name: str, loaded: Callable[..., Any]) -> None:
     """Each block (every block list) on the inputs a real forward gives it: compiled and eager, outputs and the
     gradients of every floating-point input within 1e-5 of diffusers' eager processor; the compiled forward and
-    backward graphs hold complex values with diffusers' processor and none with the project's."""
+    backward graphs hold complex values with diffusers' processor and none with the project's. The blocks of a
+    list run through the graphs compiled for its first, as in the engine (one graph, each block's weights)."""
     family, transformer = loaded(name)
     assert is_installed(transformer), "load_transformer installs the family's real RoPE"
     inputs = batch(CASES[name], family, transformer)
     forward = lambda: family.predict(transformer, inputs[0], torch.tensor([0.3, 0.7][:len(inputs[0])]),  # noqa: E731
                                      *inputs[1:])
     rope = family.real_rope
+    lists = [list(getattr(transformer, attribute)) for attribute in family.spec.block_attributes]
+    assert [b for blocks in lists for b in blocks] == family.blocks(transformer)
     try:
-        for block in family.blocks(transformer):
-            call = capture_block_call(transformer, rope, block, forward)
-            want = run_block(transformer, rope, call, real=False)
-            ours: List[torch.fx.GraphModule] = []  # the compiled run's graphs (aot_eager, kept)
-            for backend in (keeping(ours), None):
-                got = run_block(transformer, rope, call, real=True, backend=backend)
-                assert rel_err(got.outputs, want.outputs) <= TOLERANCE
-                assert got.grads and rel_err(got.grads, want.grads) <= TOLERANCE
-            theirs = compiled_graphs(transformer, rope, call, real=False)
-            assert len(ours) >= 2, "a forward and a backward graph"
+        for blocks in lists:
+            ours: List[torch.fx.GraphModule] = []  # the compiled runs' graphs (aot_eager, kept)
+            backend = keeping(ours)
+            calls = [capture_block_call(transformer, rope, block, forward) for block in blocks]
+            for index, call in enumerate(calls):
+                want = run_block(transformer, rope, call, real=False)
+                for compiled in (backend, None):
+                    got = run_block(transformer, rope, call, real=True, backend=compiled, afresh=index == 0)
+                    assert rel_err(got.outputs, want.outputs) <= TOLERANCE
+                    assert got.grads and rel_err(got.grads, want.grads) <= TOLERANCE
+            theirs = compiled_graphs(transformer, rope, calls[0], real=False)
+            assert len(ours) == 2, "one forward and one backward graph, for every block of the list"
             assert complex_values(theirs), "diffusers' processor puts complex values in the graphs (the check works)"
             assert complex_values(ours) == []
     finally:
