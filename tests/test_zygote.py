@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Callable, List
 
@@ -120,6 +122,20 @@ def test_ds_accelerator_naming_deepspeeds_own_choice_forks_and_another_starts_no
     assert runs["cpu"].stdout.strip() == "cpu" and runs["cpu"].returncode == 0, runs["cpu"].stderr
     assert runs["xpu"].returncode != 0 and "XPU_Accelerator requires" in runs["xpu"].stderr
     assert outcomes() == ["forked", "no environment variable DS_ACCELERATOR differs from the zygote's"]
+
+
+def test_an_asker_gone_before_its_answer_leaves_the_zygote_serving() -> None:
+    """A request whose process died before the answer (a test's SIGKILL of a web server that was starting a
+    run), or before sending anything: the zygote drops the answer and serves on. (It used to die of the
+    broken pipe, and every later command of its pytest worker started fresh.)"""
+    server = types.SimpleNamespace(env={"HF_HOME": "/a"}, read={"HF_HOME"}, children={}, path="")
+    for request in (json.dumps({"env": {"HF_HOME": "/b"}}).encode(), None):
+        asker, conn = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if request is not None:
+            asker.send(request)  # refused (HF_HOME differs): the answer goes to a closed socket
+        asker.close()
+        assert zygote.Server._handle(server, conn) is None
+        assert conn.fileno() == -1, "closed"
 
 
 def test_a_commands_own_children_start_from_the_zygote_unchanged(tmp_path: Path, outcomes) -> None:

@@ -106,7 +106,9 @@ def _preload() -> Set[str]:
     real = os.environ
     recorder = _RecordingEnviron(real._data, real.encodekey, real.decodekey, real.encodevalue, real.decodevalue)
     os.environ = recorder
-    sys.path.append(ROOT)  # (last: the children's own sys.path[0] comes first, as in a fresh interpreter)
+    added = ROOT not in sys.path
+    if added:  # last: the children's own sys.path[0] comes first, as in a fresh interpreter
+        sys.path.append(ROOT)
     try:
         import importlib
 
@@ -119,15 +121,16 @@ def _preload() -> Set[str]:
         _same_as_unset()
     finally:
         os.environ = real
-        sys.path.remove(ROOT)
+        if added:
+            sys.path.remove(ROOT)
     return set(_RecordingEnviron.read)
 
 
 def _same_as_unset() -> None:
     """Keep in ``SAME_AS_UNSET`` only what this zygote's imports chose by themselves."""
     chosen = getattr(sys.modules.get("deepspeed.accelerator.real_accelerator"), "ds_accelerator", None)
-    if getattr(chosen, "_name", None) != SAME_AS_UNSET["DS_ACCELERATOR"]:
-        del SAME_AS_UNSET["DS_ACCELERATOR"]
+    if getattr(chosen, "_name", None) != SAME_AS_UNSET.get("DS_ACCELERATOR"):
+        SAME_AS_UNSET.pop("DS_ACCELERATOR", None)
 
 
 def _fill_caches() -> None:
@@ -169,13 +172,21 @@ class Server:
         sys.exit(0)
 
     def _handle(self, conn: socket.socket) -> Optional[Tuple[Dict[str, Any], List[int]]]:
-        data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 16)
-        request = json.loads(data)
-        reason = refusal(request["env"], self.env, self.read)
+        """Fork a child for the request on ``conn`` (returns the request in the child), or refuse it. A client
+        gone before its answer (killed while asking: a test's SIGKILL of a web server that was starting a run)
+        gets none; the zygote serves on."""
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 16)
+        except OSError:
+            conn.close()
+            return None
+        request = json.loads(data) if data else None
+        reason = refusal(request["env"], self.env, self.read) if request else "an empty request"
         if reason:
             for fd in fds:
                 os.close(fd)
-            conn.send(b"no " + reason.encode())
+            with contextlib.suppress(OSError):
+                conn.send(b"no " + reason.encode())
             conn.close()
             return None
         pid = os.fork()
@@ -185,8 +196,9 @@ class Server:
             return request, fds
         for fd in fds:
             os.close(fd)
-        self.children[pid] = conn
-        conn.send(b"pid" + _STATUS.pack(pid))
+        self.children[pid] = conn  # (reaped and reported by _report_exits, to nobody if the client is gone)
+        with contextlib.suppress(OSError):
+            conn.send(b"pid" + _STATUS.pack(pid))
         return None
 
     def _close_in_child(self, conn: socket.socket) -> None:
