@@ -164,8 +164,8 @@ def sample_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def one_shape_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two square 64-pixel images whose captions have one length (15 tokens): every batch of two has one shape,
-    so a compiled run traces each block graph once per gradient mode (2 graphs) instead of once per new shape
-    (``sample_data``'s buckets, batch remainders and caption lengths: 8, dynamo's recompile limit, ~9 s each)."""
+    so a compiled run traces each block graph once per gradient mode (2 graphs) instead of again for each
+    dimension that varies (``sample_data``'s buckets, batch remainders and caption lengths: 8, ~9 s each)."""
     from image_datasets.sample_data import draw_sample
 
     out = tmp_path_factory.mktemp("data") / "one_shape"
