@@ -61,10 +61,14 @@ def _quanto_unpacks_without_compiling() -> None:
 _quanto_unpacks_without_compiling()
 
 
+ZYGOTE = pytest.StashKey["zygote.Client"]()
+ZYGOTE_WAIT_S = 180.0  # its imports take ~10 s on a quiet 2-core machine; a stuck zygote must not stop the suite
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The ``python ...`` commands the tests start fork from one warmed-up interpreter per pytest worker
     (``tests/zygote.py``: ~9 CPU s of imports saved per process; ``ZYGOTE=0`` starts each normally). It starts
-    importing now, while the tests are collected; until it is ready commands start normally. Not in
+    importing now, while the tests are collected; a worker's first test waits for it (``zygote_ready``). Not in
     pytest-xdist's controller (it runs no test), nor on a machine with an NVIDIA GPU: CUDA does not survive a
     fork once a library has touched it."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -77,6 +81,17 @@ def pytest_configure(config: pytest.Config) -> None:
     client = zygote.install(os.path.join(folder, "sock"))
     client.start()
     atexit.register(lambda: (client.stop(), shutil.rmtree(folder, ignore_errors=True)))
+    config.stash[ZYGOTE] = client
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote_ready(request: pytest.FixtureRequest) -> None:
+    """Before a worker's first test, wait for its zygote's imports. The first tests pytest-xdist hands out are
+    the GPU pass's dry runs, each starting a few ``python`` processes: started while the zygote still imports,
+    each imported torch itself (~70 s more for the three; the imports run on the same cores either way)."""
+    client = request.config.stash.get(ZYGOTE, None)
+    if client is not None:
+        client.ready(ZYGOTE_WAIT_S)
 
 
 @pytest.fixture(scope="session")
