@@ -28,6 +28,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # config need no HOME of their own, whose processes could not fork from the suite's zygote (tests/zygote.py).
 os.environ["HF_HOME"] = SUITE_HF_HOME = tempfile.mkdtemp(prefix="hf-home-")
 atexit.register(shutil.rmtree, SUITE_HF_HOME, ignore_errors=True)
+# Inductor's CPU kernels without SIMD intrinsics: the C++ compiler takes half as long (the eager-vs-compiled training
+# test, from an empty compile cache: 52 s -> 27 s), and what the tests check, that `compile: true` trains as eager
+# does, is the project's wiring, not inductor's vectorizer (on a GPU inductor writes Triton, not this C++). Read
+# when torch._inductor's config is imported, here and in the zygote; TORCHINDUCTOR_VEC_ISA_OK=1 vectorizes again.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 from image_datasets.sample_data import make_edit_dataset, make_sample_dataset  # noqa: E402
 from utils.tiny_models import FAMILIES as TINY_BUILDERS, build_tiny_pipeline  # noqa: E402
