@@ -91,11 +91,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def zygote_ready(request: pytest.FixtureRequest) -> None:
-    """Before a worker's first test, wait for its zygote's imports. The first tests pytest-xdist hands out are
-    the GPU pass's dry runs, each starting a few ``python`` processes: started while the zygote still imports,
-    each imported torch itself (~70 s more for the three; the imports run on the same cores either way)."""
+    """In the whole suite (pytest-xdist's workers), wait for the zygote's imports before a worker's first test.
+    The first tests pytest-xdist hands out are the GPU pass's dry runs, each starting a few ``python`` processes:
+    started while the zygote still imports, each imported torch itself (~70 s more for the three; the imports run
+    on the same cores either way). A run of a few files (``pytest tests/test_compat.py``, as docs/ORIGINAL_DESIGN.md
+    has one) starts at once: most files start no process."""
     client = request.config.stash.get(ZYGOTE, None)
-    if client is not None:
+    if client is not None and hasattr(request.config, "workerinput"):
         client.ready(ZYGOTE_WAIT_S)
 
 
