@@ -82,18 +82,27 @@ def _arg(name: str, default: str) -> str:
 
 
 if __name__ == "__main__":
-    child = subprocess.Popen([sys.executable, "-c", CHILD, _arg("output_dir", "out"),
-                              _arg("max_train_steps", "100000"), _arg("resume_from_checkpoint", ""),
-                              _arg("checkpointing_steps", "100000")],
-                             process_group=0)
-    forwarded = []
+    # The handlers first, as trainer.launch installs its own before it starts the trainer: a stop that comes while
+    # the child is being started reaches it once it is there (installed after, the default action ended this
+    # process and left the child running on its own, 100000 steps long).
+    child = None
+    forwarded, early = [], []  # the signal passed on (once), and one that came before the child was there
 
     def forward(signum: int, frame: object) -> None:
         if not forwarded:
             forwarded.append(signum)
-            child.send_signal(signum)
+            if child is not None:
+                child.send_signal(signum)
+            else:
+                early.append(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, _arg("output_dir", "out"),
+                              _arg("max_train_steps", "100000"), _arg("resume_from_checkpoint", ""),
+                              _arg("checkpointing_steps", "100000")],
+                             process_group=0)
+    if early:
+        child.send_signal(early[0])
     code = child.wait()
     sys.exit(128 - code if code < 0 else code)
