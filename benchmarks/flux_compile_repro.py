@@ -102,7 +102,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--variant", choices=sorted(VARIANTS), help="run this variant here; its result on stdout")
     parser.add_argument("--out", type=Path, help="folder whose results.jsonl gets every variant's result")
     parser.add_argument("--budget", type=float, default=150.0, help="seconds for all variants (default 150)")
-    parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, graphs run op by op (dynamo's eager backend)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny models on the CPU, graphs run op by op (dynamo's eager backend)")
     args = parser.parse_args(argv)
     if args.variant:
         print(json.dumps(run_variant(args.variant, args.dry_run), default=str), flush=True)
