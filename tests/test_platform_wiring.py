@@ -202,10 +202,10 @@ def test_compiled_and_eager_steps_agree(tiny_qwen_image: Path, one_shape_data: P
     reports its first step (the compilation) and where its start-up seconds went."""
     import json
 
-    from conftest import read_losses
+    from conftest import ONE_SHAPE, read_losses
 
     args = [f"pretrained_model_name_or_path={tiny_qwen_image}", f"data_config.img_dir={one_shape_data}",
-            "max_train_steps=4", "report_to=none", "lora_dropout=0", "data_config.caption_dropout_rate=0"]
+            "max_train_steps=4", "report_to=none", "lora_dropout=0", ONE_SHAPE]
     from torch._dynamo.utils import counters
 
     eager = train_in_process("train_configs/quickstart_tiny.yaml", "qwen_image", *args, f"output_dir={tmp_path / 'e'}")

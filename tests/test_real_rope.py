@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_resume_is_bit_equal, family_pipeline, lora_keys_match, read_losses, train_in_process
+from conftest import (ONE_SHAPE, assert_resume_is_bit_equal, family_pipeline, lora_keys_match, read_losses,
+                      train_in_process)
 from benchmarks.rope_block_ab import (capture_block_call, compiled_graphs, complex_values, keeping, rel_err,
                                       run_block)
 from trainer.config import TrainConfig
@@ -315,8 +316,7 @@ def compile_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:
 def train(family: str, profile: str, model: Path, data: Path, out: Path, *extra: str) -> Any:
     return train_in_process(profile, family, f"pretrained_model_name_or_path={model}", f"data_config.img_dir={data}",
                             f"output_dir={out}", "report_to=none", "max_train_steps=4", "checkpointing_steps=100",
-                            "learning_rate=1e-2", "data_config.train_batch_size=2", "compile=true",
-                            "data_config.caption_dropout_rate=0", *extra)  # an empty caption is another shape
+                            "learning_rate=1e-2", "data_config.train_batch_size=2", "compile=true", ONE_SHAPE, *extra)
 
 
 @pytest.mark.e2e
@@ -356,7 +356,7 @@ def test_compiled_resume_is_bit_equal(tiny_qwen_image: Path, one_shape_data: Pat
     dropout (an empty caption is another length): the blocks' two graphs serve every step of the three runs."""
     assert_resume_is_bit_equal("train_configs/quickstart_tiny.yaml", "qwen_image", tiny_qwen_image, one_shape_data,
                                tmp_path, "lora", "pytorch_lora_weights.safetensors", "compile=true",
-                               "data_config.caption_dropout_rate=0")
+                               ONE_SHAPE)
 
 
 def test_every_complex_rope_family_has_real_rope() -> None:

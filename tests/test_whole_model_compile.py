@@ -12,7 +12,7 @@ from typing import Any, List
 import pytest
 import torch
 
-from conftest import read_losses, train_in_process
+from conftest import ONE_SHAPE, read_losses, train_in_process
 from trainer.config import load_config
 from utils.errors import ConfigError
 
@@ -43,7 +43,7 @@ def train(model: Path, data: Path, out: Path, *extra: str) -> Any:
     return train_in_process(PROFILE, "qwen_image", f"pretrained_model_name_or_path={model}",
                             f"data_config.img_dir={data}", f"output_dir={out}", "report_to=none", "max_train_steps=3",
                             "checkpointing_steps=100", "learning_rate=1e-2", "gradient_checkpointing=false",
-                            "data_config.caption_dropout_rate=0", *extra)  # an empty caption is another shape
+                            ONE_SHAPE, *extra)
 
 
 def subgraph_calls(gm: torch.fx.GraphModule) -> int:
